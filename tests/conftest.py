@@ -1,0 +1,26 @@
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+# CI: more examples, and derandomised so a red run reproduces locally with the same profile.
+settings.register_profile(
+    "ci",
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warn_once():
+    from echoloss._logging import reset_warnings
+
+    reset_warnings()
+    yield
+    reset_warnings()
