@@ -6,6 +6,29 @@ sampled, plus a cross-entropy ("echo") term on the observation tokens the enviro
 
 from __future__ import annotations
 
+from echoloss.attribution import TokenAttribution
+from echoloss.config import EchoConfig, EchoFilter, RoleEcho
+from echoloss.echo import StepEcho, echo_weights, select_step_echo
+from echoloss.packing import NextTokenTargets, PackedBatch, next_token_targets, pack, unpack
+from echoloss.samples import Sample, Step, interleave
+
 __version__ = "0.1.0.dev0"
 
-__all__: list[str] = ["__version__"]
+__all__ = [
+    "EchoConfig",
+    "EchoFilter",
+    "NextTokenTargets",
+    "PackedBatch",
+    "RoleEcho",
+    "Sample",
+    "Step",
+    "StepEcho",
+    "TokenAttribution",
+    "__version__",
+    "echo_weights",
+    "interleave",
+    "next_token_targets",
+    "pack",
+    "select_step_echo",
+    "unpack",
+]

@@ -1,0 +1,406 @@
+"""Packing samples into micro-batches, and the next-token view a loss consumes.
+
+A :class:`PackedBatch` is one row of concatenated sequences (batch size 1), FlashAttention style:
+``cu_seqlens`` marks the boundaries and ``position_ids`` restart at 0 for every sequence. Every
+per-token stream is a tensor of the same length ``L``; optional streams of the samples (echo
+weights, observation mask, temperatures) are backfilled so that bins mixing samples with and
+without them stay aligned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from echoloss._logging import warn_once
+from echoloss.samples import Sample
+
+__all__ = [
+    "NextTokenTargets",
+    "PackedBatch",
+    "next_token_targets",
+    "pack",
+    "truncate_sample",
+    "unpack",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedBatch:
+    """Samples concatenated into one sequence of ``L`` tokens (``S`` segments, padding included).
+
+    Token-indexed streams: entry ``t`` describes token ``t`` as a *target* (predicted from ``< t``).
+    Use :func:`next_token_targets` to get the row-aligned view for ``logits[t]`` predicting ``t+1``.
+
+    Attributes:
+        input_ids: ``[L]`` int64.
+        position_ids: ``[L]`` int64, restarting at 0 for every segment.
+        cu_seqlens: ``[S + 1]`` int32 cumulative segment lengths, ``cu_seqlens[-1] == L``.
+        max_seqlen: longest segment.
+        rl_mask: ``[L]`` bool, token trained with RL.
+        echo_weights: ``[L]`` float32, echo weight, ``0.0`` = not echoed. Disjoint from ``rl_mask``.
+        observation_mask: ``[L]`` bool, token counted in ``Z = |O|``.
+        advantages: ``[L]`` float32, the sample's advantage on its RL tokens, 0 elsewhere.
+        inference_logprobs: ``[L]`` float32, sampling logprobs (0.0 outside completions).
+        temperatures: ``[L]`` float32, sampling temperature of each token (prompt tokens take the
+            sample's first completion temperature, or 1.0).
+        sample_indices: per segment, the index of the sample in the list given to :func:`pack`;
+            ``-1`` for the padding segment.
+        prompt_lens: per segment, the sample's prompt length (0 for padding).
+        sample_advantages: per segment, the sample's advantage (``None`` if unset).
+        env_names: per segment, the sample's env name (``""`` for padding).
+        num_padding: padding tokens at the end (one extra segment when > 0).
+        has_echo, has_observation, has_temperatures: per segment, whether the sample carried the
+            optional stream (so :func:`unpack` can restore ``None``).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    rl_mask: torch.Tensor
+    echo_weights: torch.Tensor
+    observation_mask: torch.Tensor
+    advantages: torch.Tensor
+    inference_logprobs: torch.Tensor
+    temperatures: torch.Tensor
+    sample_indices: tuple[int, ...]
+    prompt_lens: tuple[int, ...]
+    sample_advantages: tuple[float | None, ...]
+    env_names: tuple[str, ...]
+    num_padding: int
+    has_echo: tuple[bool, ...]
+    has_observation: tuple[bool, ...]
+    has_temperatures: tuple[bool, ...]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        """Segments holding a sample (padding excluded)."""
+        return sum(1 for i in self.sample_indices if i >= 0)
+
+    def sequence_ids(self) -> torch.Tensor:
+        """``[L]`` int64: segment index of each token, ``-1`` on padding."""
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        ids = torch.tensor(
+            [i if s >= 0 else -1 for i, s in enumerate(self.sample_indices)], dtype=torch.long
+        )
+        return torch.repeat_interleave(ids, lengths)
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """A copy with every tensor on ``device``."""
+        moved = {
+            k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+            for k, v in self.__dict__.items()
+        }
+        return PackedBatch(**moved)
+
+
+class NextTokenTargets(NamedTuple):
+    """Row-aligned view of a :class:`PackedBatch`: row ``j`` of the logits predicts ``labels[j]``.
+
+    Rows whose next token belongs to another segment (the last row of each sequence) and padding
+    rows predict nothing: their masks are False, weights 0, label ``0``.
+
+    Attributes:
+        labels: ``[L]`` int64.
+        rl_mask: ``[L]`` bool.
+        echo_weights: ``[L]`` float32 (0 = not echoed).
+        observation_mask: ``[L]`` bool.
+        advantages: ``[L]`` float32.
+        inference_logprobs: ``[L]`` float32.
+        temperatures: ``[L]`` float32.
+        sequence_ids: ``[L]`` int64 segment of each row, ``-1`` for padding.
+    """
+
+    labels: torch.Tensor
+    rl_mask: torch.Tensor
+    echo_weights: torch.Tensor
+    observation_mask: torch.Tensor
+    advantages: torch.Tensor
+    inference_logprobs: torch.Tensor
+    temperatures: torch.Tensor
+    sequence_ids: torch.Tensor
+
+
+def next_token_targets(batch: PackedBatch) -> NextTokenTargets:
+    """Shift a packed batch so that row ``j`` holds the streams of token ``j + 1``.
+
+    Position 0 of every segment is never RL, echo or observation, so shifting the whole packed row
+    by one already masks the row that would predict across a boundary; the last row predicts
+    nothing.
+
+    Args:
+        batch: a :class:`PackedBatch` of length ``L``.
+
+    Returns:
+        :class:`NextTokenTargets` with every field of length ``L``.
+
+    Examples:
+        >>> from echoloss import Sample, pack
+        >>> s = Sample(prompt_ids=[5], completion_ids=[6, 7], completion_mask=[True, True],
+        ...            completion_logprobs=[-0.1, -0.2], advantage=1.0)
+        >>> [b] = pack([s], max_tokens=8)
+        >>> t = next_token_targets(b)
+        >>> t.labels.tolist(), t.rl_mask.tolist(), t.advantages.tolist()
+        ([6, 7, 0], [True, True, False], [1.0, 1.0, 0.0])
+    """
+
+    def shift(x: torch.Tensor, fill: float | bool | int) -> torch.Tensor:
+        return torch.cat([x[1:], x.new_full((1,), fill)])
+
+    # A segment's first token is never a target, so the row before it must predict nothing.
+    starts = batch.cu_seqlens[1:-1].long()
+    labels = shift(batch.input_ids, 0)
+    labels[starts - 1] = 0
+    seq = batch.sequence_ids()
+    return NextTokenTargets(
+        labels=labels,
+        rl_mask=shift(batch.rl_mask, False),
+        echo_weights=shift(batch.echo_weights, 0.0),
+        observation_mask=shift(batch.observation_mask, False),
+        advantages=shift(batch.advantages, 0.0),
+        inference_logprobs=shift(batch.inference_logprobs, 0.0),
+        temperatures=shift(batch.temperatures, 1.0),
+        sequence_ids=seq,
+    )
+
+
+def truncate_sample(sample: Sample, max_tokens: int) -> Sample:
+    """Cut a sample to its first ``max_tokens`` tokens, every stream in lockstep.
+
+    Examples:
+        >>> s = Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_mask=[True, True],
+        ...            completion_logprobs=[-0.1, -0.2], echo_weights=[None, 0.5, None, None])
+        >>> t = truncate_sample(s, 3)
+        >>> t.completion_ids, t.completion_mask, t.echo_weights
+        ([3], [True], [None, 0.5, None])
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if len(sample) <= max_tokens:
+        return sample
+    p = min(len(sample.prompt_ids), max_tokens)
+    c = max_tokens - p
+    return Sample(
+        prompt_ids=sample.prompt_ids[:p],
+        completion_ids=sample.completion_ids[:c],
+        completion_mask=sample.completion_mask[:c],
+        completion_logprobs=sample.completion_logprobs[:c],
+        completion_temperatures=None
+        if sample.completion_temperatures is None
+        else sample.completion_temperatures[:c],
+        echo_weights=None if sample.echo_weights is None else sample.echo_weights[:max_tokens],
+        observation_mask=None
+        if sample.observation_mask is None
+        else sample.observation_mask[:max_tokens],
+        advantage=sample.advantage,
+        env_name=sample.env_name,
+    )
+
+
+def _first_fit_decreasing(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return bins
+
+
+def pack(
+    samples: Sequence[Sample],
+    *,
+    max_tokens: int,
+    pad_to_multiple_of: int | None = None,
+    pad_token_id: int = 0,
+    truncate: bool = False,
+) -> list[PackedBatch]:
+    """Pack samples into micro-batches of at most ``max_tokens`` tokens (first-fit-decreasing).
+
+    Args:
+        samples: the samples; each is validated first. A sample with RL tokens must have its
+            ``advantage`` set.
+        max_tokens: token budget per micro-batch (padding included).
+        pad_to_multiple_of: pad each micro-batch's length up to a multiple of this with one padding
+            segment (positions restart at 0, every mask False). ``max_tokens`` must be a multiple.
+        pad_token_id: token id written on padding.
+        truncate: cut samples longer than ``max_tokens`` (every stream in lockstep); otherwise
+            such a sample is an error.
+
+    Returns:
+        ``list[PackedBatch]``, fullest first.
+
+    Examples:
+        >>> from echoloss import Sample
+        >>> a = Sample(prompt_ids=[1, 2], completion_ids=[3], completion_mask=[True],
+        ...            completion_logprobs=[-0.5], advantage=1.0)
+        >>> b = Sample(prompt_ids=[4], completion_ids=[5, 6], completion_mask=[True, True],
+        ...            completion_logprobs=[-0.1, -0.2], advantage=-1.0,
+        ...            echo_weights=[None, None, 0.5])
+        >>> [batch] = pack([a, b], max_tokens=8, pad_to_multiple_of=4)
+        >>> batch.input_ids.tolist(), batch.cu_seqlens.tolist(), batch.position_ids.tolist()
+        ([1, 2, 3, 4, 5, 6, 0, 0], [0, 3, 6, 8], [0, 1, 2, 0, 1, 2, 0, 1])
+        >>> batch.rl_mask.tolist(), batch.echo_weights.tolist()
+        ([False, False, True, False, True, False, False, False], [0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0])
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"pack: max_tokens must be an int >= 1, got {max_tokens!r}")
+    if pad_to_multiple_of is not None and (
+        pad_to_multiple_of < 1 or max_tokens % pad_to_multiple_of
+    ):
+        raise ValueError(
+            f"pack: pad_to_multiple_of={pad_to_multiple_of} must be >= 1 and divide "
+            f"max_tokens={max_tokens}, so that a padded micro-batch still fits the budget"
+        )
+    prepared: list[Sample] = []
+    for i, s in enumerate(samples):
+        if not isinstance(s, Sample):
+            raise TypeError(
+                f"pack: samples[{i}] must be an echoloss.Sample, got {type(s).__name__}"
+            )
+        s.validate(where=f"samples[{i}]")
+        if len(s) > max_tokens:
+            if not truncate:
+                raise ValueError(
+                    f"pack: samples[{i}] has {len(s)} tokens > max_tokens={max_tokens}; raise "
+                    "max_tokens, or pass truncate=True to cut it (every stream in lockstep)"
+                )
+            s = truncate_sample(s, max_tokens)
+        if s.num_rl_tokens and s.advantage is None:
+            raise ValueError(
+                f"pack: samples[{i}] has {s.num_rl_tokens} RL tokens but advantage=None; stamp "
+                "each sample with its rollout's advantage (see echoloss.compute_advantages)"
+            )
+        if (s.echo_weights is not None and s.echo_weights[0] is not None) or (
+            s.completion_mask and not s.prompt_ids and s.completion_mask[0]
+        ):
+            warn_once(
+                "position-zero-target",
+                "echoloss: a sample marks its first token for RL or echo; position 0 has no "
+                "prediction and is never trained",
+            )
+        prepared.append(s)
+    bins = _first_fit_decreasing([len(s) for s in prepared], max_tokens)
+    return [_build(prepared, idx, pad_to_multiple_of, pad_token_id) for idx in bins]
+
+
+def _build(
+    samples: list[Sample], indices: list[int], pad_to: int | None, pad_id: int
+) -> PackedBatch:
+    ids: list[int] = []
+    pos: list[int] = []
+    rl: list[bool] = []
+    echo: list[float] = []
+    obs: list[bool] = []
+    adv: list[float] = []
+    lq: list[float] = []
+    temps: list[float] = []
+    lengths: list[int] = []
+    for i in indices:
+        s = samples[i]
+        n, p = len(s), len(s.prompt_ids)
+        ids += s.token_ids
+        pos += range(n)
+        sample_rl = s.rl_mask()
+        rl += sample_rl
+        echo += s.token_echo_weights()
+        obs += s.token_observation_mask()
+        a = s.advantage if s.advantage is not None else 0.0
+        adv += [a if m else 0.0 for m in sample_rl]
+        lq += [0.0] * p + s.completion_logprobs
+        ct = s.completion_temperatures
+        prompt_t = ct[0] if ct else 1.0
+        temps += [prompt_t] * p + (list(ct) if ct is not None else [1.0] * len(s.completion_ids))
+        lengths.append(n)
+    num_padding = 0
+    if pad_to is not None and len(ids) % pad_to:
+        num_padding = pad_to - len(ids) % pad_to
+        ids += [pad_id] * num_padding
+        pos += range(num_padding)
+        rl += [False] * num_padding
+        echo += [0.0] * num_padding
+        obs += [False] * num_padding
+        adv += [0.0] * num_padding
+        lq += [0.0] * num_padding
+        temps += [1.0] * num_padding
+        lengths.append(num_padding)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    chosen = [samples[i] for i in indices]
+    pad = (num_padding > 0,)
+    return PackedBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        position_ids=torch.tensor(pos, dtype=torch.long),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        max_seqlen=max(lengths),
+        rl_mask=torch.tensor(rl, dtype=torch.bool),
+        echo_weights=torch.tensor(echo, dtype=torch.float32),
+        observation_mask=torch.tensor(obs, dtype=torch.bool),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        inference_logprobs=torch.tensor(lq, dtype=torch.float32),
+        temperatures=torch.tensor(temps, dtype=torch.float32),
+        sample_indices=tuple(indices) + ((-1,) if pad[0] else ()),
+        prompt_lens=tuple(len(s.prompt_ids) for s in chosen) + ((0,) if pad[0] else ()),
+        sample_advantages=tuple(s.advantage for s in chosen) + ((None,) if pad[0] else ()),
+        env_names=tuple(s.env_name for s in chosen) + (("",) if pad[0] else ()),
+        num_padding=num_padding,
+        has_echo=tuple(s.echo_weights is not None for s in chosen) + ((False,) if pad[0] else ()),
+        has_observation=tuple(s.observation_mask is not None for s in chosen)
+        + ((False,) if pad[0] else ()),
+        has_temperatures=tuple(s.completion_temperatures is not None for s in chosen)
+        + ((False,) if pad[0] else ()),
+    )
+
+
+def unpack(batch: PackedBatch) -> list[tuple[int, Sample]]:
+    """Recover ``(sample_index, Sample)`` for every non-padding segment of a packed batch.
+
+    Inverse of :func:`pack` for samples in normal form (position 0 untrained, echoed tokens out of
+    the completion mask), which is what :func:`interleave` produces.
+    """
+    out: list[tuple[int, Sample]] = []
+    cu = batch.cu_seqlens.tolist()
+    for k, idx in enumerate(batch.sample_indices):
+        if idx < 0:
+            continue
+        lo, hi = cu[k], cu[k + 1]
+        p = batch.prompt_lens[k]
+        ids = batch.input_ids[lo:hi].tolist()
+        echo = batch.echo_weights[lo:hi].tolist()
+        out.append(
+            (
+                idx,
+                Sample(
+                    prompt_ids=ids[:p],
+                    completion_ids=ids[p:],
+                    completion_mask=batch.rl_mask[lo + p : hi].tolist(),
+                    completion_logprobs=batch.inference_logprobs[lo + p : hi].tolist(),
+                    completion_temperatures=batch.temperatures[lo + p : hi].tolist()
+                    if batch.has_temperatures[k]
+                    else None,
+                    echo_weights=[w if w > 0 else None for w in echo]
+                    if batch.has_echo[k]
+                    else None,
+                    observation_mask=batch.observation_mask[lo:hi].tolist()
+                    if batch.has_observation[k]
+                    else None,
+                    advantage=batch.sample_advantages[k],
+                    env_name=batch.env_names[k],
+                ),
+            )
+        )
+    return out

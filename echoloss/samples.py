@@ -1,0 +1,469 @@
+"""Trajectory steps and training samples, and the multi-turn merge between them (``interleave``).
+
+A multi-turn rollout is a list of :class:`Step` (prompt + sampled completion per model call). When a
+step's prompt extends an earlier step's prompt + completion, the two are one sequence and become one
+:class:`Sample` whose "completion" region interleaves model tokens with the environment's tokens:
+``[c1, obs1, c2, obs2, c3]``. Every per-token stream extends in lockstep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from echoloss._logging import warn_once
+from echoloss._validate import bool_list, check_len, finite_float_list, int_list
+from echoloss.attribution import TokenAttribution
+from echoloss.config import EchoConfig
+from echoloss.echo import select_step_echo, validate_keep_mask
+
+__all__ = ["Sample", "Step", "interleave"]
+
+# Logprob written for environment tokens interleaved into a sample's completion region. They are
+# never in the RL mask, so the value is never read by a loss; 0.0 matches what orchestrators send.
+ENV_TOKEN_LOGPROB = 0.0
+
+
+def _int_list(owner: str, name: str, values: Any) -> list[int]:
+    return int_list(f"{owner}.{name}", values)
+
+
+def _bool_list(owner: str, name: str, values: Any) -> list[bool]:
+    return bool_list(f"{owner}.{name}", values)
+
+
+def _float_list(owner: str, name: str, values: Any) -> list[float]:
+    return finite_float_list(f"{owner}.{name}", values)
+
+
+def _check_len(owner: str, name: str, values: Sequence[Any], expected: int, what: str) -> None:
+    check_len(f"{owner}.{name}", values, expected, what)
+
+
+@dataclass(kw_only=True)
+class Step:
+    """One model call of a trajectory: the prompt it saw and the completion it sampled.
+
+    Args:
+        prompt_ids: ``[P]`` prompt token ids.
+        completion_ids: ``[C]`` sampled token ids.
+        completion_logprobs: ``[C]`` sampling (inference) logprobs of the completion.
+        completion_mask: ``[C]`` bool, True where the token is trained with RL (default all True).
+        attribution: :class:`TokenAttribution` of the prompt (or its dict form), or ``None``.
+        temperature: the sampling temperature of this call (> 0).
+        metadata: free-form data for user echo filters (e.g. the raw messages).
+
+    Examples:
+        >>> Step(prompt_ids=[1, 2], completion_ids=[3], completion_logprobs=[-0.5]).completion_mask
+        [True]
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    completion_mask: list[bool] | None = None
+    attribution: TokenAttribution | Mapping[str, Any] | None = None
+    temperature: float = 1.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _int_list("Step", "prompt_ids", self.prompt_ids)
+        self.completion_ids = _int_list("Step", "completion_ids", self.completion_ids)
+        c = len(self.completion_ids)
+        self.completion_logprobs = _float_list(
+            "Step", "completion_logprobs", self.completion_logprobs
+        )
+        _check_len(
+            "Step", "completion_logprobs", self.completion_logprobs, c, "one per completion token"
+        )
+        if self.completion_mask is None:
+            self.completion_mask = [True] * c
+        self.completion_mask = _bool_list("Step", "completion_mask", self.completion_mask)
+        _check_len("Step", "completion_mask", self.completion_mask, c, "one per completion token")
+        if not (
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and self.temperature > 0
+        ):
+            raise ValueError(
+                f"Step.temperature must be a finite float > 0, got {self.temperature!r}"
+            )
+        self.temperature = float(self.temperature)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """``prompt_ids + completion_ids``."""
+        return self.prompt_ids + self.completion_ids
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One training sequence: a prompt and a completion region, with per-token streams.
+
+    The completion region of a merged multi-turn sample interleaves model tokens (RL) with
+    environment tokens (never RL, possibly echoed). Token ``t`` of ``prompt_ids + completion_ids``
+    is the target predicted from tokens ``< t``, so **position 0 is never trained** (no RL, no echo).
+
+    Args:
+        prompt_ids: ``[P]`` token ids.
+        completion_ids: ``[C]`` token ids.
+        completion_mask: ``[C]`` bool, True = trained with RL. Disjoint from echo.
+        completion_logprobs: ``[C]`` inference logprobs (``0.0`` placeholders on env tokens).
+        completion_temperatures: ``[C]`` sampling temperature per completion token; ``None`` = 1.0.
+        echo_weights: ``None`` (no echo at all) or ``[P + C]`` of ``float > 0`` (echoed with that
+            weight) or ``None`` (not echoed).
+        observation_mask: ``None`` or ``[P + C]`` bool, the tokens counted in the paper's per-sequence
+            normaliser ``Z = |O|`` (observation body including warnings). Superset of the echoed tokens.
+        advantage: the rollout's advantage, stamped after advantages are computed.
+        env_name: environment name for per-env metrics (``"all"`` is reserved).
+
+    Examples:
+        >>> s = Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_mask=[True, True],
+        ...            completion_logprobs=[-0.1, -0.2], echo_weights=[None, 0.5, None, None])
+        >>> len(s), s.num_rl_tokens, s.num_echo_tokens
+        (4, 2, 1)
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_mask: list[bool]
+    completion_logprobs: list[float]
+    completion_temperatures: list[float] | None = None
+    echo_weights: list[float | None] | None = None
+    observation_mask: list[bool] | None = None
+    advantage: float | None = None
+    env_name: str = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """``prompt_ids + completion_ids``."""
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def num_rl_tokens(self) -> int:
+        """Completion tokens trained with RL (echoed tokens and position 0 excluded)."""
+        return sum(self.rl_mask())
+
+    @property
+    def num_echo_tokens(self) -> int:
+        """Tokens trained with echo cross-entropy (position 0 excluded)."""
+        return sum(1 for w in self.token_echo_weights() if w > 0)
+
+    def rl_mask(self) -> list[bool]:
+        """``[P + C]`` bool: trained with RL. Echo wins over RL; position 0 is never trained."""
+        echo = self.echo_weights
+        p = len(self.prompt_ids)
+        out = [False] * p + list(self.completion_mask)
+        if echo is not None:
+            out = [m and echo[k] is None for k, m in enumerate(out)]
+        if out:
+            out[0] = False
+        return out
+
+    def token_echo_weights(self) -> list[float]:
+        """``[P + C]`` float echo weight, ``0.0`` = not echoed; position 0 is always 0."""
+        n = len(self)
+        if self.echo_weights is None:
+            return [0.0] * n
+        out = [0.0 if w is None else w for w in self.echo_weights]
+        if out:
+            out[0] = 0.0
+        return out
+
+    def token_observation_mask(self) -> list[bool]:
+        """``[P + C]`` bool ``Z = |O|`` membership; position 0 is always False."""
+        if self.observation_mask is None:
+            out = [w > 0 for w in self.token_echo_weights()]
+        else:
+            out = list(self.observation_mask)
+        if out:
+            out[0] = False
+        return out
+
+    def validate(self, *, where: str = "Sample") -> None:
+        """Check every stream's type and length; raises with the field, both lengths and a fix."""
+        self.prompt_ids = _int_list(where, "prompt_ids", self.prompt_ids)
+        self.completion_ids = _int_list(where, "completion_ids", self.completion_ids)
+        p, c = len(self.prompt_ids), len(self.completion_ids)
+        n = p + c
+        if n == 0:
+            raise ValueError(f"{where} has no tokens (empty prompt_ids and completion_ids)")
+        self.completion_mask = _bool_list(where, "completion_mask", self.completion_mask)
+        _check_len(where, "completion_mask", self.completion_mask, c, "len(completion_ids)")
+        self.completion_logprobs = _float_list(
+            where, "completion_logprobs", self.completion_logprobs
+        )
+        _check_len(where, "completion_logprobs", self.completion_logprobs, c, "len(completion_ids)")
+        if self.completion_temperatures is not None:
+            temps = _float_list(where, "completion_temperatures", self.completion_temperatures)
+            _check_len(where, "completion_temperatures", temps, c, "len(completion_ids)")
+            for i, t in enumerate(temps):
+                if t <= 0:
+                    raise ValueError(
+                        f"{where}.completion_temperatures[{i}] = {t}; temperatures must be > 0"
+                    )
+            self.completion_temperatures = temps
+        if self.echo_weights is not None:
+            echo = list(self.echo_weights)
+            _check_len(where, "echo_weights", echo, n, "len(prompt_ids) + len(completion_ids)")
+            for i, w in enumerate(echo):
+                if w is None:
+                    continue
+                if (
+                    isinstance(w, bool)
+                    or not isinstance(w, (int, float))
+                    or not math.isfinite(w)
+                    or w <= 0
+                ):
+                    raise ValueError(
+                        f"{where}.echo_weights[{i}] = {w!r}; an echo weight is a finite float > 0, or "
+                        "None for 'not echoed' (a weight of 0 would remove the token from RL and train "
+                        "nothing)"
+                    )
+                echo[i] = float(w)
+            self.echo_weights = echo if any(w is not None for w in echo) else None
+        if self.observation_mask is not None:
+            obs = _bool_list(where, "observation_mask", self.observation_mask)
+            _check_len(where, "observation_mask", obs, n, "len(prompt_ids) + len(completion_ids)")
+            if self.echo_weights is not None:
+                for i, w in enumerate(self.echo_weights):
+                    if w is not None and not obs[i]:
+                        raise ValueError(
+                            f"{where}.observation_mask[{i}] is False but echo_weights[{i}] = {w}; "
+                            "every echoed token is an observation token (counted in Z = |O|)"
+                        )
+            self.observation_mask = obs
+        if self.advantage is not None:
+            if (
+                isinstance(self.advantage, bool)
+                or not isinstance(self.advantage, (int, float))
+                or not math.isfinite(self.advantage)
+            ):
+                raise ValueError(
+                    f"{where}.advantage must be a finite float or None, got {self.advantage!r}"
+                )
+            self.advantage = float(self.advantage)
+        if not isinstance(self.env_name, str):
+            raise TypeError(f"{where}.env_name must be a str, got {type(self.env_name).__name__}")
+        if self.env_name == "all":
+            raise ValueError(
+                f"{where}.env_name 'all' is reserved for metrics over every environment; rename the env"
+            )
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _resolve_keep_masks(
+    steps: list[Step],
+    echo: EchoConfig | None,
+    keep: Sequence[Sequence[bool]] | None,
+    echo_filter: Callable[[list[Step]], Any] | None,
+) -> list[list[bool] | None]:
+    """Run the configured filter once and AND it with an explicit ``keep``; validate both."""
+    masks: list[list[bool] | None] = [None] * len(steps)
+    sources: list[tuple[str, Any]] = []
+    if echo is not None and echo.filter is not None:
+        fn = echo_filter if echo_filter is not None else echo.filter.resolve()
+        sources.append((f"echo filter {echo.filter.import_path!r}", fn(steps)))
+    if keep is not None:
+        sources.append(("keep", keep))
+    for label, out in sources:
+        if not isinstance(out, list):
+            raise TypeError(
+                f"{label} must return list[list[bool]] (one per step), got {type(out).__name__}"
+            )
+        if len(out) != len(steps):
+            raise ValueError(
+                f"{label} returned {len(out)} masks for {len(steps)} steps; return one per step"
+            )
+        for i, (step, m) in enumerate(zip(steps, out, strict=True)):
+            m = validate_keep_mask(
+                m,
+                prompt_len=len(step.prompt_ids),
+                completion_len=len(step.completion_ids),
+                step_index=i,
+            )
+            prev = masks[i]
+            masks[i] = list(m) if prev is None else [a and b for a, b in zip(prev, m, strict=True)]
+    return masks
+
+
+def interleave(
+    steps: Sequence[Step],
+    *,
+    echo: EchoConfig | None = None,
+    errored: bool = False,
+    keep: Sequence[Sequence[bool]] | None = None,
+    env_name: str = "",
+    echo_filter: Callable[[list[Step]], Any] | None = None,
+) -> list[Sample]:
+    """Merge a trajectory's steps into training samples, with echo weights.
+
+    A step *extends* an active sample when its prompt begins with that sample's last
+    ``prompt + completion``; the longest such prefix wins (with rollback or compaction one prefix
+    can be a strict prefix of another, and first-match would absorb another sample's tokens).
+    Otherwise the step starts a new sample. On extension the new prompt tail joins the completion
+    region with RL mask False and placeholder logprobs, then the new completion follows; echo
+    weights, observation mask and temperatures extend in lockstep.
+
+    Args:
+        steps: the trajectory's steps in order.
+        echo: the :class:`EchoConfig`, or ``None`` for no echo.
+        errored: the rollout errored; it trains nothing, so no samples are returned.
+        keep: optional explicit filter masks, one ``list[bool]`` of length ``P + C`` per step,
+            AND-ed with ``echo.filter``'s output. Both can only narrow echo.
+        env_name: stamped on every sample (``"all"`` is reserved).
+        echo_filter: an already-resolved ``echo.filter`` callable (resolve once per run with
+            ``echo.filter.resolve()`` and pass it here to avoid re-importing per trajectory).
+
+    Returns:
+        The samples, in the order their first step appears. Tokens selected for echo are out of
+        the RL mask; position 0 of each sample is neither RL nor echo; unless
+        ``echo.reecho_restarted_prompts``, a new sample does not echo tokens an earlier sample of
+        the trajectory already covered.
+
+    Examples:
+        >>> from echoloss import EchoConfig, RoleEcho
+        >>> s0 = Step(prompt_ids=[10, 11], completion_ids=[20, 21], completion_logprobs=[-1.0, -1.0],
+        ...           attribution={"message_indices": [0, 0], "is_content": [False, True],
+        ...                        "message_roles": ["user"]})
+        >>> s1 = Step(prompt_ids=[10, 11, 20, 21, 30, 31], completion_ids=[22],
+        ...           completion_logprobs=[-0.5],
+        ...           attribution={"message_indices": [-1, -1, -1, -1, 0, 0],
+        ...                        "is_content": [False, False, False, False, False, True],
+        ...                        "message_roles": ["tool"], "message_tool_names": ["lookup"]})
+        >>> [sample] = interleave([s0, s1], echo=EchoConfig(tool=RoleEcho(alpha=0.5)))
+        >>> sample.completion_ids, sample.completion_mask
+        ([20, 21, 30, 31, 22], [True, True, False, False, True])
+        >>> sample.echo_weights
+        [None, None, None, None, None, 0.5, None]
+    """
+    steps = list(steps)
+    for i, s in enumerate(steps):
+        if not isinstance(s, Step):
+            raise TypeError(
+                f"interleave: steps[{i}] must be an echoloss.Step, got {type(s).__name__}"
+            )
+    if not steps:
+        warn_once(
+            "empty-trajectory", "echoloss: interleave got an empty trajectory; it yields no samples"
+        )
+        return []
+    if errored:
+        return []
+    keep_masks = _resolve_keep_masks(steps, echo, keep, echo_filter)
+
+    samples: list[Sample] = []
+    # One entry per sample: the prompt + completion of the last step merged into it.
+    prefixes: list[list[int]] = []
+    seen_sequences: list[list[int]] = []
+    first_prompt = steps[0].prompt_ids
+
+    for i, step in enumerate(steps):
+        tokens = step.token_ids
+        p, c = len(step.prompt_ids), len(step.completion_ids)
+        matches = [
+            (len(prefix), j)
+            for j, prefix in enumerate(prefixes)
+            if len(prefix) <= p and step.prompt_ids[: len(prefix)] == prefix
+        ]
+        if len(matches) > 1:
+            warn_once(
+                "multiple-prefix-matches",
+                f"echoloss: step {i} extends {len(matches)} samples (prefix lengths "
+                f"{sorted(m[0] for m in matches)}); the longest prefix wins",
+            )
+        selection = None
+        if echo is not None:
+            initial = (
+                None
+                if i == 0
+                else min(_common_prefix_len(step.prompt_ids, first_prompt), len(first_prompt))
+            )
+            seen = (
+                0
+                if matches
+                else max(
+                    (_common_prefix_len(step.prompt_ids, t) for t in seen_sequences), default=0
+                )
+            )
+            selection = select_step_echo(
+                step.attribution,
+                echo,
+                prompt_len=p,
+                completion_len=c,
+                keep=keep_masks[i],
+                initial_prompt_len=initial,
+                seen_prefix_len=seen,
+                step_index=i,
+            )
+        rl = [
+            m and (selection is None or selection.weights[p + k] is None)
+            for k, m in enumerate(step.completion_mask)
+        ]
+
+        if matches:
+            prefix_len, j = max(matches)
+            _extend(samples[j], step, rl, selection, prefix_len)
+            prefixes[j] = tokens
+        else:
+            samples.append(_new_sample(step, rl, selection, env_name))
+            prefixes.append(tokens)
+        seen_sequences.append(tokens)
+    for s in samples:
+        s.validate(where="interleave sample")
+    return samples
+
+
+def _new_sample(step: Step, rl: list[bool], selection: Any, env_name: str) -> Sample:
+    weights = observation = None
+    if selection is not None and any(w is not None for w in selection.weights[1:]):
+        weights = list(selection.weights)
+        weights[0] = None  # position 0 has no valid prediction
+    if selection is not None and any(selection.observation[1:]):
+        observation = list(selection.observation)
+        observation[0] = False
+    if not step.prompt_ids and rl:
+        rl = [False, *rl[1:]]  # the first completion token sits at position 0
+    return Sample(
+        prompt_ids=list(step.prompt_ids),
+        completion_ids=list(step.completion_ids),
+        completion_mask=rl,
+        completion_logprobs=list(step.completion_logprobs),
+        completion_temperatures=[step.temperature] * len(step.completion_ids),
+        echo_weights=weights,
+        observation_mask=observation,
+        env_name=env_name,
+    )
+
+
+def _extend(sample: Sample, step: Step, rl: list[bool], selection: Any, prefix_len: int) -> None:
+    tail = step.prompt_ids[prefix_len:]
+    before = len(sample)
+    sample.completion_ids += tail + step.completion_ids
+    sample.completion_mask += [False] * len(tail) + rl
+    sample.completion_logprobs += [ENV_TOKEN_LOGPROB] * len(tail) + step.completion_logprobs
+    assert sample.completion_temperatures is not None
+    sample.completion_temperatures += [step.temperature] * (len(tail) + len(step.completion_ids))
+    if selection is None:
+        return
+    new_weights = selection.weights[prefix_len:]
+    if sample.echo_weights is not None or any(w is not None for w in new_weights):
+        sample.echo_weights = (sample.echo_weights or [None] * before) + new_weights
+    new_obs = selection.observation[prefix_len:]
+    if sample.observation_mask is not None or any(new_obs):
+        sample.observation_mask = (sample.observation_mask or [False] * before) + new_obs
