@@ -1,0 +1,318 @@
+"""Packing, truncation, unpacking and the next-token view (§7, §12 #5, #6, #7)."""
+
+import logging
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from echoloss import (
+    EchoConfig,
+    RoleEcho,
+    Sample,
+    Step,
+    interleave,
+    next_token_targets,
+    pack,
+    unpack,
+)
+from echoloss.packing import truncate_sample
+
+
+def sample(p, c, *, mask=None, echo=None, obs=None, adv=1.0, env="", temps=None, lp=None):
+    return Sample(
+        prompt_ids=list(p),
+        completion_ids=list(c),
+        completion_mask=mask if mask is not None else [True] * len(c),
+        completion_logprobs=lp if lp is not None else [-0.5] * len(c),
+        completion_temperatures=temps,
+        echo_weights=echo,
+        observation_mask=obs,
+        advantage=adv,
+        env_name=env,
+    )
+
+
+def test_golden_a_overlay():
+    # §13 A with the weight 0.0 replaced by 0.125 (weight 0 is rejected, see the next test):
+    # index 0 is ignored; completion token 3 becomes echo and leaves RL; token 4 stays RL.
+    s = sample([1, 2], [3, 4], mask=[True, True], echo=[0.5, 0.125, 0.25, None], adv=1.0)
+    [b] = pack([s], max_tokens=4)
+    assert b.echo_weights.tolist() == [0.0, 0.125, 0.25, 0.0]
+    assert b.rl_mask.tolist() == [False, False, False, True]
+    assert b.advantages.tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert b.rl_mask.logical_and(b.echo_weights > 0).sum() == 0
+
+
+def test_golden_a_zero_weight_is_an_error():
+    with pytest.raises(
+        ValueError, match=r"echo_weights\[1\] = 0.0; an echo weight is a finite float > 0"
+    ):
+        sample([1, 2], [3, 4], echo=[0.5, 0.0, 0.25, None])
+
+
+def test_position_zero_ignored_and_warned_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="echoloss"):
+        [b] = pack(
+            [sample([1], [2], echo=[0.5, None]), sample([3], [4], echo=[0.5, None])], max_tokens=8
+        )
+    assert b.echo_weights.tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert len([r for r in caplog.records if "position 0" in r.message]) == 1
+
+
+def test_packed_boundary_rows_predict_nothing():
+    # §12 #5: the last row of a sequence must not be trained to predict the next sequence's token 0.
+    a = sample([1, 2], [3], echo=[None, 0.5, None], obs=[False, True, False], adv=2.0)
+    b = sample([4], [5, 6], adv=-1.0)
+    [batch] = pack([a, b], max_tokens=8, pad_to_multiple_of=4)
+    t = next_token_targets(batch)
+    assert batch.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 0, 0]
+    assert t.labels.tolist() == [2, 3, 0, 5, 6, 0, 0, 0]
+    assert t.rl_mask.tolist() == [False, True, False, True, True, False, False, False]
+    assert t.echo_weights.tolist() == [0.5, 0, 0, 0, 0, 0, 0, 0]
+    assert t.observation_mask.tolist() == [True] + [False] * 7
+    assert t.advantages.tolist() == [0.0, 2.0, 0.0, -1.0, -1.0, 0.0, 0.0, 0.0]
+    assert t.sequence_ids.tolist() == [0, 0, 0, 1, 1, 1, -1, -1]
+
+
+def test_misaligned_echo_stream_is_an_error():
+    # §12 #6
+    with pytest.raises(ValueError, match=r"echo_weights has length 3, expected 4"):
+        sample([1, 2], [3, 4], echo=[None, 0.5, None])
+    s = sample([1, 2], [3, 4])
+    s.echo_weights = [None, 0.5, None]  # mutated after construction: pack re-validates
+    with pytest.raises(ValueError, match=r"samples\[0\].echo_weights has length 3, expected 4"):
+        pack([s], max_tokens=8)
+
+
+@pytest.mark.parametrize("order", ["plain_first", "echo_first"])
+def test_optional_streams_backfilled_in_mixed_bins(order):
+    # §12 #7: a bin mixing samples with and without echo / observation / temperatures stays aligned.
+    plain = sample([1, 2], [3], adv=1.0)
+    echoed = sample(
+        [4, 5],
+        [6, 7],
+        echo=[None, 0.5, None, None],
+        obs=[False, True, True, False],
+        temps=[0.7, 0.7],
+        adv=-1.0,
+    )
+    samples = [plain, echoed] if order == "plain_first" else [echoed, plain]
+    [b] = pack(samples, max_tokens=16)
+    segs = dict(zip(b.sample_indices, b.cu_seqlens.tolist(), strict=False))
+    e = segs[samples.index(echoed)]
+    p = segs[samples.index(plain)]
+    assert b.input_ids[e : e + 4].tolist() == [4, 5, 6, 7]
+    assert b.echo_weights[e : e + 4].tolist() == [0.0, 0.5, 0.0, 0.0]
+    assert b.observation_mask[e : e + 4].tolist() == [False, True, True, False]
+    assert b.temperatures[e : e + 4].tolist() == pytest.approx([0.7] * 4)
+    assert b.input_ids[p : p + 3].tolist() == [1, 2, 3]
+    assert b.echo_weights[p : p + 3].tolist() == [0.0] * 3
+    assert b.observation_mask[p : p + 3].tolist() == [False] * 3
+    assert b.temperatures[p : p + 3].tolist() == [1.0] * 3
+    for stream in (
+        b.position_ids,
+        b.rl_mask,
+        b.echo_weights,
+        b.observation_mask,
+        b.advantages,
+        b.inference_logprobs,
+        b.temperatures,
+    ):
+        assert stream.shape == b.input_ids.shape
+
+
+def test_over_long_sample_is_an_error_unless_truncating():
+    s = sample([1, 2, 3], [4, 5, 6], echo=[None, None, 0.5, None, 0.25, None], adv=1.0)
+    with pytest.raises(
+        ValueError, match="has 6 tokens > max_tokens=4; raise max_tokens, or pass truncate=True"
+    ):
+        pack([s], max_tokens=4)
+    [b] = pack([s], max_tokens=4, truncate=True)
+    assert b.input_ids.tolist() == [1, 2, 3, 4]
+    assert b.echo_weights.tolist() == [0.0, 0.0, 0.5, 0.0]
+    assert b.rl_mask.tolist() == [False, False, False, True]
+
+
+def test_truncation_inside_the_prompt_empties_the_completion():
+    s = sample(
+        [1, 2, 3], [4], echo=[None, 0.5, 0.5, None], obs=[False, True, True, False], temps=[0.5]
+    )
+    t = truncate_sample(s, 2)
+    assert t.prompt_ids == [1, 2] and t.completion_ids == [] and t.completion_temperatures == []
+    assert t.echo_weights == [None, 0.5] and t.observation_mask == [False, True]
+
+
+def test_rl_tokens_need_an_advantage():
+    s = sample([1], [2], adv=None)
+    with pytest.raises(ValueError, match="has 1 RL tokens but advantage=None"):
+        pack([s], max_tokens=4)
+    pack([sample([1], [2], mask=[False], adv=None)], max_tokens=4)  # nothing to weight: fine
+
+
+def test_pad_multiple_must_divide_budget():
+    with pytest.raises(
+        ValueError, match="pad_to_multiple_of=3 must be >= 1 and divide max_tokens=8"
+    ):
+        pack([sample([1], [2])], max_tokens=8, pad_to_multiple_of=3)
+
+
+def test_reserved_env_name():
+    with pytest.raises(ValueError, match="env_name 'all' is reserved"):
+        sample([1], [2], env="all")
+
+
+def test_first_fit_decreasing_bins():
+    lens = [5, 3, 4, 2, 2]
+    samples = [sample([1] * (n - 1), [2], adv=0.0) for n in lens]
+    batches = pack(samples, max_tokens=8)
+    # FFD: 5 -> bin0; 4 -> bin1; 3 -> bin0 (5+3); 2 -> bin1 (4+2); 2 -> bin1 (6+2)
+    assert [b.sample_indices for b in batches] == [(0, 1), (2, 3, 4)]
+    assert [len(b) for b in batches] == [8, 8]
+
+
+# -- properties ---------------------------------------------------------------------------------
+
+# Weights exactly representable in float32, so that unpack(pack(x)) == x holds bit for bit.
+WEIGHTS = st.sampled_from([0.0625, 0.125, 0.5, 1.0, 2.0])
+LOGPROBS = st.sampled_from([-0.25, -1.5, -3.0])
+
+
+@st.composite
+def normal_form_samples(draw):
+    p = draw(st.integers(0, 5))
+    c = draw(st.integers(0 if p else 1, 6))
+    n = p + c
+    echo = draw(st.none() | st.lists(st.none() | WEIGHTS, min_size=n, max_size=n))
+    if echo is not None:
+        echo[0] = None
+    obs = None
+    if echo is not None and draw(st.booleans()):
+        obs = [w is not None or (k > 0 and draw(st.booleans())) for k, w in enumerate(echo)]
+    mask = [
+        draw(st.booleans()) and (echo is None or echo[p + k] is None) and p + k > 0
+        for k in range(c)
+    ]
+    return Sample(
+        prompt_ids=draw(st.lists(st.integers(1, 50), min_size=p, max_size=p)),
+        completion_ids=draw(st.lists(st.integers(1, 50), min_size=c, max_size=c)),
+        completion_mask=mask,
+        completion_logprobs=draw(st.lists(LOGPROBS, min_size=c, max_size=c)),
+        completion_temperatures=draw(
+            st.none() | st.lists(st.sampled_from([0.5, 1.0]), min_size=c, max_size=c)
+        ),
+        echo_weights=echo,
+        observation_mask=obs,
+        advantage=draw(st.sampled_from([-1.0, 0.0, 0.5])),
+        env_name=draw(st.sampled_from(["", "env-a", "env-b"])),
+    )
+
+
+@given(
+    st.lists(normal_form_samples(), min_size=1, max_size=8),
+    st.sampled_from([12, 16, 24]),
+    st.sampled_from([None, 4]),
+)
+def test_pack_then_unpack_returns_the_samples(samples, max_tokens, pad):
+    batches = pack(samples, max_tokens=max_tokens, pad_to_multiple_of=pad, truncate=True)
+    recovered = {}
+    for b in batches:
+        assert len(b) <= max_tokens
+        if pad:
+            assert len(b) % pad == 0
+        n = len(b)
+        for stream in (
+            b.position_ids,
+            b.rl_mask,
+            b.echo_weights,
+            b.observation_mask,
+            b.advantages,
+            b.inference_logprobs,
+            b.temperatures,
+        ):
+            assert stream.shape == (n,)
+        assert int(b.cu_seqlens[-1]) == n
+        assert not bool((b.rl_mask & (b.echo_weights > 0)).any())
+        assert bool((b.observation_mask | ~(b.echo_weights > 0)).all())
+        starts = b.cu_seqlens[:-1].long()
+        assert b.position_ids[starts].eq(0).all()
+        assert not b.rl_mask[starts].any() and b.echo_weights[starts].eq(0).all()
+        t = next_token_targets(b)
+        assert all(x.shape == (n,) for x in t)
+        # Within a segment, row j predicts token j + 1.
+        for k in range(len(b.sample_indices)):
+            lo, hi = int(b.cu_seqlens[k]), int(b.cu_seqlens[k + 1])
+            assert t.labels[lo : hi - 1].tolist() == b.input_ids[lo + 1 : hi].tolist()
+        for idx, s in unpack(b):
+            recovered[idx] = s
+    assert sorted(recovered) == list(range(len(samples)))
+    for i, s in enumerate(samples):
+        expected = truncate_sample(s, max_tokens)
+        assert recovered[i] == expected
+
+
+ROLE_NAMES = ["system", "user", "assistant", "tool"]
+
+
+@st.composite
+def trajectories(draw):
+    """Multi-turn trajectories that mostly extend (bridged attribution), sometimes restart."""
+    steps = []
+    history: list[int] = []
+    for turn in range(draw(st.integers(1, 4))):
+        restart = turn == 0 or draw(st.integers(0, 4)) == 0
+        new = draw(
+            st.lists(st.integers(1, 30), min_size=0 if history and not restart else 1, max_size=5)
+        )
+        prompt = new if restart else history + new
+        m = draw(st.integers(1, 2))
+        roles = draw(st.lists(st.sampled_from(ROLE_NAMES), min_size=m, max_size=m))
+        offset = 0 if restart else len(history)
+        idx = [-1] * offset + [draw(st.integers(-1, m - 1)) for _ in new]
+        content = [False] * offset + [draw(st.booleans()) for _ in new]
+        completion = draw(st.lists(st.integers(1, 30), min_size=0, max_size=4))
+        steps.append(
+            Step(
+                prompt_ids=prompt,
+                completion_ids=completion,
+                completion_logprobs=[-1.0] * len(completion),
+                completion_mask=[draw(st.booleans()) for _ in completion],
+                attribution={"message_indices": idx, "is_content": content, "message_roles": roles},
+                temperature=draw(st.sampled_from([0.6, 1.0])),
+            )
+        )
+        history = prompt + completion
+    return steps
+
+
+@given(trajectories(), st.booleans(), st.booleans())
+def test_interleave_streams_aligned_and_rl_echo_disjoint(steps, skip_initial, assistant):
+    cfg = EchoConfig(
+        tool=RoleEcho(alpha=0.5),
+        user=RoleEcho(alpha=0.25),
+        assistant=RoleEcho(alpha=1.0) if assistant else None,
+        skip_initial_prompt=skip_initial,
+    )
+    samples = interleave(steps, echo=cfg)
+    assert sum(len(s.completion_ids) for s in samples) >= sum(
+        len(st_.completion_ids) for st_ in steps
+    )
+    for s in samples:
+        n = len(s)
+        c = len(s.completion_ids)
+        assert (
+            len(s.completion_mask)
+            == len(s.completion_logprobs)
+            == len(s.completion_temperatures)
+            == c
+        )
+        rl = s.rl_mask()
+        echo = s.token_echo_weights()
+        obs = s.token_observation_mask()
+        assert len(rl) == len(echo) == len(obs) == n
+        assert not any(r and w > 0 for r, w in zip(rl, echo, strict=True))
+        assert rl == [False] * len(s.prompt_ids) + s.completion_mask or not s.prompt_ids
+        assert echo[0] == 0.0 and not rl[0]
+        s.advantage = 0.5
+    batches = pack(samples, max_tokens=64, truncate=True)
+    assert sum(b.num_sequences for b in batches) == len(samples)
