@@ -1,0 +1,222 @@
+"""Global normalisers for the RL and echo terms, under gradient accumulation and data parallelism.
+
+Each term is divided by its own *global* count (over every micro-batch of the optimiser step, on
+every data-parallel rank), so that summing the micro-batch gradients and then the ranks' gradients
+gives the true per-token (or per-sequence) mean over the global batch. Recipe, once per step::
+
+    local = sum((count_normalizers(rl_mask=mb.rl_mask, echo_weights=mb.echo_weights,
+                                   sequence_ids=mb.sequence_ids) for mb in micro_batches),
+                Normalizers())
+    norms = all_reduce_normalizers(local)                 # SUM over the data-parallel group
+    for mb in micro_batches:
+        echo_loss(..., normalizers=norms).loss.backward()  # gradients accumulate (sum)
+    undo_data_parallel_averaging(model, world_size)        # DDP/FSDP averaged: multiply back
+
+``docs/normalization.md`` has the formulas of every mode and the λ conversion table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+from echoloss.ops._checks import check_per_token, check_tensor, describe
+
+__all__ = [
+    "Normalizers",
+    "all_reduce_normalizers",
+    "count_normalizers",
+    "undo_data_parallel_averaging",
+]
+
+
+@dataclass(frozen=True)
+class Normalizers:
+    """Global counts for one optimiser step (sum over micro-batches and data-parallel ranks).
+
+    Add two with ``+`` (or ``sum(..., Normalizers())``) to accumulate micro-batches.
+
+    Attributes:
+        rl_tokens: RL rows (``rl_mask`` and not echoed): denominator of RL ``token_mean``.
+        echo_tokens: echo rows (``echo_weights > 0``; weight 0 is never counted): denominator of
+            echo ``token_mean``.
+        sequences: sequences with at least one RL or echo row: denominator of every
+            ``sequence_mean*`` mode (padding and sequences that train nothing do not count, so
+            dummy micro-batches cannot dilute the mean).
+        echo_batches: micro-batches with at least one echo row: denominator of echo
+            ``batch_token_mean``.
+
+    Examples:
+        >>> Normalizers(rl_tokens=3, echo_tokens=1) + Normalizers(rl_tokens=2, sequences=1)
+        Normalizers(rl_tokens=5, echo_tokens=1, sequences=1, echo_batches=0)
+    """
+
+    rl_tokens: int = 0
+    echo_tokens: int = 0
+    sequences: int = 0
+    echo_batches: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Normalizers.{f.name}: expected an int ≥ 0, got {v!r}")
+
+    def __add__(self, other: Normalizers) -> Normalizers:
+        if not isinstance(other, Normalizers):
+            return NotImplemented
+        return Normalizers(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
+
+    def __radd__(self, other: object) -> Normalizers:
+        if other == 0:  # sum() starts from 0
+            return self
+        return NotImplemented  # type: ignore[return-value]
+
+    def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[4]`` int64 in field order (what :func:`all_reduce_normalizers` reduces)."""
+        return torch.tensor(list(asdict(self).values()), dtype=torch.int64, device=device)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> Normalizers:
+        """Inverse of :meth:`as_tensor`."""
+        return cls(*(int(v) for v in t.tolist()))
+
+
+def split_rows(
+    rl_mask: torch.Tensor, echo_weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rl, echo)`` bool masks: echo = ``echo_weights > 0``; rl = ``rl_mask`` and not echo.
+
+    The single definition used by the loss, the counts and the metrics, so they always agree.
+    """
+    if echo_weights is None:
+        return rl_mask, torch.zeros_like(rl_mask)
+    echo = echo_weights > 0
+    return rl_mask & ~echo, echo
+
+
+def count_normalizers(
+    *,
+    rl_mask: torch.Tensor,
+    echo_weights: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
+) -> Normalizers:
+    """Counts of one micro-batch (this rank only); sum them over micro-batches, then all-reduce.
+
+    Args:
+        rl_mask: ``[N]`` bool, True = RL row.
+        echo_weights: ``[N]`` float, ``> 0`` = echo row (an echoed row leaves the RL set), or None.
+        sequence_ids: ``[N]`` int64 row → sequence within the micro-batch (``-1`` = padding), or
+            None (then ``sequences`` stays 0 and the ``sequence_mean*`` modes cannot be used).
+
+    Returns:
+        :class:`Normalizers` of this micro-batch.
+
+    Examples:
+        >>> count_normalizers(rl_mask=torch.tensor([True, True, False, False]),
+        ...                   echo_weights=torch.tensor([0.0, 0.5, 0.1, 0.0]),
+        ...                   sequence_ids=torch.tensor([0, 0, 1, -1]))
+        Normalizers(rl_tokens=1, echo_tokens=2, sequences=2, echo_batches=1)
+    """
+    rl_mask = check_tensor("rl_mask", rl_mask)
+    shape, dev = rl_mask.shape, rl_mask.device
+    check_per_token("rl_mask", rl_mask, shape, dev, "bool")
+    if echo_weights is not None:
+        check_per_token("echo_weights", echo_weights, shape, dev, "float")
+    rl, echo = split_rows(
+        rl_mask.reshape(-1), None if echo_weights is None else echo_weights.reshape(-1)
+    )
+    n_echo = int(echo.sum())
+    seqs = 0
+    if sequence_ids is not None:
+        check_per_token("sequence_ids", sequence_ids, shape, dev, "int")
+        sid = sequence_ids.reshape(-1)[rl | echo]
+        if bool((sid < 0).any()):
+            raise ValueError(
+                "sequence_ids: a row that participates (RL or echo) has sequence id -1 (padding); "
+                "padding rows must have rl_mask False and echo weight 0"
+            )
+        seqs = int(torch.unique(sid).numel())
+    return Normalizers(
+        rl_tokens=int(rl.sum()), echo_tokens=n_echo, sequences=seqs, echo_batches=int(n_echo > 0)
+    )
+
+
+def all_reduce_normalizers(
+    normalizers: Normalizers,
+    *,
+    group: object | None = None,
+    device: torch.device | str | None = None,
+) -> Normalizers:
+    """SUM-all-reduce the counts over the data-parallel group (one int64 collective).
+
+    Call it once per optimiser step, after summing this rank's micro-batches. Without an
+    initialised ``torch.distributed`` it returns ``normalizers`` unchanged. With context
+    parallelism, reduce over the dp×cp group as prime-rl does (each cp rank counts the full
+    micro-batch; the all-gather backward cancels the factor).
+
+    Args:
+        normalizers: this rank's counts, summed over its micro-batches.
+        group: the process group (None = the default group).
+        device: where the collective runs; None = CUDA for NCCL, CPU otherwise.
+
+    Returns:
+        The global :class:`Normalizers`, identical on every rank.
+
+    Examples:
+        >>> all_reduce_normalizers(Normalizers(rl_tokens=4))  # not distributed: unchanged
+        Normalizers(rl_tokens=4, echo_tokens=0, sequences=0, echo_batches=0)
+    """
+    if not isinstance(normalizers, Normalizers):
+        raise TypeError(f"normalizers: expected Normalizers, got {describe(normalizers)}")
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return normalizers
+    if device is None:
+        backend = str(dist.get_backend(group))
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
+    t = normalizers.as_tensor(device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return Normalizers.from_tensor(t.cpu())
+
+
+def undo_data_parallel_averaging(
+    model_or_params: torch.nn.Module | Iterable[torch.Tensor], world_size: int
+) -> None:
+    """Multiply every gradient by ``world_size`` to undo DDP/FSDP gradient averaging.
+
+    With global normalisers each rank's loss is its share of the global mean, so the correct
+    gradient is the *sum* over ranks. DDP and FSDP average instead (divide by the world size);
+    call this once after the last backward of the step, before clipping and the optimiser step.
+    ``world_size`` is the number of ranks the gradient was averaged over (dp_replicate × dp_shard,
+    times cp if the reduction spans context-parallel ranks too). Equivalent alternative: scale
+    the loss by ``world_size`` before backward, or set FSDP2's gradient divide factor to 1.
+
+    Args:
+        model_or_params: a module, or an iterable of parameters; parameters without a gradient
+            are skipped. DTensor gradients are scaled in place too.
+        world_size: positive int.
+
+    Examples:
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> lin(torch.ones(1, 2)).sum().backward()
+        >>> undo_data_parallel_averaging(lin, 4)
+        >>> lin.weight.grad
+        tensor([[4., 4.]])
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected an int ≥ 1, got {world_size!r}")
+    params = (
+        model_or_params.parameters()
+        if isinstance(model_or_params, torch.nn.Module)
+        else model_or_params
+    )
+    if world_size == 1:
+        return
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(world_size)

@@ -1,0 +1,349 @@
+"""Policy-loss variants: one small function each, on the RL rows only (``[n]`` tensors).
+
+Every function takes a :class:`PolicyInputs` and returns a :class:`PolicyOutput`: the per-token loss
+before normalisation and boolean flags that the metrics report as fractions of RL tokens. Echo
+rows never reach these functions. The derivative of each loss w.r.t. ``logprobs`` is written in
+its docstring (the tests check it against autograd); ``docs/loss.md`` has the full table.
+
+Notation: ``lp`` = trainer logprob (differentiable), ``lp_old`` = the ratio's denominator
+(detached), ``ρ = lp - lp_old``, ``r = exp(ρ)``, ``A`` = advantage (already times ``adv_tau``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "PolicyFn",
+    "PolicyInputs",
+    "PolicyOutput",
+    "cispo_loss",
+    "dppo_loss",
+    "gspo_loss",
+    "kl_penalty",
+    "mismatch_weights",
+    "ppo_clip_loss",
+    "reinforce_loss",
+    "sequence_mean",
+]
+
+
+class PolicyInputs(NamedTuple):
+    """What a policy loss sees: the RL rows only, compacted to ``n`` entries.
+
+    Attributes:
+        logprobs: ``[n]`` trainer logprobs at the sampling temperature (differentiable).
+        old_logprobs: ``[n]`` the ratio's denominator, detached: ``old_logprobs`` given to
+            :func:`echoloss.echo_loss`, else the current logprobs (detached) when a mismatch
+            correction is on, else the inference logprobs (prime-rl).
+        advantages: ``[n]`` advantages times ``adv_tau``.
+        sequence_index: ``[n]`` int64 local sequence of each row in ``[0, num_sequences)``, or
+            None when ``sequence_ids`` was not given.
+        num_sequences: number of local sequences ``sequence_index`` refers to.
+    """
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    sequence_index: torch.Tensor | None
+    num_sequences: int
+
+
+class PolicyOutput(NamedTuple):
+    """Result of a policy loss.
+
+    Attributes:
+        loss: ``[n]`` per-token loss, before normalisation.
+        flags: name → ``[n]`` bool; each is reported as ``<name>_frac`` (count / RL tokens).
+    """
+
+    loss: torch.Tensor
+    flags: dict[str, torch.Tensor]
+
+
+#: A custom policy: ``fn(inputs, config) -> PolicyOutput`` (``config`` is the ``LossConfig``).
+PolicyFn = Callable[..., PolicyOutput]
+
+
+def _exp_ratio(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    return torch.exp(log_ratio if clamp is None else log_ratio.clamp(-clamp, clamp))
+
+
+def sequence_mean(values: torch.Tensor, index: torch.Tensor, num: int) -> torch.Tensor:
+    """``[num]`` mean of ``values [n]`` per group ``index [n]`` (0 for an empty group).
+
+    Examples:
+        >>> sequence_mean(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1]), 3)
+        tensor([2., 5., 0.])
+    """
+    sums = values.new_zeros(num).index_add(0, index, values)
+    counts = torch.bincount(index, minlength=num).to(values.dtype)
+    return sums / counts.clamp(min=1)
+
+
+def dppo_loss(
+    inputs: PolicyInputs, *, low: float, high: float, log_ratio_clamp: float | None = None
+) -> PolicyOutput:
+    """prime-rl's default: a probability-difference trust region, tokens dropped (not clipped).
+
+    ``δ = exp(lp) - exp(lp_old)``. A token with ``A > 0`` is dropped when ``δ > high``; any other
+    token (``A <= 0``, so ``A == 0`` too) when ``δ < -low``. ``loss = -keep · A · r``;
+    ``d loss / d lp = -keep · A · r``. (prime-rl's ``kl_tau · ρ^2`` is added by the caller on every
+    RL token, dropped or not.)
+
+    Args:
+        inputs: the RL rows.
+        low, high: trust-region half-widths in probability space.
+        log_ratio_clamp: clamp of ``ρ`` before ``exp`` (None = none).
+
+    Returns:
+        :class:`PolicyOutput` with flags ``masked``, ``masked_low`` (``A < 0``) and ``masked_high``
+        (``A > 0``); a dropped ``A == 0`` token is in ``masked`` only, as in prime-rl.
+
+    Examples:
+        >>> lp = torch.tensor([-1.0, -1.0], requires_grad=True)
+        >>> x = PolicyInputs(lp, torch.tensor([-1.0, -3.0]), torch.tensor([1.0, 1.0]), None, 0)
+        >>> out = dppo_loss(x, low=0.2, high=0.2)
+        >>> out.loss  # the second token's probability rose by 0.32 > 0.2 with A > 0: dropped
+        tensor([-1., -0.], grad_fn=<NegBackward0>)
+        >>> out.flags["masked_high"].tolist()
+        [False, True]
+    """
+    lp, old, adv = inputs.logprobs, inputs.old_logprobs, inputs.advantages
+    with torch.no_grad():
+        delta = lp.exp() - old.exp()
+        pos = adv > 0
+        dropped = torch.where(pos, delta > high, delta < -low)
+        keep = ~dropped
+    # The dropped branch sees log ratio 0 (a constant), so exp never overflows there.
+    log_ratio = torch.where(keep, lp - old, torch.zeros_like(lp))
+    loss = -(keep.to(lp.dtype) * adv * _exp_ratio(log_ratio, log_ratio_clamp))
+    return PolicyOutput(
+        loss,
+        {"masked": dropped, "masked_low": dropped & (adv < 0), "masked_high": dropped & pos},
+    )
+
+
+def _clipped_objective(
+    ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    obj = torch.minimum(ratio * adv, clipped * adv)
+    with torch.no_grad():
+        high = (adv > 0) & (ratio > 1.0 + eps_high)
+        low = (adv < 0) & (ratio < 1.0 - eps_low)
+    return obj, {"clipped": high | low, "clipped_low": low, "clipped_high": high}
+
+
+def ppo_clip_loss(
+    inputs: PolicyInputs,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float | None = None,
+) -> PolicyOutput:
+    """PPO clip with asymmetric bounds and optional dual clip.
+
+    ``loss = -min(r·A, clip(r, 1 - eps_low, 1 + eps_high)·A)``; with dual clip ``c`` and ``A < 0``
+    the loss is at most ``-c·A``. ``d loss / d lp = -A·r`` where the unclipped branch is active,
+    0 where a clip is.
+
+    Args:
+        inputs: the RL rows.
+        eps_low, eps_high: the clip range ``[1 - eps_low, 1 + eps_high]``.
+        dual_clip: constant ``c > 1`` or None.
+        log_ratio_clamp: clamp of ``ρ`` before ``exp`` (None = none).
+
+    Returns:
+        :class:`PolicyOutput` with flags ``clipped``, ``clipped_low`` (``A < 0, r < 1 - eps_low``),
+        ``clipped_high`` (``A > 0, r > 1 + eps_high``) and, with dual clip, ``dual_clipped``.
+
+    Examples:
+        >>> lp = torch.tensor([0.0, 0.0], requires_grad=True)
+        >>> x = PolicyInputs(lp, torch.log(torch.tensor([1.0, 0.5])), torch.ones(2), None, 0)
+        >>> ppo_clip_loss(x, eps_low=0.2, eps_high=0.2).loss  # r = 1, r = 2 clipped to 1.2
+        tensor([-1.0000, -1.2000], grad_fn=<NegBackward0>)
+    """
+    adv = inputs.advantages
+    ratio = _exp_ratio(inputs.logprobs - inputs.old_logprobs, log_ratio_clamp)
+    obj, flags = _clipped_objective(ratio, adv, eps_low, eps_high)
+    if dual_clip is not None:
+        neg = adv < 0
+        floor = dual_clip * adv
+        with torch.no_grad():
+            flags["dual_clipped"] = neg & (obj < floor)
+        obj = torch.where(neg, torch.maximum(obj, floor), obj)
+    return PolicyOutput(-obj, flags)
+
+
+def cispo_loss(
+    inputs: PolicyInputs,
+    *,
+    weight_max: float,
+    weight_min: float | None = None,
+    log_ratio_clamp: float | None = None,
+) -> PolicyOutput:
+    """CISPO: a clipped, detached importance weight times the REINFORCE term.
+
+    ``loss = -sg(clamp(r, weight_min, weight_max)) · A · lp``; ``d loss / d lp = -w · A``: every
+    token keeps a gradient (none is dropped).
+
+    Args:
+        inputs: the RL rows.
+        weight_max: upper bound of the weight (``LossConfig.cispo_max``).
+        weight_min: lower bound, or None.
+        log_ratio_clamp: clamp of ``ρ`` before ``exp`` (None = none).
+
+    Returns:
+        :class:`PolicyOutput` with flags ``clipped``, ``clipped_low``, ``clipped_high`` (the
+        weight hit a bound).
+
+    Examples:
+        >>> lp = torch.tensor([-1.0], requires_grad=True)
+        >>> x = PolicyInputs(lp, torch.tensor([-1.0]), torch.tensor([2.0]), None, 0)
+        >>> cispo_loss(x, weight_max=5.0).loss  # -1 · 2 · (-1)
+        tensor([2.], grad_fn=<NegBackward0>)
+    """
+    lp, adv = inputs.logprobs, inputs.advantages
+    with torch.no_grad():
+        ratio = _exp_ratio(lp - inputs.old_logprobs, log_ratio_clamp)
+        weight = ratio.clamp(min=weight_min, max=weight_max)
+        high = ratio > weight_max
+        low = ratio < weight_min if weight_min is not None else torch.zeros_like(high)
+    return PolicyOutput(
+        -(weight * adv * lp), {"clipped": high | low, "clipped_low": low, "clipped_high": high}
+    )
+
+
+def gspo_loss(
+    inputs: PolicyInputs,
+    *,
+    eps_low: float,
+    eps_high: float,
+    log_ratio_clamp: float | None = None,
+) -> PolicyOutput:
+    """GSPO: PPO clip on the sequence-level ratio ``s_i = exp(mean_{t ∈ RL_i} ρ_t)``.
+
+    Every RL token of sequence ``i`` gets ``-min(s_i·A_t, clip(s_i, 1 - eps_low, 1 + eps_high)·A_t)``.
+    ``d loss / d lp_k = -Σ_{t ∈ RL_i} A_t · s_i / |RL_i|`` for ``k`` in sequence ``i`` while
+    unclipped. The GSPO paper averages per sequence: pair it with
+    ``rl_normalization="sequence_mean_token_mean"`` to reproduce it.
+
+    Args:
+        inputs: the RL rows; ``sequence_index`` is required.
+        eps_low, eps_high: clip range of the sequence ratio.
+        log_ratio_clamp: clamp of the mean log ratio before ``exp`` (None = none).
+
+    Returns:
+        :class:`PolicyOutput` with the ``clipped*`` flags of :func:`ppo_clip_loss`, per token.
+
+    Examples:
+        >>> lp = torch.tensor([0.0, 0.0], requires_grad=True)
+        >>> x = PolicyInputs(lp, torch.tensor([0.0, 0.0]), torch.ones(2), torch.tensor([0, 0]), 1)
+        >>> gspo_loss(x, eps_low=3e-4, eps_high=4e-4).loss
+        tensor([-1., -1.], grad_fn=<NegBackward0>)
+    """
+    if inputs.sequence_index is None:
+        raise ValueError(
+            "policy='gspo' needs sequence_ids: the ratio is a per-sequence mean; pass "
+            "sequence_ids=[N] int64 (row -> sequence, -1 for padding) to echo_loss"
+        )
+    idx = inputs.sequence_index
+    mean_log_ratio = sequence_mean(inputs.logprobs - inputs.old_logprobs, idx, inputs.num_sequences)
+    seq_ratio = _exp_ratio(mean_log_ratio, log_ratio_clamp)
+    obj, flags = _clipped_objective(seq_ratio[idx], inputs.advantages, eps_low, eps_high)
+    return PolicyOutput(-obj, flags)
+
+
+def reinforce_loss(inputs: PolicyInputs) -> PolicyOutput:
+    """REINFORCE without a ratio: ``loss = -A · lp``; ``d loss / d lp = -A``.
+
+    Examples:
+        >>> lp = torch.tensor([-0.5], requires_grad=True)
+        >>> reinforce_loss(PolicyInputs(lp, lp.detach(), torch.tensor([2.0]), None, 0)).loss
+        tensor([1.], grad_fn=<NegBackward0>)
+    """
+    return PolicyOutput(-(inputs.advantages * inputs.logprobs), {})
+
+
+def mismatch_weights(
+    old_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    *,
+    mode: str,
+    weight_max: float,
+    weight_min: float | None = None,
+    sequence_index: torch.Tensor | None = None,
+    num_sequences: int = 0,
+    log_ratio_clamp: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Detached train/inference importance weights ``w = p_old / p_inference`` for RL rows.
+
+    Token modes use ``exp(lp_old - lp_inf)`` per token; sequence modes use
+    ``exp(Σ_{t ∈ RL_i} (lp_old - lp_inf))`` for every token of sequence ``i`` (TRL's convention).
+    ``*_truncate`` clamps ``w`` to ``[weight_min, weight_max]``; ``*_mask`` sets ``w = 0`` outside.
+
+    Args:
+        old_logprobs: ``[n]`` trainer-side logprobs of the behaviour policy (detached).
+        inference_logprobs: ``[n]`` sampling logprobs.
+        mode: ``token_truncate``, ``token_mask``, ``sequence_truncate`` or ``sequence_mask``.
+        weight_max, weight_min: the bounds (``weight_min`` None = no lower bound).
+        sequence_index, num_sequences: local sequence of each row (sequence modes only).
+        log_ratio_clamp: clamp of the log weight before ``exp``.
+
+    Returns:
+        ``(w [n], flags)`` with flags ``is_truncated`` or ``is_masked``.
+
+    Examples:
+        >>> w, f = mismatch_weights(torch.tensor([0.0, 0.0]), torch.log(torch.tensor([0.5, 0.1])),
+        ...                         mode="token_truncate", weight_max=3.0)
+        >>> w, f["is_truncated"].tolist()
+        (tensor([2., 3.]), [False, True])
+    """
+    with torch.no_grad():
+        log_w = old_logprobs - inference_logprobs
+        if mode.startswith("sequence"):
+            if sequence_index is None:
+                raise ValueError(
+                    f"mismatch={mode!r} needs sequence_ids to group tokens into sequences; pass "
+                    "sequence_ids to echo_loss"
+                )
+            seq = log_w.new_zeros(num_sequences).index_add(0, sequence_index, log_w)
+            log_w = seq[sequence_index]
+        w = _exp_ratio(log_w, log_ratio_clamp)
+        outside = w > weight_max
+        if weight_min is not None:
+            outside = outside | (w < weight_min)
+        if mode.endswith("truncate"):
+            return w.clamp(min=weight_min, max=weight_max), {"is_truncated": outside}
+        return torch.where(outside, torch.zeros_like(w), w), {"is_masked": outside}
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    *,
+    estimator: str,
+    log_ratio_clamp: float | None = None,
+) -> torch.Tensor:
+    """Per-token estimate of ``KL(π_θ ‖ π_ref)`` on samples, differentiable in ``logprobs``.
+
+    With ``d = lp_ref - lp``: k1 = ``-d``; k2 = ``½ d^2``; k3 = ``exp(d) - d - 1``.
+
+    Examples:
+        >>> lp, ref = torch.tensor([0.0]), torch.tensor([-1.0])
+        >>> [round(float(kl_penalty(lp, ref, estimator=k)), 4) for k in ("k1", "k2", "k3")]
+        [1.0, 0.5, 0.3679]
+    """
+    d = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return _exp_ratio(d, log_ratio_clamp) - d - 1.0
+    raise ValueError(f"kl_estimator: expected 'k1', 'k2' or 'k3', got {estimator!r}")

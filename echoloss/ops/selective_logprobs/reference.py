@@ -1,0 +1,255 @@
+"""Pure-PyTorch reference of the selective-logprob op, in the two phases a fused kernel has.
+
+Phase 1 (:func:`forward`) reads the logits once per row and returns the label's logprob, the row's
+log-sum-exp and, optionally, its entropy, all at the temperature ``T`` of the row. Phase 2
+(:func:`backward`) reads the logits again and writes ``dlogits`` from one coefficient per row (the
+derivative of the whole loss w.r.t. that row's logprob, and optionally w.r.t. its entropy). All the
+loss algebra in between happens elsewhere, on ``[N]``-sized tensors. The math is in ``README.md``.
+
+Rows are processed ``chunk_size`` at a time, so the extra memory is a few ``[chunk_size, V]``
+buffers in the compute dtype (fp32, or fp64 for fp64 logits), never a full-size fp32 copy.
+This module never imports triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "backward",
+    "compute_dtype",
+    "default_chunk_size",
+    "forward",
+    "naive_selective_logprobs",
+]
+
+# Elements per chunk of rows (2^22 fp32 = 16 MiB per buffer; at most three buffers are live).
+# Chosen on the CPU benchmark (benchmarks/bench_selective_logprobs_cpu.py): smaller chunks stay in
+# cache and are as fast as one big log_softmax; larger ones only cost memory.
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype for logits of ``dtype``: fp32, or fp64 for fp64 logits."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def default_chunk_size(num_classes: int) -> int:
+    """Rows per chunk so that one fp32 ``[rows, V]`` buffer holds about 2^22 elements."""
+    return max(1, DEFAULT_CHUNK_ELEMENTS // max(1, num_classes))
+
+
+def _chunk_rows(
+    logits: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int
+) -> tuple[torch.Tensor, bool]:
+    """Rows ``start:stop`` of the (compacted) row list as a ``[c, V]`` tensor, and whether it is
+    a private copy (so it may be modified in place).
+
+    ``logits`` is ``[N, V]`` or ``[B, T, V]`` (any strides); ``rows`` holds flat row indices into
+    ``N = B·T``, or None for "every row in order". 2-D slices are views; gathered rows are a
+    chunk-sized copy in the logits dtype.
+    """
+    if rows is None and logits.dim() == 2:
+        return logits[start:stop], False
+    idx = torch.arange(start, stop, device=logits.device) if rows is None else rows[start:stop]
+    if logits.dim() == 2:
+        return logits.index_select(0, idx), True
+    t = logits.shape[1]
+    return logits[idx // t, idx % t], True
+
+
+def _to_compute(chunk: torch.Tensor, owned: bool, cdtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    x = chunk.to(cdtype)
+    return x, owned or x is not chunk
+
+
+def _scale(x: torch.Tensor, inv_t: float | torch.Tensor, owned: bool) -> torch.Tensor:
+    """``x / T`` for the chunk; in place when ``x`` is already a private copy."""
+    if isinstance(inv_t, float):
+        if inv_t == 1.0:
+            return x
+        return x.mul_(inv_t) if owned else x * inv_t
+    return x.mul_(inv_t[:, None]) if owned else x * inv_t[:, None]
+
+
+def _chunk_inv_t(
+    inv_temperature: float | torch.Tensor, rows: torch.Tensor | None, start: int, stop: int
+) -> float | torch.Tensor:
+    if isinstance(inv_temperature, float):
+        return inv_temperature
+    if rows is None:
+        return inv_temperature[start:stop]
+    return inv_temperature.index_select(0, rows[start:stop])
+
+
+def _num_rows(logits: torch.Tensor, rows: torch.Tensor | None) -> int:
+    if rows is not None:
+        return int(rows.numel())
+    return int(logits.numel() // logits.shape[-1]) if logits.shape[-1] else 0
+
+
+def forward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    rows: torch.Tensor | None,
+    inv_temperature: float | torch.Tensor,
+    need_entropy: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Phase 1: logprob of the label, log-sum-exp and entropy of ``softmax(logits / T)``.
+
+    Args:
+        logits: ``[N, V]`` or ``[B, T, V]``, any float dtype, any strides. Never modified.
+        labels: ``[N]`` int64, flat over ``B·T``.
+        rows: ``[n]`` int64 flat indices of the rows to compute, or None for all ``N`` rows.
+        inv_temperature: ``1/T`` as a Python float, or a ``[N]`` tensor in the compute dtype.
+        need_entropy: also return the entropy.
+        chunk_size: rows per chunk (≥ 1).
+
+    Returns:
+        ``(logprobs [n], lse [n], entropy [n] or None)`` in the compute dtype, one entry per
+        computed row (``n = N`` when ``rows`` is None). ``lse`` is of the scaled logits ``z / T``.
+    """
+    n = _num_rows(logits, rows)
+    cdtype = compute_dtype(logits.dtype)
+    dev = logits.device
+    out_lp = torch.empty(n, dtype=cdtype, device=dev)
+    out_lse = torch.empty(n, dtype=cdtype, device=dev)
+    out_ent = torch.empty(n, dtype=cdtype, device=dev) if need_entropy else None
+    lowest = torch.finfo(cdtype).min
+    for start in range(0, n, chunk_size):
+        stop = min(n, start + chunk_size)
+        chunk, owned = _chunk_rows(logits, rows, start, stop)
+        lab = (labels[start:stop] if rows is None else labels.index_select(0, rows[start:stop]))[
+            :, None
+        ]
+        x, owned = _to_compute(chunk, owned, cdtype)
+        s = _scale(x, _chunk_inv_t(inv_temperature, rows, start, stop), owned=owned)
+        lsm = torch.log_softmax(s, dim=-1)  # [c, V]
+        lp = lsm.gather(1, lab).squeeze(1)
+        out_lp[start:stop] = lp
+        # lse from the identity log p_y = s_y - lse: no second reduction over V.
+        out_lse[start:stop] = s.gather(1, lab).squeeze(1) - lp
+        del s, x, chunk
+        if out_ent is not None:
+            # H = -Σ p·log p. Clamping log p keeps a -inf logit (p = 0) from giving 0·(-inf) = NaN.
+            lsm.clamp_(min=lowest)
+            p = lsm.exp()
+            out_ent[start:stop] = -(p.mul_(lsm)).sum(dim=-1)
+            del p
+        del lsm
+    return out_lp, out_lse, out_ent
+
+
+def backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    rows: torch.Tensor,
+    inv_temperature: float | torch.Tensor,
+    lse: torch.Tensor,
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    chunk_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Phase 2: ``dlogits`` of the given rows from per-row coefficients; other rows exact zeros.
+
+    For row ``i`` with ``s = z / T``, ``p = softmax(s)``, label ``y``, coefficient ``a`` on the
+    logprob and ``b`` on the entropy ``H``::
+
+        dL/dz = (a·(onehot(y) - p) - b·p·(log p + H)) / T
+
+    Args:
+        logits: ``[N, V]`` or ``[B, T, V]``, as given to :func:`forward`.
+        labels: ``[N]`` int64.
+        rows: ``[n]`` int64 flat indices of the rows to write (any subset of the forward rows).
+        inv_temperature: as in :func:`forward`.
+        lse: ``[n]`` log-sum-exp of each row of ``rows`` (from :func:`forward`).
+        grad_logprobs: ``[n]`` coefficient ``a`` per row.
+        grad_entropy: ``[n]`` coefficient ``b`` per row, or None for no entropy gradient.
+        entropy: ``[n]`` entropy per row; required when ``grad_entropy`` is given.
+        chunk_size: rows per chunk.
+        out: optional zero-filled tensor of the logits' shape and dtype to write into.
+
+    Returns:
+        ``dlogits`` with the shape and dtype of ``logits``.
+    """
+    cdtype = compute_dtype(logits.dtype)
+    grad = torch.zeros_like(logits, memory_format=torch.contiguous_format) if out is None else out
+    flat = grad.view(-1, logits.shape[-1])
+    lowest = torch.finfo(cdtype).min
+    n = int(rows.numel())
+    for start in range(0, n, chunk_size):
+        stop = min(n, start + chunk_size)
+        idx = rows[start:stop]
+        chunk, owned = _chunk_rows(logits, rows, start, stop)
+        x, owned = _to_compute(chunk, owned, cdtype)
+        inv_t = _chunk_inv_t(inv_temperature, rows, start, stop)
+        s = _scale(x, inv_t, owned=owned)
+        a = grad_logprobs[start:stop, None].to(cdtype)
+        g = s - lse[start:stop, None]  # log p, a private buffer
+        del s, x, chunk
+        if grad_entropy is None:
+            g.exp_().mul_(-a)  # -a·p
+        else:
+            assert entropy is not None, "entropy is required with grad_entropy"
+            b = grad_entropy[start:stop, None].to(cdtype)
+            p = g.exp()
+            # -p·(a + b·(log p + H)), reusing the log p buffer for the factor.
+            g.clamp_(min=lowest).add_(entropy[start:stop, None]).mul_(b).add_(a)
+            g = p.mul_(g).neg_()
+            del p
+        g.scatter_add_(1, labels.index_select(0, idx)[:, None], a)  # + a·onehot(y)
+        if isinstance(inv_t, float):
+            if inv_t != 1.0:
+                g.mul_(inv_t)
+        else:
+            g.mul_(inv_t[:, None])
+        flat.index_copy_(0, idx, g.to(logits.dtype))
+        del g
+    return grad
+
+
+def naive_selective_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The unchunked gold: ``log_softmax(logits.float() / T).gather(labels)`` with plain autograd.
+
+    Materialises a full compute-dtype copy of the logits (and keeps it for backward): use it in
+    tests and benchmarks only.
+
+    Args:
+        logits: ``[..., V]``.
+        labels: ``[...]`` int64.
+        temperature: a float or a tensor broadcastable to ``labels``.
+        return_entropy: also return the entropy.
+
+    Returns:
+        ``logprobs [...]`` (and ``entropy [...]``) in the compute dtype.
+
+    Examples:
+        >>> import torch
+        >>> lp = naive_selective_logprobs(torch.zeros(2, 4), torch.tensor([0, 3]))
+        >>> torch.allclose(lp, torch.full((2,), -torch.log(torch.tensor(4.0))))
+        True
+    """
+    x = logits.to(compute_dtype(logits.dtype))
+    if isinstance(temperature, torch.Tensor):
+        x = x / temperature.to(x.dtype)[..., None]
+    elif temperature != 1.0:
+        x = x / temperature
+    lsm = torch.log_softmax(x, dim=-1)
+    lp = lsm.gather(-1, labels[..., None]).squeeze(-1)
+    if not return_entropy:
+        return lp
+    p = lsm.exp()
+    ent = -(p * lsm.clamp(min=torch.finfo(lsm.dtype).min)).sum(-1)
+    return lp, ent
