@@ -14,6 +14,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+import echoloss.advantages as advantages_module
 from echoloss.advantages import (
     RAE,
     broadcast_advantages,
@@ -649,7 +650,12 @@ def test_registry_lists_builtins():
     assert {"grpo", "dr_grpo", "rloo", "max_rl", "reinforce"} <= set(list_advantage_fns())
 
 
-def test_register_and_resolve_custom_fn():
+@pytest.fixture
+def isolated_registry(monkeypatch):
+    monkeypatch.setattr(advantages_module, "_REGISTRY", dict(advantages_module._REGISTRY))
+
+
+def test_register_and_resolve_custom_fn(isolated_registry):
     @register_advantage_fn("test_sign")
     def sign(rewards, *, scale=1.0):
         return [scale * ((r > 0) - (r < 0)) for r in rewards]
