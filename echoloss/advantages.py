@@ -334,9 +334,9 @@ def grpo(
 
     Only ``"group"`` accepts ``eps`` and ``bessel`` (population std with ``bessel=False``); the
     framework names fix both. Deliberate differences from the frameworks, for every option: a
-    singleton group gets ``[0.0]`` (verl gives ``R / (1 + 1e-6)``, TRL and OpenRLHF give NaN),
-    and a constant group gets exact zeros (the frameworks can leave ``±1e-13``-sized residue
-    from a rounded mean).
+    singleton group gets ``[0.0]`` (verl gives ``R / (1 + 1e-6)``; OpenRLHF, and TRL's
+    ``nanstd``, give NaN), and a constant group gets exact zeros (the frameworks can leave
+    ``±1e-13``-sized residue from a rounded mean).
 
     Args:
         rewards: ``[G]`` one group's rewards (survivors only), finite, ``G >= 1``.
@@ -740,7 +740,8 @@ class RAE:
                 the state is unchanged then.
 
         Examples:
-            >>> RAE(decay=0.5).advantages(["a", "a", "b"], [1.0, None, 2.0], errored=[False, True, False])
+            >>> rae = RAE(decay=0.5)
+            >>> rae.advantages(["a", "a", "b"], [1.0, None, 2.0], errored=[False, True, False])
             [1.0, None, 2.0]
         """
         key_list = _as_list(keys, "keys")
@@ -945,10 +946,12 @@ def compute_advantages(
     Examples:
         >>> compute_advantages([1.0, 0.0, 0.5, 2.0], ["g0", "g0", "g0", "g1"])
         [0.5, -0.5, 0.0, 0.0]
-        >>> compute_advantages([1.0, None, 0.0, 3.0], [7, 7, 7, 8], errored=[False, True, False, False])
+        >>> failed = [False, True, False, False]
+        >>> compute_advantages([1.0, None, 0.0, 3.0], [7, 7, 7, 8], errored=failed)
         [0.5, None, -0.5, 0.0]
-        >>> compute_advantages([1.0, None, 0.0], [7, 7, 7], errored=[False, True, False], drop_group_on_error=True)
-        [None, None, None]
+        >>> compute_advantages([1.0, None, 0.0, 3.0], [7, 7, 7, 8], errored=failed,
+        ...                    drop_group_on_error=True)
+        [None, None, None, 0.0]
     """
     reward_list = _as_list(rewards, "rewards")
     n = len(reward_list)
