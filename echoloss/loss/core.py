@@ -149,7 +149,8 @@ def _validate(
             "tokens), set LossConfig(allow_echo_with_custom_policy=True)"
         )
 
-    if config.mode == "rl":
+    any_rl = bool(rl.any())
+    if config.mode == "rl" and any_rl:
         if adv is None:
             raise ValueError("advantages: required in mode='rl' ([N] float, 0 outside rl_mask)")
         check_finite("advantages", adv, rl)
@@ -163,7 +164,7 @@ def _validate(
     for name, t in (("inference_logprobs", lq), ("old_logprobs", old)):
         if t is not None:
             check_finite(name, t, rl)
-    if config.kl_coef > 0:
+    if config.kl_coef > 0 and config.mode == "rl" and any_rl:
         if ref is None:
             raise ValueError(
                 f"ref_logprobs: required by kl_coef={config.kl_coef} ([N] float reference-model "
@@ -331,8 +332,8 @@ def _compute(
     lp_rl = lp.index_select(0, rl_idx)
     rl_means: dict[str, torch.Tensor] = {}
     flags: dict[str, torch.Tensor] = {}
-    if cfg.mode == "sft":
-        per_tok = -lp_rl
+    if cfg.mode == "sft" or n_rl == 0:
+        per_tok = -lp_rl  # the SFT NLL; an empty (zero) sum when there are no RL rows
     else:
         assert rows.advantages is not None
         adv = rows.advantages.index_select(0, rl_idx).to(lp.dtype) * cfg.adv_tau
@@ -527,7 +528,7 @@ def echo_loss_from_logprobs(
     )
     if entropy is not None:
         entropy = check_per_token("entropy", entropy, shape, dev, "float").reshape(-1)
-    if rows.config.entropy_coef != 0 and entropy is None:
+    if rows.config.entropy_coef != 0 and entropy is None and bool(rows.rl.any()):
         raise ValueError(
             f"entropy: required by entropy_coef={rows.config.entropy_coef} ([N] per-token entropy, "
             "differentiable)"
