@@ -6,6 +6,14 @@ sampled, plus a cross-entropy ("echo") term on the observation tokens the enviro
 
 from __future__ import annotations
 
+from echoloss.advantages import (
+    RAE,
+    broadcast_advantages,
+    broadcast_packed_advantages,
+    compute_advantages,
+    register_advantage_fn,
+    resolve_advantage_fn,
+)
 from echoloss.attribution import TokenAttribution
 from echoloss.config import EchoConfig, EchoFilter, RoleEcho
 from echoloss.echo import StepEcho, echo_weights, select_step_echo
@@ -15,6 +23,7 @@ from echoloss.samples import Sample, Step, interleave
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "RAE",
     "EchoConfig",
     "EchoFilter",
     "NextTokenTargets",
@@ -25,10 +34,15 @@ __all__ = [
     "StepEcho",
     "TokenAttribution",
     "__version__",
+    "broadcast_advantages",
+    "broadcast_packed_advantages",
+    "compute_advantages",
     "echo_weights",
     "interleave",
     "next_token_targets",
     "pack",
+    "register_advantage_fn",
+    "resolve_advantage_fn",
     "select_step_echo",
     "unpack",
 ]

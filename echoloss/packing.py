@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from echoloss._logging import warn_once
+from echoloss.advantages import broadcast_packed_advantages
 from echoloss.samples import Sample
 
 __all__ = [
@@ -305,7 +306,6 @@ def _build(
     rl: list[bool] = []
     echo: list[float] = []
     obs: list[bool] = []
-    adv: list[float] = []
     lq: list[float] = []
     temps: list[float] = []
     lengths: list[int] = []
@@ -314,12 +314,9 @@ def _build(
         n, p = len(s), len(s.prompt_ids)
         ids += s.token_ids
         pos += range(n)
-        sample_rl = s.rl_mask()
-        rl += sample_rl
+        rl += s.rl_mask()
         echo += s.token_echo_weights()
         obs += s.token_observation_mask()
-        a = s.advantage if s.advantage is not None else 0.0
-        adv += [a if m else 0.0 for m in sample_rl]
         lq += [0.0] * p + s.completion_logprobs
         ct = s.completion_temperatures
         prompt_t = ct[0] if ct else 1.0
@@ -333,7 +330,6 @@ def _build(
         rl += [False] * num_padding
         echo += [0.0] * num_padding
         obs += [False] * num_padding
-        adv += [0.0] * num_padding
         lq += [0.0] * num_padding
         temps += [1.0] * num_padding
         lengths.append(num_padding)
@@ -342,20 +338,23 @@ def _build(
         cu.append(cu[-1] + n)
     chosen = [samples[i] for i in indices]
     pad = (num_padding > 0,)
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    rl_mask = torch.tensor(rl, dtype=torch.bool)
+    sample_advantages = tuple(s.advantage for s in chosen) + ((None,) if pad[0] else ())
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         position_ids=torch.tensor(pos, dtype=torch.long),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
-        rl_mask=torch.tensor(rl, dtype=torch.bool),
+        rl_mask=rl_mask,
         echo_weights=torch.tensor(echo, dtype=torch.float32),
         observation_mask=torch.tensor(obs, dtype=torch.bool),
-        advantages=torch.tensor(adv, dtype=torch.float32),
+        advantages=broadcast_packed_advantages(sample_advantages, cu_seqlens, rl_mask),
         inference_logprobs=torch.tensor(lq, dtype=torch.float32),
         temperatures=torch.tensor(temps, dtype=torch.float32),
         sample_indices=tuple(indices) + ((-1,) if pad[0] else ()),
         prompt_lens=tuple(len(s.prompt_ids) for s in chosen) + ((0,) if pad[0] else ()),
-        sample_advantages=tuple(s.advantage for s in chosen) + ((None,) if pad[0] else ()),
+        sample_advantages=sample_advantages,
         env_names=tuple(s.env_name for s in chosen) + (("",) if pad[0] else ()),
         num_padding=num_padding,
         has_echo=tuple(s.echo_weights is not None for s in chosen) + ((False,) if pad[0] else ()),
