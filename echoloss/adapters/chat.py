@@ -442,6 +442,7 @@ def _locate(
     tools: Any,
     add_generation_prompt: bool,
     kwargs: Mapping[str, Any],
+    strict: bool,
 ) -> _CharSpans:
     n = len(messages)
     bodies = [
@@ -477,6 +478,9 @@ def _locate(
             starts.append(max(last_end, starts[-1]))
             continue
         s = _lcp(prefix, full)
+        if (s < last_end or s < starts[-1]) and not strict:
+            starts.append(max(last_end, starts[-1]))  # bodies stay exact; the boundary falls back
+            continue
         if s < last_end or s < starts[-1]:
             raise ChatTemplateError(
                 f"the chat template is not prefix-stable at message {k - 1} (role "
@@ -638,6 +642,7 @@ def render_attributed(
     add_generation_prompt: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     extra_roles: Sequence[str] = (),
+    require_prefix_stability: bool = True,
 ) -> ChatRendering:
     """Render ``messages`` with the tokenizer's chat template and attribute every token.
 
@@ -694,6 +699,7 @@ def render_attributed(
         tools=tools,
         add_generation_prompt=add_generation_prompt,
         kwargs=kwargs,
+        strict=require_prefix_stability,
     )
     n = len(msgs)
     tok_starts, tok_bodies = _token_cuts(tokenizer, full, ids, spans, msgs)
@@ -733,6 +739,7 @@ def attribute(
     add_generation_prompt: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     extra_roles: Sequence[str] = (),
+    require_prefix_stability: bool = True,
 ) -> tuple[list[int], TokenAttribution]:
     """Token ids of ``messages`` under the tokenizer's chat template, and their attribution.
 
@@ -747,6 +754,12 @@ def attribute(
         chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
         extra_roles: roles besides system/user/assistant/tool that the template renders (e.g.
             ``"developer"``, ``"ipython"``); any other role is an error.
+        require_prefix_stability: True (default): a template that renders a message differently
+            once later messages follow is an error. False: message *bodies* are still exact
+            (they come from renders of the whole conversation), but where the template is not
+            prefix-stable the boundary between two messages falls back to the end of the earlier
+            body, so trailing scaffold may be attributed to the next message. Enough for
+            ``target="content"`` echo, which reads bodies only.
 
     Returns:
         ``(token_ids, attribution)``: ``token_ids`` ``[P]`` exactly as
@@ -787,6 +800,7 @@ def attribute(
         add_generation_prompt=add_generation_prompt,
         chat_template_kwargs=chat_template_kwargs,
         extra_roles=extra_roles,
+        require_prefix_stability=require_prefix_stability,
     )
     return r.token_ids, r.attribution
 

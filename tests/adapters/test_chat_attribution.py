@@ -171,6 +171,10 @@ def test_template_that_rewrites_earlier_turns_is_an_error_naming_the_message():
     # The same template is fine while no later user turn rewrites the history.
     r = render_attributed(msgs[:2], tok)
     assert body_text(tok, r, 1) == "r\n</think>\n\nb"
+    # Without the requirement, bodies stay exact (from renders of the whole conversation).
+    r = render_attributed(msgs, tok, require_prefix_stability=False)
+    assert [body_text(tok, r, k) for k in range(3)] == ["a", "b", "c"]
+    assert r.spans[2].start == r.spans[1].body_end  # the boundary fell back to the body end
 
 
 def test_template_rendering_content_twice_or_not_at_all_is_an_error():
