@@ -9,11 +9,13 @@ functions (``forward`` and ``backward``) and plugs in through ``backend``.
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from echoloss._logging import warn_once
 from echoloss.ops._checks import (
     check_chunk_size,
     check_per_token,
@@ -32,8 +34,15 @@ BACKENDS = ("auto", "reference", "triton")
 def resolve_backend(backend: str, device: torch.device) -> ModuleType:
     """The module implementing the two phases for ``backend`` on ``device``.
 
-    ``"auto"`` is the PyTorch reference everywhere for now. ``"triton"`` needs the fused kernel
-    module (``echoloss/ops/selective_logprobs/fused.py``), which a later release adds.
+    ``"reference"``: the chunked PyTorch reference. ``"triton"``: the fused Triton kernels
+    (``fused.py``, needs ``pip install 'echoloss[triton]'``) on CUDA, or on cpu when the
+    environment has ``TRITON_INTERPRET=1`` (the Triton interpreter: slow, for tests; it must be
+    set before ``fused.py`` is first imported). ``"auto"``: Triton on CUDA when triton is
+    installed (else the reference, with a one-time warning), the reference on every other device.
+
+    Raises:
+        NotImplementedError: ``"triton"`` where it cannot run (no triton, or a non-CUDA device
+            without ``TRITON_INTERPRET=1``).
 
     Examples:
         >>> import torch
@@ -42,15 +51,29 @@ def resolve_backend(backend: str, device: torch.device) -> ModuleType:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if backend in ("auto", "reference"):
+    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return reference
-    try:
-        from echoloss.ops.selective_logprobs import fused  # type: ignore[attr-defined]
-    except ImportError as e:
+    interpret = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+    if backend == "triton" and device.type != "cuda" and not (device.type == "cpu" and interpret):
         raise NotImplementedError(
-            "backend='triton': the fused Triton kernel (echoloss/ops/selective_logprobs/fused.py) "
-            "is not part of this build yet; use backend='auto' or 'reference', which compute the "
-            "same values in chunked PyTorch"
+            f"backend='triton' on {device}: the Triton kernels need a CUDA device (on cpu, "
+            "TRITON_INTERPRET=1 runs them in the Triton interpreter, for tests); use "
+            "backend='auto' or 'reference', which compute the same values in chunked PyTorch"
+        )
+    try:
+        from echoloss.ops.selective_logprobs import fused
+    except ImportError as e:
+        if backend == "auto":
+            warn_once(
+                "auto-backend-no-triton",
+                f"backend='auto' on CUDA: triton is not importable ({e}), using the PyTorch "
+                "reference; pip install 'echoloss[triton]' for the fused kernels",
+            )
+            return reference
+        raise NotImplementedError(
+            f"backend='triton': triton is not importable ({e}); pip install 'echoloss[triton]', "
+            "or use backend='auto' or 'reference', which compute the same values in chunked "
+            "PyTorch"
         ) from e
     return fused
 
@@ -158,8 +181,9 @@ def selective_logprobs(
         chunk_size: rows per chunk; None picks about 2^22 elements per chunk (``2^22 // V``).
         mask: optional ``[N]`` / ``[B, T]`` bool, True = compute this row. Other rows cost no work
             and read exactly 0 in both outputs, with zero gradient.
-        backend: ``"auto"`` (the reference for now), ``"reference"`` or ``"triton"`` (raises
-            ``NotImplementedError`` until the fused kernel lands).
+        backend: ``"auto"`` (the Triton kernels on CUDA, the reference elsewhere),
+            ``"reference"`` or ``"triton"`` (CUDA, or cpu under ``TRITON_INTERPRET=1``); see
+            :func:`resolve_backend`.
 
     Returns:
         ``logprobs`` of shape ``labels.shape``, fp32 (fp64 for fp64 logits); with
