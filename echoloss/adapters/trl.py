@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from echoloss._logging import warn_once
 from echoloss.attribution import TokenAttribution
 from echoloss.config import EchoConfig
 from echoloss.echo import StepEcho, select_step_echo
@@ -280,6 +281,28 @@ def _trainer_class() -> type:
                     observation.append([x > 0 for x in w])
                     continue
                 mask = tool_mask[i] if tool_mask is not None else [1] * len(ids)
+                if self.rollout_func is not None:
+                    # Custom rollouts: TRL knows no tool messages to attribute their env tokens.
+                    if any(not m for m in mask):
+                        warn_once(
+                            "trl-rollout-func-no-echo-weights",
+                            "echoloss: a rollout_func returned env tokens (env_mask) but no "
+                            "echo_weights; they are not echoed. Return 'echo_weights' (e.g. from "
+                            "echoloss.adapters.chat) to echo them",
+                        )
+                    sel = completion_echo(
+                        ids, [1] * len(ids), [], self.processing_class, echo=self.echo
+                    )
+                    weights.append(
+                        [
+                            0.0 if x is None or not m else x
+                            for x, m in zip(sel.weights, mask, strict=True)
+                        ]
+                    )
+                    observation.append(
+                        [o and bool(m) for o, m in zip(sel.observation, mask, strict=True)]
+                    )
+                    continue
                 messages = completions[i] if isinstance(completions[i], list) else []
                 sel = completion_echo(
                     ids,

@@ -236,8 +236,20 @@ def bpe_tokenizer(template: str, specials: list[str], *, bos: str | None = None,
     return _wrap(tok, specials, template, bos=bos, eos=eos)
 
 
+def metaspace_tokenizer(template: str, specials: list[str], *, bos: str | None = None, eos: str):
+    """SentencePiece-style: a ``▁`` is prepended to the start of every encoded text, so texts
+    tokenized piece by piece do not concatenate to the whole text's tokens."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False)
+    alphabet = '\n <>|/_-.,:?!{}"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ#'
+    tok.train_from_iterator([*_CORPUS, alphabet], trainer=trainer)
+    return _wrap(tok, specials, template, bos=bos, eos=eos)
+
+
 def chatml(kind: str = "byte"):
-    make = byte_tokenizer if kind == "byte" else bpe_tokenizer
+    make = {"byte": byte_tokenizer, "bpe": bpe_tokenizer, "metaspace": metaspace_tokenizer}[kind]
     return make(CHATML_TOOLS, CHATML_SPECIALS, eos="<|im_end|>")
 
 

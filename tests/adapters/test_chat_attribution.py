@@ -293,3 +293,69 @@ def test_generation_prompt_that_does_not_start_the_turn_is_an_error():
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     with pytest.raises(ChatTemplateError, match="generation prompt is not how the template"):
         steps_from_messages(msgs, tok, logprobs=[[0.0]])
+
+
+def test_sentencepiece_style_tokenizer_uses_exact_prefix_boundaries():
+    tok = T.chatml("metaspace")
+    msgs = T.tool_conversation()
+    # Piece-by-piece tokenization does not reproduce the whole (a dummy prefix per call).
+    assert tok.encode("a", add_special_tokens=False) + tok.encode(
+        "b", add_special_tokens=False
+    ) != tok.encode("ab", add_special_tokens=False)
+    r = render_attributed(msgs, tok, tools=[T.WEATHER_TOOL])
+    assert r.token_ids == tok.apply_chat_template(msgs, tools=[T.WEATHER_TOOL], return_dict=False)
+    assert [body_text(tok, r, k) for k in (0, 1, 3, 4, 5)] == [
+        "You are terse.",
+        "Weather in Paris and Rome?",
+        "21C sunny",
+        "14:05",
+        "Paris 21C, Rome 14:05.",
+    ]
+
+
+def test_default_system_prompt_is_scaffold_of_the_first_message():
+    tok = T.chatml()
+    r = render_attributed([{"role": "user", "content": "hi"}], tok)
+    [s] = r.spans
+    assert tok.decode(r.token_ids[s.start : s.body_start]) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    )
+    assert r.token_ids[s.body_start : s.body_end] == b("hi")
+    assert r.attribution.is_content == (False,) * s.body_start + (True, True) + (False,) * 2
+
+
+def test_llama3_steps_end_at_the_end_of_turn_token():
+    tok = T.llama3()
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "ciao"},
+    ]
+    s0, s1 = steps_from_messages(msgs, tok, logprobs=[[-1.0] * 3, [-1.0] * 5])
+    assert s0.completion_ids == [*b("yo"), EOT]
+    assert s1.completion_ids == [*b("ciao"), EOT]
+    assert tok.decode(s1.prompt_ids).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    [sample] = echoloss.interleave(
+        [s0, s1], echo=echoloss.EchoConfig(user=echoloss.RoleEcho(alpha=0.1))
+    )
+    # The second user turn is an observation after the first action; the first is the task.
+    assert [t for t, w in zip(sample.token_ids, sample.echo_weights, strict=True) if w] == b("bye")
+
+
+def test_text_content_parts_form_one_body():
+    parts = (
+        "{% for m in messages %}[{{ m.role }}]{% if m.content is string %}{{ m.content }}"
+        "{% else %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}\n{% endfor %}"
+    )
+    tok = T.byte_tokenizer(parts, T.CHATML_SPECIALS, eos="<|im_end|>")
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}],
+        },
+        {"role": "tool", "content": "ok"},
+    ]
+    r = render_attributed(msgs, tok)
+    assert body_text(tok, r, 0) == "abcd"
+    assert body_text(tok, r, 1) == "ok"

@@ -185,3 +185,52 @@ def test_one_grpo_step_with_tool_echo(tmp_path):
     assert logged["echoloss/rl_tokens"] > 0
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert changed, "one optimisation step must update the parameters"
+
+
+@pytest.mark.parametrize("with_weights", [True, False])
+def test_rollout_func_can_supply_echo_weights(tmp_path, with_weights, caplog):
+    from echoloss.adapters.trl import EchoGRPOTrainer
+
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(
+        Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=16, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    )  # fmt: skip
+    action, env, answer = b"ls", b"a.txt", b"ok"
+    completion = [*action, *env, *answer, tok.eos_token_id]
+    env_mask = [1] * 2 + [0] * 5 + [1] * 3
+    weights = [0.0] * 2 + [0.0, 0.2, 0.2, 0.2, 0.2] + [0.0] * 3
+
+    def rollout(prompts, trainer):
+        out = {
+            "prompt_ids": [list(b"go")] * len(prompts),
+            "completion_ids": [completion] * len(prompts),
+            "logprobs": [[-1.0] * len(completion)] * len(prompts),
+            "env_mask": [env_mask] * len(prompts),
+        }
+        if with_weights:
+            out["echo_weights"] = [weights] * len(prompts)
+        return out
+
+    seen: list[dict] = []
+
+    class Spy(EchoGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            seen.append({k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return super()._compute_loss(model, inputs)
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                          num_generations=2, max_completion_length=32, max_steps=1,
+                          report_to="none", use_cpu=True, save_strategy="no")  # fmt: skip
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "go"}]}] * 2)
+    trainer = Spy(model=model, reward_funcs=lambda completions, **kw: [0.0, 1.0], args=args,
+                  train_dataset=dataset, processing_class=tok, rollout_func=rollout,
+                  echo=EchoConfig(tool=RoleEcho(alpha=0.05)))  # fmt: skip
+    trainer.train()
+    [inputs] = seen
+    expected = torch.tensor([weights, weights]) if with_weights else torch.zeros(2, 10)
+    assert torch.allclose(inputs["echo_weights"][:, :10], expected)
+    if not with_weights:
+        assert "no echo_weights" in caplog.text
