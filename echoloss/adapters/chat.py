@@ -819,12 +819,14 @@ def _prompt_attribution(full: ChatRendering, length: int, k: int) -> TokenAttrib
     )
 
 
-def _completion_end(span: MessageSpan, ids: list[int], special: set[int]) -> int:
+def _completion_end(span: MessageSpan, ids: list[int], eos: set[int], special: set[int]) -> int:
     """End of what the model emitted: the body, then the trailing scaffold up to and including
-    its first special token (``<|im_end|>``, ``<|eot_id|>``); the whole message if none."""
-    for t in range(span.body_end, span.end):
-        if ids[t] in special:
-            return t + 1
+    its end-of-turn token (the tokenizer's EOS, else its first special token, e.g.
+    ``<|im_end|>``, ``<|eot_id|>``); the whole message if it has neither."""
+    for stops in (eos, special):
+        for t in range(span.body_end, span.end):
+            if ids[t] in stops:
+                return t + 1
     return span.end
 
 
@@ -842,8 +844,9 @@ def steps_from_messages(
 
     Step ``j`` (the ``j``-th assistant message, at index ``k``): the prompt is
     ``messages[:k]`` rendered with the generation prompt, with its attribution; the completion is
-    the tokens the template renders for message ``k`` after that prompt, up to and including the
-    first special token after its body (the end-of-turn token), or to the end of the message.
+    the tokens the template renders for message ``k`` after that prompt, up to and including its
+    end-of-turn token (the tokenizer's EOS after the body, else the first special token after
+    it), or to the end of the message if it has neither.
     Feed the steps to :func:`echoloss.interleave`: with a prefix-stable template they merge into
     one sample whose completion region interleaves the assistant turns with the observations.
 
@@ -910,6 +913,12 @@ def steps_from_messages(
     }
     full = render_attributed(msgs, tokenizer, **common)
     special = {int(t) for t in getattr(tokenizer, "all_special_ids", None) or []}
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    eos = (
+        set()
+        if eos_id is None
+        else {int(t) for t in (eos_id if isinstance(eos_id, list) else [eos_id])}
+    )
     steps: list[Step] = []
     for j, k in enumerate(assistant):
         prompt = _template_ids(
@@ -919,7 +928,7 @@ def steps_from_messages(
         if full.token_ids[: len(prompt)] == prompt and span.start <= len(prompt) <= span.body_start:
             attribution = _prompt_attribution(full, len(prompt), k)
             completion = full.token_ids[
-                len(prompt) : _completion_end(span, full.token_ids, special)
+                len(prompt) : _completion_end(span, full.token_ids, eos, special)
             ]
         else:
             # The generation prompt differs from how the full conversation renders this turn
@@ -937,7 +946,7 @@ def steps_from_messages(
                     message_index=k,
                 )
             prompt, attribution = head.token_ids, head.attribution
-            completion = turn.token_ids[p : _completion_end(span, turn.token_ids, special)]
+            completion = turn.token_ids[p : _completion_end(span, turn.token_ids, eos, special)]
         if logprobs is None:
             warn_once(
                 "chat-steps-no-logprobs",
