@@ -1,0 +1,109 @@
+"""``echoloss-train``: the command line.
+
+::
+
+    echoloss-train                                   # the embedded default (CPU, ~5 min)
+    echoloss-train --config configs/gpu.toml         # your config
+    echoloss-train --max-steps 20 --output-dir runs/a --seed 1
+    echoloss-train --output-dir runs/a --resume      # continue from runs/a/checkpoints/latest
+    echoloss-train --set echo.alpha=0 --set optim.lr=1e-3
+    echoloss-train experiment --output-dir runs/echo # GRPO-only vs RL+echo, same seeds
+    torchrun --nproc_per_node=2 -m echoloss.train.cli --config ...   # data parallel (FSDP2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _value(text: str) -> Any:
+    """``--set`` values are JSON when they parse (numbers, booleans, lists), strings otherwise."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="echoloss-train",
+        description="Reference trainer: on-policy RL + echo on a built-in tool environment. "
+        "With no --config it runs the embedded default (a tiny model on CPU). "
+        "`echoloss-train experiment --help` for the ECHO experiment.",
+    )
+    p.add_argument("--config", help="a TOML file (default: the embedded default)")
+    p.add_argument("--max-steps", type=int, help="train.max_steps")
+    p.add_argument("--output-dir", help="train.output_dir")
+    p.add_argument("--seed", type=int, help="train.seed")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="resume from a checkpoint directory, or (no value) from OUTPUT_DIR/checkpoints/latest",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any key, e.g. --set echo.alpha=0 (repeatable)",
+    )
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in args.set:
+        key, eq, val = item.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"echoloss-train: --set expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = _value(val)
+    for key, val in (
+        ("train.max_steps", args.max_steps),
+        ("train.output_dir", args.output_dir),
+        ("train.seed", args.seed),
+    ):
+        if val is not None:
+            out[key] = val
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``echoloss-train`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["experiment"]:
+        from echoloss.train.experiment import main as experiment_main
+
+        return experiment_main(argv[1:])
+    args = _parser().parse_args(argv)
+    from echoloss.train.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, _overrides(args))
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"echoloss-train: {err}", file=sys.stderr)
+        return 2
+    from echoloss.train.recipe import train
+
+    resume = None
+    if args.resume is not None:
+        resume = args.resume or cfg.train.output_dir
+    from echoloss.io import RolloutFileError
+
+    try:
+        out = train(cfg, resume=resume)
+    except (FileNotFoundError, RolloutFileError) as err:  # bad input: say what, no traceback
+        print(f"echoloss-train: {err}", file=sys.stderr)
+        return 2
+    print(f"done: {out}/metrics.jsonl, {out}/plots/, {out}/final-model/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""Where the trainer's rollouts come from: on-policy generation, scripted demonstrations, a
+held-out set, or a rollout JSONL file.
+
+A :class:`Rollout` is what the training loop consumes: the :class:`echoloss.Step` list of one
+conversation (one step per model call, with the prompt's attribution), its reward, its group and
+env. Everything downstream (advantages, ``interleave``, ``pack``, the loss) is the library's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import echoloss
+from echoloss.adapters.chat import attribute, render_attributed, steps_from_messages
+from echoloss.train.env import GridWalk, Task, demonstration, random_walk
+
+__all__ = [
+    "Rollout",
+    "demo_rollouts",
+    "generate_rollouts",
+    "heldout_conversations",
+    "read_rollout_groups",
+    "rollout_record",
+    "scripted_steps",
+]
+
+
+@dataclass
+class Rollout:
+    """One finished conversation, ready for :func:`echoloss.interleave`.
+
+    Attributes:
+        steps: one :class:`echoloss.Step` per model call.
+        reward: the scalar reward.
+        group_id: rollouts of the same prompt share it (GRPO groups).
+        env_name: for per-env metrics.
+        errored: the rollout failed (it trains nothing and is left out of its group's baseline).
+        stats: per-rollout numbers averaged into per-env metrics (turns, walls, ...).
+        messages: the conversation (for the token export and debugging).
+    """
+
+    steps: list[echoloss.Step]
+    reward: float
+    group_id: Any
+    env_name: str
+    errored: bool = False
+    stats: dict[str, float] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _left_pad(
+    rows: Sequence[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def _sample(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[list[int]],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    synced: bool,
+    device: torch.device,
+) -> list[tuple[list[int], list[float]]]:
+    """Sample one completion per prompt with HF ``generate``; returns ``(ids, logprobs)`` pairs.
+
+    The completion stops after the first end-of-turn token (kept: the model must learn to emit
+    it). Logprobs are ``log_softmax(logits / T)`` of the raw logits, i.e. of exactly the
+    distribution sampled from (no top-k / top-p). ``synced`` keeps every data-parallel rank
+    stepping until all are done (FSDP gathers parameters in every forward).
+    """
+    from transformers import GenerationConfig
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+    ids, mask = _left_pad(prompts, pad, device)
+    gen = GenerationConfig(
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, generation_config=gen, synced_gpus=synced
+    )
+    new = out.sequences[:, ids.shape[1] :].cpu()
+    logits = torch.stack(out.logits, 1).float().cpu()  # [B, T_new, V]
+    logp = torch.log_softmax(logits / temperature, -1).gather(-1, new[..., None])[..., 0]
+    results = []
+    for row, lp in zip(new.tolist(), logp.tolist(), strict=True):
+        n = row.index(eos) + 1 if eos in row else len(row)
+        results.append((row[:n], lp[:n]))
+    return results
+
+
+def _render_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt the model sees: the chat template with the generation prompt, as token ids."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _prompt_attributions(
+    tokenizer: Any, messages: list[dict[str, Any]], prompts: list[list[int]]
+) -> list[echoloss.TokenAttribution]:
+    """The attribution of every model call's prompt, from one attributed rendering of the whole
+    conversation (cheaper than attributing each prompt on its own).
+
+    Prompt ``j`` was rendered from the messages before the ``j``-th assistant message ``k``, plus
+    the generation prompt. With a prefix-stable template it is a prefix of the whole rendering;
+    its generation prompt (the start of message ``k`` there) becomes scaffold of no message
+    (``-1``). A template that rewrites history falls back to attributing that prompt by itself.
+    """
+    full = render_attributed(messages, tokenizer)
+    assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    att = full.attribution
+    out = []
+    for k, prompt in zip(assistant, prompts, strict=True):
+        n = len(prompt)
+        if full.token_ids[:n] != prompt:
+            _, a = attribute(messages[:k], tokenizer, add_generation_prompt=True)
+            out.append(a)
+            continue
+        indices = [i if i < k else -1 for i in att.message_indices[:n]]
+        names = att.message_tool_names
+        out.append(
+            echoloss.TokenAttribution(
+                message_indices=indices,
+                is_content=[c and i >= 0 for c, i in zip(att.is_content[:n], indices, strict=True)],
+                message_roles=att.message_roles[:k],
+                message_tool_names=None if names is None else names[:k],
+            )
+        )
+    return out
+
+
+def generate_rollouts(
+    model: Any,
+    tokenizer: Any,
+    env: GridWalk,
+    tasks: Sequence[tuple[Any, Task]],
+    *,
+    group_size: int,
+    temperature: float,
+    max_new_tokens: int,
+    device: torch.device,
+    world_size: int = 1,
+) -> list[Rollout]:
+    """Play ``group_size`` episodes of every ``(group_id, task)`` with the model, turn by turn.
+
+    Every turn renders each live conversation with the chat template, samples all live
+    conversations in one batched ``generate`` call, and feeds the decoded replies to the env. A
+    model call is one :class:`echoloss.Step`: the exact prompt ids it saw (attributed by
+    :func:`echoloss.adapters.chat.render_attributed`) and the exact ids and logprobs it sampled.
+    When the next prompt does not extend prompt + completion token for token (a reply cut off
+    before its end-of-turn token), :func:`echoloss.interleave` starts a new sample, as it would
+    for any real rollout.
+
+    With ``world_size > 1`` every rank must call this the same number of times; ranks keep
+    calling ``generate`` (on a one-row dummy batch when they have nothing left) until no rank has
+    a live conversation, because FSDP gathers parameters inside every forward.
+    """
+    import torch.distributed as dist
+
+    episodes = [(gid, env.start(task)) for gid, task in tasks for _ in range(group_size)]
+    calls: list[list[tuple[list[int], list[int], list[float]]]] = [[] for _ in episodes]
+    synced = world_size > 1
+    was_training = model.training
+    model.eval()
+    while True:
+        live = [i for i, (_, ep) in enumerate(episodes) if not ep.done]
+        if synced:
+            flag = torch.tensor([len(live)], dtype=torch.long, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if int(flag) == 0:
+                break
+        elif not live:
+            break
+        prompts = [_render_ids(tokenizer, episodes[i][1].messages) for i in live]
+        outs = _sample(
+            model,
+            tokenizer,
+            prompts or [[tokenizer.eos_token_id]],  # a dummy row keeps this rank in step
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            synced=synced,
+            device=device,
+        )
+        for i, prompt, (comp, lp) in zip(live, prompts, outs, strict=False):
+            calls[i].append((prompt, comp, lp))
+            env.act(episodes[i][1], tokenizer.decode(comp, skip_special_tokens=True))
+    model.train(was_training)
+    rollouts = []
+    for (gid, ep), turns in zip(episodes, calls, strict=True):
+        atts = _prompt_attributions(tokenizer, ep.messages, [p for p, _, _ in turns])
+        steps = [
+            echoloss.Step(
+                prompt_ids=p,
+                completion_ids=c,
+                completion_logprobs=lp,
+                attribution=a,
+                temperature=temperature,
+            )
+            for (p, c, lp), a in zip(turns, atts, strict=True)
+        ]
+        stats = {"turns": float(ep.turns), "success": ep.reward, **ep.stats}
+        rollouts.append(Rollout(steps, ep.reward, gid, env.name, stats=stats, messages=ep.messages))
+    return rollouts
+
+
+class _NoPlaceholderWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "got no logprobs" not in record.getMessage()
+
+
+def scripted_steps(messages: list[dict[str, Any]], tokenizer: Any) -> list[echoloss.Step]:
+    """Steps of a scripted conversation. Nothing sampled them, so their logprobs are ``0.0``
+    placeholders; they are only used by the SFT warm-start and the held-out evaluation, which
+    never read them, so the adapter's warning about placeholders is silenced here."""
+    log = logging.getLogger("echoloss")
+    quiet = _NoPlaceholderWarning()
+    log.addFilter(quiet)
+    try:
+        return steps_from_messages(messages, tokenizer)
+    finally:
+        log.removeFilter(quiet)
+
+
+def demo_rollouts(
+    env: GridWalk, tokenizer: Any, tasks: Sequence[tuple[Any, Task]], seed: int
+) -> list[Rollout]:
+    """Scripted shortest-path conversations (the warm-start's demonstrations), as rollouts."""
+    out = []
+    for gid, task in tasks:
+        messages = demonstration(env, task, random.Random(f"demo/{seed}/{gid}"))
+        out.append(
+            Rollout(
+                steps=scripted_steps(messages, tokenizer),
+                reward=1.0,
+                group_id=gid,
+                env_name=env.name,
+                messages=messages,
+            )
+        )
+    return out
+
+
+def heldout_conversations(env: GridWalk, *, seed: int, count: int) -> list[list[dict[str, Any]]]:
+    """The fixed held-out set for the observation cross-entropy: random walks (walls included)
+    on tasks from a stream no training step draws from. Random, not scripted or on-policy, so
+    the metric measures the world model and not whether the policy's own moves are predictable."""
+    out = []
+    for i in range(count):
+        task = env.task(seed=-1 - seed, index=i)  # training streams use seed >= 0
+        rng = random.Random(f"heldout/{seed}/{i}")
+        out.append(random_walk(env, task, rng, turns=rng.randint(2, env.turn_limit - 1)))
+    return out
+
+
+def read_rollout_groups(path: str, tokenizer: Any, *, default_env: str) -> list[list[Rollout]]:
+    """Rollouts from an echoloss rollout JSONL file (:mod:`echoloss.io.rollouts`), grouped by
+    ``group_id`` in order of first appearance.
+
+    Token-form records are used as they are; chat-form records are tokenized with the model's
+    chat template. A record with ``error`` set trains nothing (and is left out of its group's
+    baseline).
+
+    Raises:
+        echoloss.io.RolloutFileError: bad lines, each named by its line number and field.
+        ValueError: a record that cannot be turned into steps (naming its line).
+    """
+    from echoloss.io import read_rollouts
+
+    groups: dict[str, list[Rollout]] = {}
+    for n, rec in enumerate(read_rollouts(path), 1):
+        try:
+            steps = rec.to_steps(tokenizer)
+        except ValueError as err:
+            raise ValueError(f"{path}: rollout {n} (group {rec.group_id!r}): {err}") from err
+        groups.setdefault(rec.group_id, []).append(
+            Rollout(
+                steps=steps,
+                reward=rec.reward,
+                group_id=rec.group_id,
+                env_name=rec.env_name or default_env,
+                errored=rec.error is not None,
+                stats=dict(rec.metrics),
+            )
+        )
+    if not groups:
+        raise ValueError(f"{path}: no rollouts in the file")
+    return list(groups.values())
+
+
+def rollout_record(rollout: Rollout) -> dict[str, Any]:
+    """A :class:`Rollout` as an echoloss rollout JSONL record (token form, with attribution)."""
+    steps = []
+    for s in rollout.steps:
+        a = s.attribution
+        steps.append(
+            {
+                "prompt_ids": s.prompt_ids,
+                "completion_ids": s.completion_ids,
+                "completion_logprobs": s.completion_logprobs,
+                "temperature": s.temperature,
+                "attribution": None
+                if a is None
+                else {
+                    "message_indices": list(a.message_indices),
+                    "is_content": list(a.is_content),
+                    "message_roles": list(a.message_roles),
+                    "message_tool_names": None
+                    if a.message_tool_names is None
+                    else list(a.message_tool_names),
+                },
+            }
+        )
+    return {
+        "schema_version": 1,
+        "group_id": str(rollout.group_id),
+        "reward": rollout.reward,
+        "env_name": rollout.env_name,
+        "steps": steps,
+        "metrics": dict(rollout.stats),
+    }

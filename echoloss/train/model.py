@@ -1,0 +1,213 @@
+"""The model side of the trainer: a tiny local model and tokenizer, loading a real one, and the
+packed forward pass.
+
+Nothing here downloads anything. The embedded default is a random-init Qwen3- or Llama-style
+causal LM built from a ``transformers`` config, with a character-level tokenizer built with
+``tokenizers`` and a real Jinja chat template (ChatML in the Qwen style: tool results are
+``<tool_response>`` blocks inside a user turn). Any local Hugging Face causal-LM directory can
+replace both (``[model] path = "..."``).
+
+The packed forward pass runs one row of concatenated sequences. Without FlashAttention's varlen
+kernels, an HF model would let the sequences of a row attend to each other, so
+:func:`packed_attention_mask` builds the block-diagonal causal mask from ``cu_seqlens`` and passes it
+as a custom 4D mask, with position ids restarting per sequence.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "build_tiny_model",
+    "build_tokenizer",
+    "load_model",
+    "packed_attention_mask",
+    "packed_logits",
+]
+
+# ChatML as Qwen renders it: tool results are <tool_response> blocks in a user turn; consecutive
+# tool messages share one turn. The generation prompt is "<|im_start|>assistant\n".
+CHAT_TEMPLATE = r"""{%- for message in messages %}
+    {%- if message.role == "tool" %}
+        {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+# Added (not special) tokens, one id each as in Qwen's vocabulary: scaffold the model never emits.
+ADDED_TOKENS = ["<tool_response>", "</tool_response>"]
+
+
+def build_tokenizer() -> Any:
+    """A character-level tokenizer (printable ASCII + newline) with the ChatML chat template.
+
+    One token per character and no merges: the decoded text of any generated ids tokenizes back to
+    the same ids, so multi-turn prompts extend the previous prompt + completion token for token
+    and :func:`echoloss.interleave` merges the turns into one sample.
+
+    Returns:
+        a ``transformers.PreTrainedTokenizerFast`` (eos ``<|im_end|>``, pad ``<|endoftext|>``).
+
+    Examples:
+        >>> tok = build_tokenizer()
+        >>> ids = tok("pos 1,2", add_special_tokens=False)["input_ids"]
+        >>> len(ids), tok.decode(ids)
+        (7, 'pos 1,2')
+        >>> tok.apply_chat_template([{"role": "tool", "content": "pos 1,2"}], tokenize=False)
+        '<|im_start|>user\\n<tool_response>\\npos 1,2\\n</tool_response><|im_end|>\\n'
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {c: i for i, c in enumerate(chars)}
+    for t in SPECIAL_TOKENS:
+        vocab[t] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(
+    *,
+    arch: str,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    seed: int,
+    attn_implementation: str = "sdpa",
+) -> torch.nn.Module:
+    """A random-init Qwen3 or Llama causal LM (fp32), initialised from ``seed`` (no download).
+
+    Examples:
+        >>> m = build_tiny_model(arch="qwen3", vocab_size=100, hidden_size=32, num_layers=1,
+        ...                      num_heads=2, num_kv_heads=1, intermediate_size=64,
+        ...                      max_position_embeddings=64, seed=0)
+        >>> type(m).__name__, sum(p.numel() for p in m.parameters())
+        ('Qwen3ForCausalLM', 12544)
+    """
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    if arch == "qwen3":
+        config = transformers.Qwen3Config(head_dim=hidden_size // num_heads, **common)
+        cls = transformers.Qwen3ForCausalLM
+    elif arch == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"model.arch: expected 'qwen3' or 'llama', got {arch!r}")
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    return model.float()
+
+
+def load_model(
+    path: str | Path, *, dtype: torch.dtype, attn_implementation: str
+) -> tuple[Any, Any]:
+    """Load a local Hugging Face causal-LM directory and its tokenizer (never a hub name).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory with a ``config.json``.
+        ValueError: the tokenizer has no chat template (the trainer renders conversations with it).
+    """
+    import transformers
+
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path: {str(p)!r} is not a local Hugging Face model directory (no config.json); "
+            "echoloss-train never downloads models: download one first, or leave model.path unset "
+            "for the tiny built-in model"
+        )
+    tok = transformers.AutoTokenizer.from_pretrained(p, local_files_only=True)
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"model.path: the tokenizer in {str(p)!r} has no chat template")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        p, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+    )
+    return model, tok
+
+
+def packed_attention_mask(
+    cu_seqlens: torch.Tensor, length: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``[1, 1, L, L]`` additive mask: token ``i`` sees token ``j`` iff ``j <= i`` in the same
+    sequence (``0``), else ``-inf`` (the dtype's minimum). Padding is its own sequence.
+
+    Examples:
+        >>> m = packed_attention_mask(torch.tensor([0, 2, 3]), 3, torch.float32, torch.device("cpu"))
+        >>> (m[0, 0] == 0).int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [0, 0, 1]], dtype=torch.int32)
+    """
+    seq = torch.zeros(length, dtype=torch.long, device=device)
+    bounds = cu_seqlens.to(device=device, dtype=torch.long)[1:-1]
+    seq[bounds] = 1
+    seq = seq.cumsum(0)  # sequence index of every token
+    idx = torch.arange(length, device=device)
+    allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])
+    mask = torch.zeros(length, length, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def packed_logits(model: Any, batch: Any, *, attn_implementation: str) -> torch.Tensor:
+    """Logits ``[L, V]`` of one :class:`echoloss.PackedBatch` row, sequences kept apart.
+
+    FlashAttention implementations separate the sequences from the restarting ``position_ids``
+    alone; every other implementation gets the block-diagonal mask of
+    :func:`packed_attention_mask`.
+    """
+    ids = batch.input_ids[None]
+    pos = batch.position_ids[None]
+    kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": pos, "use_cache": False}
+    if "flash" not in attn_implementation:
+        dtype = next(model.parameters()).dtype
+        kwargs["attention_mask"] = packed_attention_mask(
+            batch.cu_seqlens, ids.shape[1], dtype, ids.device
+        )
+    return model(**kwargs).logits[0]

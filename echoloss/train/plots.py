@@ -1,0 +1,76 @@
+"""PNG plots of a run's ``metrics.jsonl`` (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PANELS", "plot_run", "read_metrics"]
+
+# (title, metric keys) per panel of the run plot.
+PANELS: list[tuple[str, list[str]]] = [
+    ("reward (training rollouts)", ["reward"]),
+    ("held-out observation CE (nats/token)", ["heldout_obs_ce"]),
+    ("loss terms", ["loss_rl", "loss_echo"]),
+    ("echo NLL on trained observations", ["echo_nll"]),
+    ("policy entropy (RL tokens)", ["entropy"]),
+    ("gradient norm (before clipping)", ["grad_norm"]),
+    ("mismatch KL (trainer vs sampler)", ["mismatch_kl"]),
+    ("throughput (tokens/s, training)", ["tokens_per_s"]),
+]
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` file (a resumed run's repeated steps: the last one wins)."""
+    rows: dict[int, dict[str, Any]] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{n}: not a JSON line: {err}") from None
+                rows[int(row["step"])] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def plot_run(metrics: str | Path, out_dir: str | Path) -> list[Path]:
+    """Write ``training.png`` (every panel of :data:`PANELS`) to ``out_dir``; returns the files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    warm_end = max((r["step"] for r in rows if r.get("phase") == "warmup"), default=0)
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5), constrained_layout=True)
+    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+        for key in keys:
+            xs, ys = _series(rows, key)
+            if xs:
+                ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=key)
+        if warm_end:
+            ax.axvspan(0, warm_end, color="0.9", zorder=0, label="warm-start")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1 or warm_end:
+            ax.legend(fontsize=8)
+    path = out / "training.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return [path]

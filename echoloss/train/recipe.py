@@ -1,0 +1,763 @@
+"""The reference trainer: on-policy RL + echo, one loop to read top to bottom.
+
+Per optimiser step::
+
+    rollouts   = play G episodes per prompt with the model        (or: demos / a rollout JSONL)
+    advantages = echoloss.compute_advantages(rewards, group_ids)   (GRPO by default, or RAE)
+    samples    = echoloss.interleave(rollout.steps, echo=...)      (one per conversation)
+    batches    = echoloss.pack(samples, max_tokens=micro_batch)    (micro-batches of packed rows)
+    norms      = all_reduce(Σ count_normalizers(batch))            (global denominators)
+    for batch:   echo_loss(logits, ..., normalizers=norms).backward()
+    undo_data_parallel_averaging; clip; AdamW step
+
+What was simplified, and why (this is a recipe, not a framework):
+
+* **One policy update per batch** (fully on-policy, as the ECHO paper's released config:
+  ``train_batch_size == policy_mini_batch_size``). The importance ratio is taken against the
+  sampling logprobs, so it only corrects the small numerical mismatch between ``generate``'s
+  padded forward and the packed training forward (``mismatch_kl`` reports it).
+* **Generation is HF ``generate``**, turn by turn over all live conversations of the rank. Fine
+  for a tiny model on CPU and for a small real model on one GPU; a production run would use an
+  inference server and read its rollouts with ``data.source = "jsonl"``.
+* **The packed forward** uses a block-diagonal 4D attention mask (or FlashAttention's varlen path
+  when ``model.attn_implementation`` is a flash one), built from the batch's ``cu_seqlens``.
+* **Data parallelism is FSDP2 ``fully_shard``** per decoder layer and at the root, under
+  ``torchrun``. Every rank must run the same number of forwards (FSDP gathers parameters in each),
+  so ranks pad their micro-batch count with empty batches whose loss is an exact, connected zero.
+* **The warm-start** is plain SFT on scripted shortest-path demonstrations (assistant tokens only,
+  no echo, identical for every arm of the ECHO experiment) for ``warmup.steps`` steps, counted in
+  ``train.max_steps``. It teaches the reply format; RL does the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import echoloss
+from echoloss.loss import (
+    LossConfig,
+    Normalizers,
+    all_reduce_normalizers,
+    count_normalizers,
+    echo_loss,
+    undo_data_parallel_averaging,
+)
+from echoloss.train import checkpoint as ckpt
+from echoloss.train.config import TrainConfig
+from echoloss.train.data import (
+    Rollout,
+    demo_rollouts,
+    generate_rollouts,
+    heldout_conversations,
+    read_rollout_groups,
+    rollout_record,
+    scripted_steps,
+)
+from echoloss.train.env import GridWalk
+from echoloss.train.model import build_tiny_model, build_tokenizer, load_model, packed_logits
+
+__all__ = ["train"]
+
+SFT = LossConfig(mode="sft", compute_entropy=False)  # the warm-start's loss (no RL, no echo)
+
+
+# ------------------------------------------------------------------------------------------------
+# Set-up helpers
+
+
+def _init_distributed(device: torch.device) -> tuple[int, int]:
+    """``(rank, world_size)``; under ``torchrun`` also initialises the process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    if cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+
+
+def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any]:
+    m = cfg.model
+    if m.path is not None:
+        model, tok = load_model(
+            m.path, dtype=_dtype(cfg, device), attn_implementation=m.attn_implementation
+        )
+    else:
+        tok = build_tokenizer()
+        model = build_tiny_model(
+            arch=m.arch,
+            vocab_size=len(tok),
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            intermediate_size=m.intermediate_size,
+            max_position_embeddings=m.max_position_embeddings,
+            seed=cfg.train.seed,
+            attn_implementation=m.attn_implementation,
+        ).to(_dtype(cfg, device))
+    return model.to(device), tok
+
+
+def _shard(model: Any) -> None:
+    """FSDP2: one unit per decoder layer, plus the root (embeddings, final norm, LM head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for layer in layers if layers is not None else []:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: where each step's rollouts come from
+
+
+class Batches:
+    """This rank's rollouts for each step: warm-start demos, on-policy episodes, or JSONL groups.
+
+    The data position is a pure function of the step (task ``step * P + i`` of the seeded task
+    stream; JSONL groups in a per-epoch seeded order), so a resumed run draws exactly the data
+    an uninterrupted run would. Groups are dealt to ranks round-robin.
+    """
+
+    def __init__(self, cfg: TrainConfig, env: GridWalk, tok: Any, rank: int, world: int) -> None:
+        self.cfg, self.env, self.tok, self.rank, self.world = cfg, env, tok, rank, world
+        self.groups: list[list[Rollout]] | None = None
+        if cfg.data.source == "jsonl":
+            self.groups = read_rollout_groups(cfg.data.path, tok, default_env=env.name)
+
+    def position(self, step: int) -> int:
+        """Prompts (groups) consumed before ``step``."""
+        return step * self.cfg.data.prompts_per_step
+
+    def _mine(self, step: int) -> list[int]:
+        start = self.position(step)
+        return [
+            start + i for i in range(self.cfg.data.prompts_per_step) if i % self.world == self.rank
+        ]
+
+    def get(self, step: int, model: Any, device: torch.device) -> list[Rollout]:
+        cfg = self.cfg
+        if step < cfg.warmup.steps:  # scripted demonstrations, one per "group"
+            n = cfg.warmup.demos_per_step
+            start = step * n
+            ids = [start + i for i in range(n) if i % self.world == self.rank]
+            tasks = [(g, self.env.task(seed=cfg.train.seed, index=g)) for g in ids]
+            return demo_rollouts(self.env, self.tok, tasks, seed=cfg.train.seed)
+        if self.groups is not None:  # rollouts produced elsewhere
+            out = []
+            for g in self._mine(step):
+                epoch, i = divmod(g, len(self.groups))
+                order = list(range(len(self.groups)))
+                random.Random(f"jsonl/{cfg.train.seed}/{epoch}").shuffle(order)
+                out.extend(self.groups[order[i]])
+            return out
+        # On-policy: G episodes of each of this rank's prompts, with the current model.
+        offset = 1_000_000_007  # RL tasks come from a part of the stream the warm-start never uses
+        tasks = [
+            (g, self.env.task(seed=cfg.train.seed, index=offset + g)) for g in self._mine(step)
+        ]
+        return generate_rollouts(
+            model,
+            self.tok,
+            self.env,
+            tasks,
+            group_size=cfg.data.group_size,
+            temperature=cfg.data.temperature,
+            max_new_tokens=cfg.data.max_new_tokens,
+            device=device,
+            world_size=self.world,
+        )
+
+
+def _gather(obj: Any, world: int) -> list[Any]:
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _advantages(
+    cfg: TrainConfig, rollouts: list[Rollout], rae: echoloss.RAE | None, world: int
+) -> list[float | None]:
+    """Advantages of this rank's rollouts, computed on the *global* batch.
+
+    Every rank gathers every reward and runs the same computation, so the result does not depend
+    on the number of ranks (and a stateful RAE stays identical on every rank).
+    """
+    mine = [(r.group_id, r.reward, r.errored, r.env_name) for r in rollouts]
+    everything = [x for part in _gather(mine, world) for x in part]
+    rank = dist.get_rank() if world > 1 else 0
+    start = sum(len(p) for p in _gather(len(mine), world)[:rank])
+    groups = [g for g, _, _, _ in everything]
+    rewards = [r for _, r, _, _ in everything]
+    errored = [e for _, _, e, _ in everything]
+    if rae is not None:
+        adv = rae.advantages([env for *_, env in everything], rewards, errored=errored)
+    else:
+        adv = echoloss.compute_advantages(
+            rewards, groups, fn=cfg.advantages.fn, errored=errored, fn_kwargs=cfg.advantages.kwargs
+        )
+    return adv[start : start + len(mine)]
+
+
+def _echo_config(cfg: TrainConfig) -> echoloss.EchoConfig | None:
+    e = cfg.echo
+    if e.alpha == 0:
+        return None  # plain RL: no echo weights at all
+    return echoloss.EchoConfig(
+        tool=echoloss.RoleEcho(alpha=e.alpha),
+        target=e.target,
+        echo_warnings=e.echo_warnings,
+        max_tokens_per_message=e.max_tokens_per_message,
+    )
+
+
+def _dummy_batch(pad_id: int) -> echoloss.PackedBatch:
+    """A two-token batch that trains nothing: its loss is an exact zero, still connected to the
+    graph, so a rank with fewer micro-batches can match the others' forwards and backwards."""
+    s = echoloss.Sample(
+        prompt_ids=[pad_id],
+        completion_ids=[pad_id],
+        completion_mask=[False],
+        completion_logprobs=[0.0],
+    )
+    return echoloss.pack([s], max_tokens=2)[0]
+
+
+def _micro_batches(
+    samples: list[echoloss.Sample], cfg: TrainConfig, pad_id: int, world: int
+) -> list[echoloss.PackedBatch]:
+    batches = echoloss.pack(samples, max_tokens=cfg.optim.micro_batch_tokens) if samples else []
+    if world > 1:  # same count of forwards on every rank
+        most = max(_gather(len(batches), world))
+        batches += [_dummy_batch(pad_id) for _ in range(most - len(batches))]
+    return batches
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics
+
+
+class _Metrics:
+    """Aggregates the loss's per-micro-batch metrics into step values (sums, weighted means, max)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+        self.maxes: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        vals = {k: float(v) for k, v in metrics.items()}
+        for key, v in vals.items():
+            name, _, env = key.partition("/")
+            if name.startswith(("loss_", "rl_tokens", "echo_tokens")):
+                self.sums[key] += v
+                self.weights[key] = 1.0
+            elif name.endswith("_max"):
+                self.maxes[key] = max(self.maxes.get(key, -math.inf), v)
+            else:  # a mean over RL rows (or echo rows for the echo NLL): weight by the row count
+                w = vals.get(
+                    ("echo_tokens/" if name.startswith("echo_") else "rl_tokens/") + env, 0.0
+                )
+                self.sums[key] += v * w
+                self.weights[key] += w
+
+    def result(self, world: int) -> dict[str, float]:
+        parts = _gather((dict(self.sums), dict(self.weights), dict(self.maxes)), world)
+        sums: dict[str, float] = defaultdict(float)
+        weights: dict[str, float] = defaultdict(float)
+        maxes: dict[str, float] = {}
+        for s, w, m in parts:
+            for k, v in s.items():
+                sums[k] += v
+            for k, v in w.items():
+                weights[k] = (
+                    max(weights[k], v)
+                    if k.startswith(("loss_", "rl_tokens", "echo_tokens"))
+                    else weights[k] + v
+                )
+            for k, v in m.items():
+                maxes[k] = max(maxes.get(k, -math.inf), v)
+        out = {k: (v / weights[k] if weights[k] else 0.0) for k, v in sums.items()}
+        out.update(maxes)
+        return out
+
+
+@torch.no_grad()
+def heldout_observation_ce(model: Any, batches: list[echoloss.PackedBatch], attn: str) -> float:
+    """Mean cross-entropy (nats/token) of the tool-observation body tokens of the held-out set.
+
+    The observation tokens are chosen by the library itself: the held-out conversations go
+    through ``interleave`` with a tool echo config, and the echo rows are the observation bodies.
+    """
+    was = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    for b in batches:
+        t = echoloss.next_token_targets(b)
+        out = echo_loss(
+            packed_logits(model, b, attn_implementation=attn).float(),
+            t.labels,
+            rl_mask=torch.zeros_like(t.rl_mask),
+            echo_weights=t.echo_weights,
+            config=LossConfig(compute_entropy=False),
+        )
+        n = int(out.metrics["echo_tokens/all"])
+        nll += float(out.metrics["echo_nll_mean/all"]) * n
+        count += n
+    model.train(was)
+    return nll / max(count, 1)
+
+
+def _heldout_batches(
+    cfg: TrainConfig, env: GridWalk, tok: Any, device: torch.device
+) -> list[echoloss.PackedBatch]:
+    if cfg.data.heldout_size == 0 or cfg.data.source == "jsonl":
+        return []
+    probe = echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=1.0))
+    samples = []
+    for messages in heldout_conversations(env, seed=cfg.train.seed, count=cfg.data.heldout_size):
+        for s in echoloss.interleave(scripted_steps(messages, tok), echo=probe):
+            s.advantage = 0.0
+            samples.append(s)
+    return [b.to(device) for b in echoloss.pack(samples, max_tokens=cfg.optim.micro_batch_tokens)]
+
+
+def _rollout_metrics(
+    rollouts: list[Rollout], advantages: list[float | None], world: int
+) -> dict[str, float]:
+    """Reward, advantage and per-env statistics over the global batch."""
+    mine = [
+        (r.env_name, r.reward, a, r.stats, len(r.steps))
+        for r, a in zip(rollouts, advantages, strict=True)
+    ]
+    rows = [x for part in _gather(mine, world) for x in part]
+    out: dict[str, float] = {}
+    if not rows:
+        return out
+    rewards = np.array([r for _, r, _, _, _ in rows])
+    adv = np.array([a for _, _, a, _, _ in rows if a is not None] or [0.0])
+    out.update(
+        reward=float(rewards.mean()),
+        reward_std=float(rewards.std()),
+        advantage_mean=float(adv.mean()),
+        advantage_std=float(adv.std()),
+        advantage_abs=float(np.abs(adv).mean()),
+        rollouts=float(len(rows)),
+    )
+    by_env: dict[str, list[tuple[float, dict[str, float], int]]] = defaultdict(list)
+    for env, r, _, stats, n_steps in rows:
+        by_env[env].append((r, stats, n_steps))
+    for env, items in sorted(by_env.items()):
+        out[f"env/{env}/reward"] = float(np.mean([r for r, _, _ in items]))
+        out[f"env/{env}/model_calls"] = float(np.mean([n for _, _, n in items]))
+        for key in sorted({k for _, s, _ in items for k in s}):
+            out[f"env/{env}/{key}"] = float(np.mean([s.get(key, 0.0) for _, s, _ in items]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _save(
+    out: Path,
+    step: int,
+    model: Any,
+    opt: Any,
+    rae: echoloss.RAE | None,
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=full)  # collective under FSDP
+    opt_sd = get_optimizer_state_dict(model, opt, options=full)
+    rngs = _gather(_rng_state(), world)
+    if rank != 0:
+        return
+
+    def write(d: Path) -> None:
+        torch.save(model_sd, d / "model.pt")
+        torch.save(opt_sd, d / "optimizer.pt")
+        torch.save(rngs, d / "rng.pt")
+        state = {
+            "step": step,
+            "data_position": step * cfg.data.prompts_per_step,
+            "world_size": world,
+            "rae": rae.state_dict() if rae is not None else None,
+            "config": cfg.model_dump(mode="json"),
+        }
+        (d / "state.json").write_text(json.dumps(state, indent=1))
+
+    ckpt.save_checkpoint(out / "checkpoints", step, write, keep=cfg.train.keep_checkpoints)
+
+
+def _load(path: Path, model: Any, opt: Any, rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = ckpt.read_state(path)
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, torch.load(path / "model.pt", weights_only=True), options=full)
+    set_optimizer_state_dict(
+        model, opt, torch.load(path / "optimizer.pt", weights_only=False), options=full
+    )
+    rngs = torch.load(path / "rng.pt", weights_only=False)
+    if len(rngs) == world:
+        _set_rng_state(rngs[rank])
+    else:
+        print(
+            f"echoloss-train: checkpoint written by {len(rngs)} rank(s), resuming on {world}: "
+            "sampling RNG reseeded (the run continues, but not bit-identically)",
+            file=sys.stderr,
+        )
+        _seed_everything(int(state["step"]) * 7919 + rank)
+    return state
+
+
+def _export_model(out: Path, model: Any, tok: Any, rank: int) -> None:
+    """The final weights as a Hugging Face directory, usable as ``model.path``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:
+        unwrapped = model
+        unwrapped.save_pretrained(out / "final-model", state_dict=sd)
+        tok.save_pretrained(out / "final-model")
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(cfg: TrainConfig, *, resume: str | Path | None = None, log: Any = None) -> Path:
+    """Run the configured training; returns the output directory.
+
+    Process-wide torch settings it changes (deterministic algorithms, CPU threads) are restored
+    when it returns, so it can be called from tests and notebooks.
+
+    Args:
+        cfg: a validated :class:`echoloss.train.config.TrainConfig`.
+        resume: a checkpoint directory, or an output directory whose ``checkpoints/latest`` names
+            one, or None to start fresh.
+        log: where the one-line-per-step summaries go (rank 0 only).
+    """
+    if log is None:
+
+        def log(line: str) -> None:
+            print(line, flush=True)
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    threads = torch.get_num_threads()
+    try:
+        with ExitStack() as files:  # every file the run opens is closed, even on an error
+            return _train(cfg, resume, log, files)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitStack) -> Path:
+    device = _device(cfg)
+    rank, world = _init_distributed(device)
+    out = Path(cfg.train.output_dir)
+    if cfg.train.threads is not None:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=device.type == "cuda")
+    _seed_everything(cfg.train.seed * 1000 + rank)
+
+    # -- model, tokenizer, optimiser -------------------------------------------------------------
+    model, tok = _build_model(cfg, device)
+    if world > 1:
+        _shard(model)
+    attn = cfg.model.attn_implementation
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        [p for _, p in trained],
+        lr=cfg.optim.lr,
+        betas=cfg.optim.betas,
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+    )
+    env = GridWalk(size=cfg.env.size, max_turns=cfg.env.max_turns, name=cfg.env.name)
+    data = Batches(cfg, env, tok, rank, world)
+    echo = _echo_config(cfg)
+    rae = (
+        echoloss.RAE(decay=cfg.advantages.rae_decay)
+        if cfg.advantages.rae_decay is not None
+        else None
+    )
+    heldout = _heldout_batches(cfg, env, tok, device)
+    pad_id = tok.pad_token_id
+
+    # Everything that can fail on bad input (config, model, data) has run: now write files.
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+
+    # -- resume ----------------------------------------------------------------------------------
+    start = 0
+    if resume is not None:
+        path = Path(resume)
+        if not (path / "state.json").is_file():
+            found = ckpt.latest_checkpoint(path / "checkpoints")
+            if found is None:
+                raise FileNotFoundError(
+                    f"--resume: no checkpoint in {str(path)!r} (no state.json, no checkpoints/latest)"
+                )
+            path = found
+        state = _load(path, model, opt, rank, world)
+        start = int(state["step"])
+        if rae is not None and state.get("rae") is not None:
+            rae.load_state_dict(state["rae"])
+        if rank == 0:
+            log(f"resumed from {path} at step {start}")
+
+    metrics_file = rollout_file = export = bar = None
+    if rank == 0:
+        mode = "a" if resume is not None else "w"
+        metrics_file = files.enter_context(open(out / "metrics.jsonl", mode))  # noqa: SIM115
+    if cfg.train.save_rollouts:
+        rollout_file = files.enter_context(open(out / f"rollouts.rank{rank}.jsonl", "a"))  # noqa: SIM115
+    if cfg.train.export_tokens:
+        from echoloss.io import TokenExporter
+
+        export = files.enter_context(TokenExporter(out / "token_exports", rank=rank))
+    if rank == 0 and cfg.train.progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = files.enter_context(
+            tqdm(total=cfg.train.max_steps, initial=start, desc="echoloss-train", unit="step")
+        )
+
+    # -- the loop --------------------------------------------------------------------------------
+    for step in range(start, cfg.train.max_steps):
+        t0 = time.perf_counter()
+        warm = step < cfg.warmup.steps
+
+        # 1. Rollouts for this step (this rank's share of the global batch).
+        rollouts = data.get(step, model, device)
+        t_gen = time.perf_counter() - t0
+        if rollout_file is not None and not warm:  # echoloss rollout JSONL, readable as data
+            from echoloss.io import write_rollouts
+
+            write_rollouts(rollout_file, [rollout_record(r) for r in rollouts])
+            rollout_file.flush()
+
+        # 2. Advantages over the global batch; samples through the library's data path.
+        advantages = [1.0] * len(rollouts) if warm else _advantages(cfg, rollouts, rae, world)
+        samples: list[echoloss.Sample] = []
+        for r, a in zip(rollouts, advantages, strict=True):
+            if a is None:
+                continue  # errored, or a group without survivors: trains nothing
+            for s in echoloss.interleave(
+                r.steps, echo=None if warm else echo, errored=r.errored, env_name=r.env_name
+            ):
+                s.advantage = a
+                samples.append(s)
+        too_long = [len(s) for s in samples if len(s) > cfg.data.max_tokens]
+        if too_long:
+            raise ValueError(
+                f"step {step}: a sample has {max(too_long)} tokens > data.max_tokens="
+                f"{cfg.data.max_tokens}; raise data.max_tokens (and optim.micro_batch_tokens)"
+            )
+
+        # 3. Micro-batches and the global normalisers (counted once, all-reduced once).
+        batches = [b.to(device) for b in _micro_batches(samples, cfg, pad_id, world)]
+        targets = [echoloss.next_token_targets(b) for b in batches]
+        local = sum(
+            (
+                count_normalizers(
+                    rl_mask=t.rl_mask, echo_weights=t.echo_weights, sequence_ids=t.sequence_ids
+                )
+                for t in targets
+            ),
+            Normalizers(),
+        )
+        norms = all_reduce_normalizers(local)
+
+        # 4. Forward + backward per micro-batch; gradients accumulate (sum) in .grad.
+        loss_cfg = SFT if warm else cfg.loss
+        agg = _Metrics()
+        tokens = 0
+        for i, (b, t) in enumerate(zip(batches, targets, strict=True)):
+            sync = model.set_requires_gradient_sync if world > 1 else None
+            if sync is not None:
+                sync(i == len(batches) - 1)  # reduce-scatter once, after the last micro-batch
+            logits = packed_logits(model, b, attn_implementation=attn)
+            res = echo_loss(
+                logits,
+                t.labels,
+                rl_mask=t.rl_mask,
+                echo_weights=None if warm else t.echo_weights,
+                advantages=t.advantages,
+                inference_logprobs=t.inference_logprobs,
+                temperature=t.temperatures,
+                config=loss_cfg,
+                normalizers=norms,
+                backend="auto",
+                sequence_ids=t.sequence_ids,
+                observation_mask=t.observation_mask,
+                env_names=list(b.env_names),
+            )
+            res.loss.backward()
+            agg.add(res.metrics)
+            tokens += len(b) - b.num_padding
+            if export is not None and not warm:
+                with torch.no_grad():  # what the trainer thinks of each label, at the loss's T
+                    temps = t.temperatures.masked_fill(t.echo_weights > 0, 1.0)[:, None]
+                    lp = torch.log_softmax(logits.float() / temps, -1).gather(1, t.labels[:, None])
+                export.write(
+                    b, step=step + 1, micro_step=i, row_stats={"trainer_logprobs": lp[:, 0]}
+                )
+
+        # 5. Data parallel: FSDP averaged the ranks' gradients; the global normalisers want the sum.
+        undo_data_parallel_averaging(model, world)
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in trained], clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_time = time.perf_counter() - t0
+
+        # 6. Metrics: one JSON line per step, and a one-line summary.
+        m = agg.result(world)
+        total_tokens = sum(_gather(tokens, world))
+        row: dict[str, Any] = {"step": step + 1, "phase": "warmup" if warm else "rl"}
+        if not warm:
+            row.update(_rollout_metrics(rollouts, advantages, world))
+        row.update(
+            loss=m.get("loss_rl/all", 0.0) + m.get("loss_echo/all", 0.0),
+            loss_rl=m.get("loss_rl/all", 0.0),
+            loss_echo=m.get("loss_echo/all", 0.0),
+            echo_nll=m.get("echo_nll_mean/all", 0.0),
+            rl_tokens=norms.rl_tokens,
+            echo_tokens=norms.echo_tokens,
+            sequences=norms.sequences,
+            tokens=total_tokens,
+            entropy=m.get("entropy/all", 0.0),
+            mismatch_kl=m.get("mismatch_kl/all", 0.0),
+            grad_norm=float(grad_norm),
+            lr=opt.param_groups[0]["lr"],
+            gen_time=t_gen,
+            step_time=step_time,
+            tokens_per_s=total_tokens / max(step_time - t_gen, 1e-9),
+        )
+        row.update({f"loss/{k}": v for k, v in sorted(m.items())})
+        last = step + 1 == cfg.train.max_steps
+        if heldout and ((step + 1) % cfg.train.eval_every == 0 or last or step == start):
+            row["heldout_obs_ce"] = heldout_observation_ce(model, heldout, attn)
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            line = _summary(row, cfg.train.max_steps)
+            if bar is not None:
+                bar.update(1)
+                bar.write(line)
+            else:
+                log(line)
+
+        # 7. Checkpoint (atomic); the last step always gets one.
+        if (step + 1) % cfg.train.checkpoint_every == 0 or last:
+            _save(out, step + 1, model, opt, rae, cfg, rank, world)
+
+    # -- the end: final weights as an HF directory, plots ------------------------------------------
+    files.close()
+    if start < cfg.train.max_steps:
+        _export_model(out, model, tok, rank)
+    if rank == 0 and cfg.train.plots:
+        from echoloss.train.plots import plot_run
+
+        plot_run(out / "metrics.jsonl", out / "plots")
+    if world > 1:
+        dist.barrier()
+    return out
+
+
+def _summary(row: dict[str, Any], total: int) -> str:
+    parts = [f"step {row['step']:>4}/{total} {row['phase']:<6}"]
+    for key, fmt in (
+        ("reward", "reward {:.3f}"),
+        ("loss_rl", "rl {:+.4f}"),
+        ("loss_echo", "echo {:.4f}"),
+        ("heldout_obs_ce", "obs_ce {:.3f}"),
+        ("entropy", "ent {:.3f}"),
+        ("grad_norm", "|g| {:.2f}"),
+        ("step_time", "{:.2f}s"),
+    ):
+        if key in row and not (key == "loss_rl" and row["phase"] == "warmup"):
+            parts.append(fmt.format(row[key]))
+    if row["phase"] == "warmup":
+        parts.append(f"sft {row['loss_rl']:.4f}")
+    return "  ".join(parts)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from echoloss.train.cli import main
+
+    main()

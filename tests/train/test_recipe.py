@@ -1,0 +1,192 @@
+"""The reference trainer end to end on the fast config (CPU, seconds per run)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from _train_helpers import fast_config
+
+from echoloss.train import checkpoint as ckpt
+from echoloss.train.cli import main
+from echoloss.train.model import build_tiny_model, build_tokenizer
+from echoloss.train.plots import read_metrics
+from echoloss.train.recipe import train
+
+KEYS = {
+    "step",
+    "phase",
+    "reward",
+    "reward_std",
+    "advantage_mean",
+    "advantage_abs",
+    "loss",
+    "loss_rl",
+    "loss_echo",
+    "echo_nll",
+    "heldout_obs_ce",
+    "rl_tokens",
+    "echo_tokens",
+    "tokens",
+    "entropy",
+    "mismatch_kl",
+    "grad_norm",
+    "step_time",
+    "tokens_per_s",
+    "env/gridwalk/reward",
+    "env/gridwalk/turns",
+    "env/gridwalk/walls",
+    "env/gridwalk/invalid",
+    "loss/echo_nll_mean/gridwalk",
+}
+COMPARED = (
+    "loss",
+    "loss_rl",
+    "loss_echo",
+    "echo_nll",
+    "reward",
+    "grad_norm",
+    "entropy",
+    "heldout_obs_ce",
+)
+
+
+def _initial_state(cfg) -> dict[str, torch.Tensor]:
+    m = cfg.model
+    tok = build_tokenizer()
+    model = build_tiny_model(
+        arch=m.arch,
+        vocab_size=len(tok),
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        intermediate_size=m.intermediate_size,
+        max_position_embeddings=m.max_position_embeddings,
+        seed=cfg.train.seed,
+    )
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_two_step_run_trains_every_parameter_and_writes_everything(tmp_path):
+    cfg = fast_config(
+        tmp_path / "run", **{"train.export_tokens": True, "train.save_rollouts": True}
+    )
+    out = train(cfg, log=lambda _: None)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["phase"] for r in rows] == ["warmup", "rl"]
+    rl = rows[-1]
+    assert set(rl) >= KEYS, KEYS - set(rl)
+    for r in rows:
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
+    assert rl["echo_tokens"] > 0 and rl["loss_echo"] > 0 and rl["rl_tokens"] > 0
+    # Every trained parameter changed (weight decay is 0 in the fast config, so a parameter only
+    # changes through its gradient).
+    before = _initial_state(cfg)
+    after = torch.load(out / "checkpoints" / "step_000002" / "model.pt", weights_only=True)
+    assert set(before) <= set(after)
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert not unchanged, unchanged
+    assert (out / "plots" / "training.png").stat().st_size > 10_000
+    assert (out / "final-model" / "config.json").is_file()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    # The token export and the saved rollouts are valid, readable files.
+    [export] = list((out / "token_exports").glob("step_2/rank_0.jsonl"))
+    rec = json.loads(export.read_text().splitlines()[0])
+    assert {"token_ids", "rl_mask", "echo_weights", "trainer_logprobs"} <= set(rec)
+    from echoloss.io import read_rollouts
+
+    records = read_rollouts(out / "rollouts.rank0.jsonl")
+    assert len(records) == cfg.data.prompts_per_step * cfg.data.group_size
+    # The final weights load as a model directory for the next run.
+    again = fast_config(
+        tmp_path / "again",
+        **{"model.path": str(out / "final-model"), "warmup.steps": 0, "train.max_steps": 1},
+    )
+    rows2 = read_metrics(train(again, log=lambda _: None) / "metrics.jsonl")
+    assert rows2[0]["phase"] == "rl"
+
+
+def test_resume_gives_exactly_the_same_losses(tmp_path):
+    # Warm-up step 1, RL steps 2-4; the interrupted run stops after step 2 and resumes.
+    over = {"train.max_steps": 4, "train.checkpoint_every": 2, "train.plots": False}
+    straight = train(fast_config(tmp_path / "a", **over), log=lambda _: None)
+    half = train(fast_config(tmp_path / "b", **{**over, "train.max_steps": 2}), log=lambda _: None)
+    resumed = train(fast_config(tmp_path / "b", **over), resume=half, log=lambda _: None)
+    a = read_metrics(straight / "metrics.jsonl")
+    b = read_metrics(resumed / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b, strict=True):
+        for key in COMPARED:
+            assert ra.get(key) == rb.get(key), (ra["step"], key, ra.get(key), rb.get(key))
+    assert any(r["loss_rl"] != 0 for r in a[1:]) or any(r["loss_echo"] != 0 for r in a[1:])
+    wa = torch.load(straight / "checkpoints" / "step_000004" / "model.pt", weights_only=True)
+    wb = torch.load(resumed / "checkpoints" / "step_000004" / "model.pt", weights_only=True)
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert main(["--config", str(fast_config(out).train.output_dir) + "/none.toml"]) == 2
+    cfg_path = tmp_path / "c.toml"
+    cfg_path.write_text("")
+    assert main(["--config", str(cfg_path), "--output-dir", str(out), "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_crash_while_checkpointing_keeps_the_previous_latest(tmp_path):
+    root = tmp_path / "checkpoints"
+
+    def good(d: Path) -> None:
+        (d / "state.json").write_text('{"step": 1}')
+
+    ckpt.save_checkpoint(root, 1, good, keep=2)
+
+    def crash(d: Path) -> None:
+        (d / "state.json").write_text('{"step": 2, "half')
+        raise KeyboardInterrupt  # killed mid-write
+
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(root, 2, crash, keep=2)
+    assert ckpt.latest_checkpoint(root) == root / "step_000001"
+    assert not (root / "step_000002").exists()
+    assert not list(root.glob(".tmp-*"))
+    ckpt.save_checkpoint(root, 3, good, keep=1)
+    assert ckpt.latest_checkpoint(root) == root / "step_000003"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003"]
+
+
+def _rollout_lines(tmp_path: Path) -> list[str]:
+    """Token-form rollouts written by a generation run (real logprobs and attribution)."""
+    cfg = fast_config(tmp_path / "gen", **{"train.save_rollouts": True, "train.plots": False})
+    out = train(cfg, log=lambda _: None)
+    return (out / "rollouts.rank0.jsonl").read_text().splitlines()
+
+
+def test_jsonl_source_trains_and_bad_lines_are_named(tmp_path, capsys):
+    lines = _rollout_lines(tmp_path)
+    good = tmp_path / "good.jsonl"
+    recs = [json.loads(x) for x in lines]
+    for i, r in enumerate(recs):
+        r["reward"] = float(i % 2)  # mixed rewards: non-zero advantages
+    good.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    over = {"data.source": "jsonl", "data.path": str(good), "warmup.steps": 0, "train.max_steps": 1}
+    rows = read_metrics(
+        train(fast_config(tmp_path / "j", **over), log=lambda _: None) / "metrics.jsonl"
+    )
+    assert rows[0]["loss_rl"] != 0 and rows[0]["advantage_abs"] > 0
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2] + "\n" + lines[2] + "\n")
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(f'[data]\nsource = "jsonl"\npath = "{bad}"\n[warmup]\nsteps = 0\n')
+    out = tmp_path / "never"
+    assert main(["--config", str(cfg), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "1 bad rollout record" in err and "line 2: invalid JSON" in err, err
+    assert not out.exists()  # nothing half-written
