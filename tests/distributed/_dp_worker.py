@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 
 import torch
 
@@ -124,7 +125,8 @@ def main(out_dir: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo")
+    # A bounded timeout: a lost peer fails the run instead of hanging the test suite.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     batch = global_batch()
     mbs = [micro_batch(batch, seqs) for seqs in SHARDS[rank]]

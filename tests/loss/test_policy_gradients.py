@@ -262,3 +262,23 @@ def test_cispo_logits_gradient_is_the_stop_gradient_chain():
     coef = torch.where(rl, -w * b["advantages"] / rl.sum(), 0.0)
     (g2,) = torch.autograd.grad((coef * lp).sum(), x2)
     torch.testing.assert_close(g, g2, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("clamp", [20.0, None])
+def test_log_ratio_clamp_keeps_huge_ratios_finite(clamp):
+    # A kept DPPO token at tiny probabilities: p = e^-20, p_old = e^-50 (δ ≈ 2e-9, inside the
+    # trust region) but ρ = 30, r = e^30 ≈ 1e13. The clamp caps r at e^20 with zero gradient.
+    lp = torch.tensor([-20.0], dtype=F64, requires_grad=True)
+    out = echo_loss_from_logprobs(
+        lp,
+        rl_mask=torch.tensor([True]),
+        advantages=torch.tensor([-1.0], dtype=F64),
+        inference_logprobs=torch.tensor([-50.0], dtype=F64),
+        config=LossConfig(kl_tau=0, log_ratio_clamp=clamp),
+    )
+    (g,) = torch.autograd.grad(out.loss, lp)
+    if clamp is None:
+        assert g.item() == pytest.approx(torch.tensor(30.0, dtype=F64).exp().item())
+    else:
+        assert out.loss.item() == pytest.approx(torch.tensor(20.0, dtype=F64).exp().item())
+        assert g.item() == 0.0

@@ -40,37 +40,67 @@ def default_chunk_size(num_classes: int) -> int:
     return max(1, DEFAULT_CHUNK_ELEMENTS // max(1, num_classes))
 
 
-def _chunk_rows(
-    logits: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int
-) -> tuple[torch.Tensor, bool]:
-    """Rows ``start:stop`` of the (compacted) row list as a ``[c, V]`` tensor, and whether it is
-    a private copy (so it may be modified in place).
+class _Workspace:
+    """Chunk-sized buffers reused across chunks (no allocation churn, no page faults per chunk).
 
-    ``logits`` is ``[N, V]`` or ``[B, T, V]`` (any strides); ``rows`` holds flat row indices into
-    ``N = B·T``, or None for "every row in order". 2-D slices are views; gathered rows are a
-    chunk-sized copy in the logits dtype.
+    ``x``: the scaled compute-dtype rows; ``a``, ``b``: two more compute-dtype buffers;
+    ``native``: gathered rows in the logits dtype. Each is created on first use.
     """
+
+    def __init__(self, rows: int, v: int, cdtype: torch.dtype, logits: torch.Tensor) -> None:
+        self._shape = (rows, v)
+        self._cdtype = cdtype
+        self._logits = logits
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, c: int) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None:
+            dtype = self._logits.dtype if name == "native" else self._cdtype
+            buf = torch.empty(self._shape, dtype=dtype, device=self._logits.device)
+            self._bufs[name] = buf
+        return buf[:c]
+
+
+def _load_scaled(
+    logits: torch.Tensor,
+    rows: torch.Tensor | None,
+    start: int,
+    stop: int,
+    inv_t: float | torch.Tensor,
+    ws: _Workspace,
+) -> tuple[torch.Tensor, bool]:
+    """Rows ``start:stop`` of the row list as ``z / T`` in the compute dtype, ``[c, V]``.
+
+    Returns the tensor and whether it is the workspace buffer ``x`` (free to overwrite); when it
+    is not, it is a read-only view of ``logits`` (fp32/fp64 logits at ``T = 1``).
+    """
+    c = stop - start
+    cdtype = ws._cdtype
     if rows is None and logits.dim() == 2:
-        return logits[start:stop], False
-    idx = torch.arange(start, stop, device=logits.device) if rows is None else rows[start:stop]
-    if logits.dim() == 2:
-        return logits.index_select(0, idx), True
-    t = logits.shape[1]
-    return logits[idx // t, idx % t], True
-
-
-def _to_compute(chunk: torch.Tensor, owned: bool, cdtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    x = chunk.to(cdtype)
-    return x, owned or x is not chunk
-
-
-def _scale(x: torch.Tensor, inv_t: float | torch.Tensor, owned: bool) -> torch.Tensor:
-    """``x / T`` for the chunk; in place when ``x`` is already a private copy."""
+        src = logits[start:stop]
+    elif logits.dim() == 2:
+        idx = rows[start:stop] if rows is not None else None
+        native = ws.get("x" if logits.dtype == cdtype else "native", c)
+        src = torch.index_select(logits, 0, idx, out=native)
+    else:  # [B, T, V] that cannot be viewed as [N, V]: gather (a chunk-sized copy)
+        idx = torch.arange(start, stop, device=logits.device) if rows is None else rows[start:stop]
+        t = logits.shape[1]
+        src = logits[idx // t, idx % t]
+    scaled = not (isinstance(inv_t, float) and inv_t == 1.0)
+    x = ws.get("x", c)
+    if src.data_ptr() == x.data_ptr():
+        s = src
+    elif src.dtype != cdtype or scaled:
+        s = x.copy_(src)  # upcast first, then scale in the compute dtype
+    else:
+        return src, False
     if isinstance(inv_t, float):
-        if inv_t == 1.0:
-            return x
-        return x.mul_(inv_t) if owned else x * inv_t
-    return x.mul_(inv_t[:, None]) if owned else x * inv_t[:, None]
+        if scaled:
+            s.mul_(inv_t)
+    else:
+        s.mul_(inv_t[:, None])
+    return s, True
 
 
 def _chunk_inv_t(
@@ -119,27 +149,26 @@ def forward(
     out_lse = torch.empty(n, dtype=cdtype, device=dev)
     out_ent = torch.empty(n, dtype=cdtype, device=dev) if need_entropy else None
     lowest = torch.finfo(cdtype).min
+    ws = _Workspace(min(chunk_size, max(n, 1)), logits.shape[-1], cdtype, logits)
     for start in range(0, n, chunk_size):
         stop = min(n, start + chunk_size)
-        chunk, owned = _chunk_rows(logits, rows, start, stop)
+        c = stop - start
         lab = (labels[start:stop] if rows is None else labels.index_select(0, rows[start:stop]))[
             :, None
         ]
-        x, owned = _to_compute(chunk, owned, cdtype)
-        s = _scale(x, _chunk_inv_t(inv_temperature, rows, start, stop), owned=owned)
-        lsm = torch.log_softmax(s, dim=-1)  # [c, V]
+        s, owned = _load_scaled(
+            logits, rows, start, stop, _chunk_inv_t(inv_temperature, rows, start, stop), ws
+        )
+        lsm = torch._log_softmax(s, 1, False, out=ws.get("a", c))  # [c, V]
         lp = lsm.gather(1, lab).squeeze(1)
         out_lp[start:stop] = lp
         # lse from the identity log p_y = s_y - lse: no second reduction over V.
         out_lse[start:stop] = s.gather(1, lab).squeeze(1) - lp
-        del s, x, chunk
         if out_ent is not None:
             # H = -Σ p·log p. Clamping log p keeps a -inf logit (p = 0) from giving 0·(-inf) = NaN.
             lsm.clamp_(min=lowest)
-            p = lsm.exp()
+            p = torch.exp(lsm, out=s if owned else ws.get("b", c))
             out_ent[start:stop] = -(p.mul_(lsm)).sum(dim=-1)
-            del p
-        del lsm
     return out_lp, out_lse, out_ent
 
 
@@ -179,38 +208,47 @@ def backward(
         ``dlogits`` with the shape and dtype of ``logits``.
     """
     cdtype = compute_dtype(logits.dtype)
-    grad = torch.zeros_like(logits, memory_format=torch.contiguous_format) if out is None else out
+    n = int(rows.numel())
+    if out is None:
+        # Every row written: no need to zero-fill first (one pass over [N, V] saved).
+        covers_all = n == logits.numel() // max(logits.shape[-1], 1)
+        make = torch.empty_like if covers_all else torch.zeros_like
+        out = make(logits, memory_format=torch.contiguous_format)
+    grad = out
     flat = grad.view(-1, logits.shape[-1])
     lowest = torch.finfo(cdtype).min
-    n = int(rows.numel())
+    ws = _Workspace(min(chunk_size, max(n, 1)), logits.shape[-1], cdtype, logits)
     for start in range(0, n, chunk_size):
         stop = min(n, start + chunk_size)
+        c = stop - start
         idx = rows[start:stop]
-        chunk, owned = _chunk_rows(logits, rows, start, stop)
-        x, owned = _to_compute(chunk, owned, cdtype)
         inv_t = _chunk_inv_t(inv_temperature, rows, start, stop)
-        s = _scale(x, inv_t, owned=owned)
+        s, owned = _load_scaled(logits, rows, start, stop, inv_t, ws)
         a = grad_logprobs[start:stop, None].to(cdtype)
-        g = s - lse[start:stop, None]  # log p, a private buffer
-        del s, x, chunk
+        # log p = s - lse, in place when s is a workspace buffer.
+        g = (
+            s.sub_(lse[start:stop, None])
+            if owned
+            else torch.sub(s, lse[start:stop, None], out=ws.get("a", c))
+        )
         if grad_entropy is None:
             g.exp_().mul_(-a)  # -a·p
         else:
             assert entropy is not None, "entropy is required with grad_entropy"
             b = grad_entropy[start:stop, None].to(cdtype)
-            p = g.exp()
+            p = torch.exp(g, out=ws.get("b", c))
             # -p·(a + b·(log p + H)), reusing the log p buffer for the factor.
             g.clamp_(min=lowest).add_(entropy[start:stop, None]).mul_(b).add_(a)
             g = p.mul_(g).neg_()
-            del p
         g.scatter_add_(1, labels.index_select(0, idx)[:, None], a)  # + a·onehot(y)
         if isinstance(inv_t, float):
             if inv_t != 1.0:
                 g.mul_(inv_t)
         else:
             g.mul_(inv_t[:, None])
-        flat.index_copy_(0, idx, g.to(logits.dtype))
-        del g
+        if g.dtype != logits.dtype:
+            g = ws.get("native", c).copy_(g)
+        flat.index_copy_(0, idx, g)
     return grad
 
 
