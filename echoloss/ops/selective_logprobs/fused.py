@@ -143,6 +143,7 @@ def _logprobs_bwd_kernel(
     HAS_ENT: tl.constexpr,
     PER_ROW_T: tl.constexpr,
     WIDE_COLS: tl.constexpr,
+    ROUND_BF16_BY_BITS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -183,7 +184,15 @@ def _logprobs_bwd_kernel(
                 # -b·p·(log p + H); log p is clamped so that p = 0 (z = -inf) gives 0, not NaN.
                 g -= b * p * (tl.maximum(log_p, -3.4028234663852886e38) + h)
             g = tl.where(offs == label, g + a, g) * inv_t
-            tl.store(out + col_out, g.to(DLOGITS.dtype.element_ty), mask=valid)
+            if ROUND_BF16_BY_BITS:
+                # Round-to-nearest-even on the fp32 bits (the interpreter's own fp32 -> bf16 cast
+                # truncates; a GPU rounds to nearest even, which this reproduces bit for bit).
+                bits = g.to(tl.uint32, bitcast=True)
+                bits = bits + 0x7FFF + ((bits >> 16) & 1)
+                g_out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            else:
+                g_out = g.to(DLOGITS.dtype.element_ty)
+            tl.store(out + col_out, g_out, mask=valid)
 
 
 def interpreter_active() -> bool:
@@ -448,6 +457,7 @@ def backward(
             HAS_ENT=has_ent,
             PER_ROW_T=per_row,
             WIDE_COLS=_wide(v, sv) or _wide(v, ov),
+            ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and interpreter_active(),
             BLOCK_V=_block(v, LAUNCH["bwd_block"]),
             num_warps=LAUNCH["bwd_warps"],
             enable_fp_fusion=True,
