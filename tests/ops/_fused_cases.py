@@ -67,7 +67,9 @@ def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, *, coef_scal
 
 
 def max_err(x: torch.Tensor, gold: torch.Tensor) -> float:
-    return float((x.double() - gold.double()).abs().max()) if x.numel() else 0.0
+    if not x.numel():
+        return 0.0
+    return float((x.detach().double() - gold.detach().double()).abs().max())
 
 
 def assert_no_worse_than_reference(
@@ -75,7 +77,7 @@ def assert_no_worse_than_reference(
 ) -> None:
     """``max|fused - gold| ≤ GOLD_FACTOR · max(max|ref - gold|, floor)`` (R7)."""
     e_f, e_r = max_err(fused, gold), max_err(ref, gold)
-    ulp = torch.finfo(fused.dtype).eps * float(gold.abs().max()) if gold.numel() else 0.0
+    ulp = torch.finfo(fused.dtype).eps * float(gold.detach().abs().max()) if gold.numel() else 0.0
     bound = GOLD_FACTOR * max(e_r, GOLD_FLOOR_ULPS * ulp)
     assert e_f <= bound, f"{what}: fused error {e_f:.3g} > {bound:.3g} (reference error {e_r:.3g})"
 

@@ -89,3 +89,21 @@ def poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", empty_like)
     monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
     yield
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the calls of the Triton phases, ``{"forward": n, "backward": m}``: a test that
+    means to exercise the kernels asserts they ran (and not a silent fallback)."""
+    from echoloss.ops.selective_logprobs import fused
+
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        real = getattr(fused, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(fused, name, spy)
+    return calls
