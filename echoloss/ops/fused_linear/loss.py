@@ -1,0 +1,136 @@
+"""``echo_loss_from_hidden``: :func:`echoloss.echo_loss` from hidden states and the LM head."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from echoloss.loss.config import LossConfig
+from echoloss.loss.core import LossOutput, echo_loss_from_logprobs
+from echoloss.loss.normalization import Normalizers, split_rows
+from echoloss.loss.policy import PolicyFn
+from echoloss.ops._checks import (
+    check_chunk_size,
+    check_per_token,
+    check_temperature,
+    check_tensor,
+    describe,
+)
+from echoloss.ops.fused_linear.op import _apply, _check_linear_inputs, _prepare
+
+__all__ = ["echo_loss_from_hidden"]
+
+
+@torch.compiler.disable
+def echo_loss_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    rl_mask: torch.Tensor,
+    echo_weights: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    inference_logprobs: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    config: LossConfig | None = None,
+    normalizers: Normalizers | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
+    observation_mask: torch.Tensor | None = None,
+    env_names: Sequence[str] | None = None,
+    policy_fn: PolicyFn | None = None,
+) -> LossOutput:
+    """:func:`echoloss.echo_loss` on ``logits = hidden @ weight.T``, without the ``[N, V]`` logits.
+
+    Same loss, metrics and gradients as ``echo_loss(hidden @ weight.T, labels, ...)`` (up to
+    the rounding of a different summation order): the rows that take part in neither term
+    are dropped before the matmul, the others go through the LM head ``chunk_size`` rows at a
+    time (:func:`echoloss.ops.fused_linear.linear_selective_logprobs`), and the loss algebra is
+    :func:`echoloss.loss.echo_loss_from_logprobs`. Backward recomputes each chunk's logits and
+    accumulates ``hidden.grad`` and ``weight.grad`` chunk by chunk (``weight.grad`` in fp32 for a
+    bf16/fp16 weight, cast once at the end). Rows outside ``rl_mask | echo_weights > 0`` get
+    exactly zero ``hidden.grad``. Arguments other than ``rl_mask`` and ``echo_weights`` are
+    validated after the forward matmul.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states (the LM head's input), bf16/fp16/fp32/fp64.
+        weight: ``[V, H]`` LM-head weight (``lm_head.weight``), same dtype and device.
+        labels: ``[N]`` integer, the token each row predicts (already shifted); in ``[0, V)``
+            on every participating row.
+        rl_mask, echo_weights, advantages, inference_logprobs, temperature, config,
+            normalizers, old_logprobs, ref_logprobs, sequence_ids, observation_mask, env_names,
+            policy_fn: as in :func:`echoloss.echo_loss`, every per-token tensor ``[N]``.
+        chunk_size: participating rows per chunk; None = about ``2^26`` logits elements.
+        backend: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"reference"``
+            or ``"triton"``: the selective-logprob phases run on each chunk's logits.
+
+    Returns:
+        :class:`echoloss.loss.LossOutput` ``(loss, metrics)``.
+
+    Raises:
+        TypeError, ValueError: on a bad input; the message names the argument and the fix.
+
+    Examples:
+        Golden case B of ``echo_loss`` with an identity LM head (``logits = hidden``):
+
+        >>> import torch
+        >>> from echoloss.loss import LossConfig, Normalizers
+        >>> lp = torch.tensor([-0.2, -0.4])
+        >>> hidden = torch.stack([lp, torch.log(-torch.expm1(lp))], 1).requires_grad_()
+        >>> weight = torch.eye(2, requires_grad=True)
+        >>> out = echo_loss_from_hidden(
+        ...     hidden, weight, torch.tensor([0, 0]), rl_mask=torch.tensor([True, True]),
+        ...     echo_weights=torch.tensor([0.0, 2.0]), advantages=torch.tensor([1.0, 2.0]),
+        ...     inference_logprobs=lp, config=LossConfig(dppo_low=10, dppo_high=10, kl_tau=0),
+        ...     normalizers=Normalizers(rl_tokens=1, echo_tokens=4), backend="reference")
+        >>> round(out.loss.item(), 5)  # RL -1.0 + echo -(2·-0.4)/4
+        -0.8
+        >>> out.loss.backward()
+        >>> hidden.grad.shape, weight.grad.shape
+        (torch.Size([2, 2]), torch.Size([2, 2]))
+    """
+    hidden, weight = _check_linear_inputs(hidden, weight)
+    lead, dev = hidden.shape[:1], hidden.device
+    cfg = LossConfig() if config is None else config
+    if not isinstance(cfg, LossConfig):
+        raise TypeError(f"config: expected an echoloss.LossConfig or None, got {describe(config)}")
+    rl_in = check_per_token("rl_mask", check_tensor("rl_mask", rl_mask), lead, dev, "bool")
+    ew = None
+    if echo_weights is not None:
+        ew = check_per_token("echo_weights", echo_weights, lead, dev, "float")
+    chunk_size = check_chunk_size(chunk_size)
+    rl, echo = split_rows(rl_in, ew)
+
+    # Echo rows at T = 1 unless config.echo_temperature == "sampling" (as echo_loss does).
+    temp = check_temperature(temperature, lead, dev)
+    if cfg.echo_temperature == "one" and bool(echo.any()):
+        if isinstance(temp, torch.Tensor):
+            temp = temp.masked_fill(echo, 1.0)
+        elif temp != 1.0:
+            temp = torch.full(lead, temp, dtype=torch.float32, device=dev).masked_fill_(echo, 1.0)
+    need_ent = bool(rl.any()) and (cfg.compute_entropy or cfg.entropy_coef != 0)
+    flat_labels, rows, inv_t = _prepare(hidden, weight, labels, temp, rl | echo)
+    lp, ent_all = _apply(hidden, weight, flat_labels, rows, inv_t, need_ent, chunk_size, backend)
+    ent: torch.Tensor | None = None
+    if need_ent:
+        ent = ent_all if cfg.entropy_coef != 0 else ent_all.detach()
+    return echo_loss_from_logprobs(
+        lp,
+        rl_mask=rl_mask,
+        echo_weights=echo_weights,
+        advantages=advantages,
+        inference_logprobs=inference_logprobs,
+        entropy=ent,
+        config=config,
+        normalizers=normalizers,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        sequence_ids=sequence_ids,
+        observation_mask=observation_mask,
+        env_names=env_names,
+        policy_fn=policy_fn,
+    )

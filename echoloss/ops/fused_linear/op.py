@@ -1,0 +1,337 @@
+"""Selective logprobs (and entropy) straight from hidden states and the LM-head weight.
+
+``linear_selective_logprobs(hidden, weight, labels)`` equals
+``selective_logprobs(hidden @ weight.T, labels)`` without ever holding the ``[N, V]`` logits:
+the participating rows are gathered first, then processed ``chunk_size`` at a time (chunk logits
+``[c, V]`` → the two-phase selective-logprob op of ``backend`` → discarded). Backward recomputes
+each chunk's logits (the loss between the phases needs every row's logprob first, so the
+gradient cannot be formed in the forward pass), writes ``dlogits`` in place over them, and
+accumulates ``d hidden`` and ``d weight`` chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from echoloss.ops._checks import (
+    check_chunk_size,
+    check_per_token,
+    check_temperature,
+    check_tensor,
+    describe,
+)
+from echoloss.ops.selective_logprobs import reference, resolve_backend
+
+__all__ = [
+    "DEFAULT_LINEAR_CHUNK_ELEMENTS",
+    "default_linear_chunk_size",
+    "linear_selective_logprobs",
+]
+
+#: Logits elements per chunk (2^26: 128 MiB of bf16 chunk logits; 441 rows at V = 151,936, i.e.
+#: about the size of the hidden states of 16k tokens at H = 4096, and a GEMM with M = 441 still
+#: fills an H100). Not measured: the GPU benchmark issue tunes it.
+DEFAULT_LINEAR_CHUNK_ELEMENTS = 1 << 26
+
+# Rows of the weight gradient per [rows, H] partial product when it is accumulated in fp32 for a
+# bf16/fp16 weight (2^24 elements: a 32 MiB bf16 temporary instead of a full [V, H] one).
+_GRAD_WEIGHT_SLICE_ELEMENTS = 1 << 24
+
+
+def default_linear_chunk_size(num_classes: int) -> int:
+    """Rows per chunk so that one chunk of logits holds about ``2^26`` elements.
+
+    Examples:
+        >>> default_linear_chunk_size(151_936)
+        441
+    """
+    return max(1, DEFAULT_LINEAR_CHUNK_ELEMENTS // max(1, num_classes))
+
+
+def _logits_chunk(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``h @ weight.T`` for one chunk, ``[c, V]`` in the input dtype (the model's own logits)."""
+    return torch.mm(h, weight.t())
+
+
+def _accumulate_grad_weight(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """``acc += dz.T @ h``: directly when ``acc`` has the inputs' dtype, else (fp32 accumulator
+    for bf16/fp16 inputs) in vocabulary slices, each product computed in the input dtype by one
+    GEMM and added in fp32, so no ``[V, H]`` temporary is ever allocated."""
+    if acc.dtype == dz.dtype:
+        acc.addmm_(dz.t(), h)
+        return
+    v, hd = acc.shape
+    step = max(1, _GRAD_WEIGHT_SLICE_ELEMENTS // max(1, hd))
+    for v0 in range(0, v, step):
+        v1 = min(v, v0 + step)
+        acc[v0:v1].add_(torch.mm(dz[:, v0:v1].t(), h))
+
+
+class _LinearLogprobsFn(torch.autograd.Function):
+    """Forward: chunked logits → phase 1. Backward: recomputed logits → phase 2 in place →
+    ``d hidden`` rows and a chunk-accumulated ``d weight``. Saves only the inputs and ``[n]``
+    per-row statistics."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        rows: torch.Tensor,
+        inv_t: float | torch.Tensor,
+        need_entropy: bool,
+        chunk_size: int,
+        impl: ModuleType,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n_all = hidden.shape[0]
+        v = weight.shape[0]
+        cdtype = reference.compute_dtype(hidden.dtype)
+        dev = hidden.device
+        n = int(rows.numel())
+        lp = torch.zeros(n_all, dtype=cdtype, device=dev)
+        ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
+        lse = torch.zeros(n, dtype=cdtype, device=dev)
+        ent_c = torch.zeros(n, dtype=cdtype, device=dev) if need_entropy else None
+        inner = reference.default_chunk_size(v)
+        for start in range(0, n, chunk_size):
+            stop = min(n, start + chunk_size)
+            idx = rows[start:stop]
+            z = _logits_chunk(hidden.index_select(0, idx), weight)
+            it = inv_t if isinstance(inv_t, float) else inv_t.index_select(0, idx)
+            lp_k, lse_k, ent_k = impl.forward(
+                z,
+                labels.index_select(0, idx),
+                rows=None,
+                inv_temperature=it,
+                need_entropy=need_entropy,
+                chunk_size=inner,
+            )
+            del z
+            lp.index_copy_(0, idx, lp_k.to(cdtype))
+            lse[start:stop] = lse_k
+            if ent_c is not None:
+                assert ent_k is not None
+                ent_c[start:stop] = ent_k
+                ent.index_copy_(0, idx, ent_k.to(cdtype))
+        if not need_entropy:
+            ctx.mark_non_differentiable(ent)
+        inv_t_t = inv_t if isinstance(inv_t, torch.Tensor) else None
+        ctx.save_for_backward(hidden, weight, labels, rows, lse, ent_c, inv_t_t)
+        ctx.inv_t_float = None if inv_t_t is not None else inv_t
+        ctx.need_entropy = need_entropy
+        ctx.chunk_size = chunk_size
+        ctx.impl = impl
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: Any, grad_lp: torch.Tensor, grad_ent: torch.Tensor) -> tuple[Any, ...]:
+        hidden, weight, labels, rows, lse, ent_c, inv_t_t = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        nones = (None,) * 6
+        if not (need_h or need_w):
+            return (None, None, *nones)
+        a = grad_lp.index_select(0, rows)
+        b = None
+        if ctx.need_entropy and grad_ent is not None and grad_ent.numel():
+            b = grad_ent.index_select(0, rows)
+        # Rows whose coefficients are all zero have exactly zero gradient: no GEMM for them.
+        live = a != 0 if b is None else (a != 0) | (b != 0)
+        keep = live.nonzero().squeeze(1)
+        rows, a, lse = rows[keep], a[keep], lse[keep]
+        b = None if b is None else b[keep]
+        ent = None if (b is None or ent_c is None) else ent_c[keep]
+        inv_t = ctx.inv_t_float if inv_t_t is None else inv_t_t
+
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = None
+        if need_w:
+            acc_dtype = reference.compute_dtype(weight.dtype)
+            grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+        v = weight.shape[0]
+        inner = reference.default_chunk_size(v)
+        n = int(rows.numel())
+        for start in range(0, n, ctx.chunk_size):
+            stop = min(n, start + ctx.chunk_size)
+            c = stop - start
+            idx = rows[start:stop]
+            h = hidden.index_select(0, idx)
+            z = _logits_chunk(h, weight)
+            it = inv_t if isinstance(inv_t, float) else inv_t.index_select(0, idx)
+            # Every row of the chunk is live, so every row of z is overwritten: in place is safe.
+            dz = ctx.impl.backward(
+                z,
+                labels.index_select(0, idx),
+                rows=torch.arange(c, device=z.device),
+                inv_temperature=it,
+                lse=lse[start:stop],
+                grad_logprobs=a[start:stop],
+                grad_entropy=None if b is None else b[start:stop],
+                entropy=None if ent is None else ent[start:stop],
+                chunk_size=inner,
+                out=z,
+            )
+            if grad_h is not None:
+                grad_h.index_copy_(0, idx, torch.mm(dz, weight))
+            if grad_w is not None:
+                _accumulate_grad_weight(grad_w, dz, h)
+            del z, dz, h
+        if grad_w is not None and grad_w.dtype != weight.dtype:
+            grad_w = grad_w.to(weight.dtype)
+        return (grad_h, grad_w, *nones)
+
+
+def _check_linear_inputs(hidden: Any, weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = check_tensor("hidden", hidden)
+    weight = check_tensor("weight", weight)
+    if not hidden.dtype.is_floating_point or hidden.dim() != 2:
+        raise TypeError(
+            f"hidden: expected a float tensor [N, H] (the final hidden states, one row per "
+            f"token), got {describe(hidden)}; flatten [B, T, H] with hidden.reshape(-1, H) and "
+            f"pass every per-token tensor as [N]"
+        )
+    if not weight.dtype.is_floating_point or weight.dim() != 2:
+        raise TypeError(
+            f"weight: expected a float tensor [V, H] (the LM-head weight, as in "
+            f"nn.Linear(H, V).weight), got {describe(weight)}"
+        )
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight: expected [V, H={hidden.shape[1]}] to match hidden [N, H], got "
+            f"{list(weight.shape)}; pass lm_head.weight (not its transpose)"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError("weight: the vocabulary dimension V is empty")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}; cast one of "
+            f"them (e.g. hidden.to(weight.dtype)), as the LM head's matmul would need"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(
+            f"weight: on {weight.device} but hidden is on {hidden.device}; move both to one device"
+        )
+    return hidden, weight
+
+
+def _prepare(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: Any,
+    temperature: Any,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor]:
+    """Flat int64 labels, participating rows, and ``1/T`` (float or ``[N]`` compute dtype)."""
+    lead = hidden.shape[:1]
+    v = weight.shape[0]
+    labels = check_per_token(
+        "labels",
+        labels,
+        lead,
+        hidden.device,
+        "int",
+        fix="labels[j] is the token hidden[j] predicts",
+    ).long()
+    rows = (
+        torch.arange(lead[0], device=hidden.device)
+        if mask is None
+        else mask.reshape(-1).nonzero().squeeze(1)
+    )
+    lab_used = labels.index_select(0, rows)
+    bad = (lab_used < 0) | (lab_used >= v)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"labels: every participating row needs a label in [0, V={v}), found "
+            f"{int(lab_used[i])} at row {int(rows[i])}; pass a mask that skips rows that predict "
+            f"nothing (e.g. ignore_index -100)"
+        )
+    temp = check_temperature(temperature, lead, hidden.device)
+    inv_t: float | torch.Tensor
+    if isinstance(temp, torch.Tensor):
+        inv_t = temp.reshape(-1).to(reference.compute_dtype(hidden.dtype)).reciprocal()
+    else:
+        inv_t = 1.0 / temp
+    return labels, rows, inv_t
+
+
+def _apply(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    rows: torch.Tensor,
+    inv_t: float | torch.Tensor,
+    need_entropy: bool,
+    chunk_size: int | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = resolve_backend(backend, hidden.device)
+    cs = chunk_size if chunk_size is not None else default_linear_chunk_size(weight.shape[0])
+    return _LinearLogprobsFn.apply(hidden, weight, labels, rows, inv_t, need_entropy, cs, impl)
+
+
+@torch.compiler.disable
+def linear_selective_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    return_entropy: bool = False,
+    mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each label (and entropy) under ``softmax(hidden @ weight.T / T)``, chunked.
+
+    Equivalent to ``selective_logprobs(hidden @ weight.T, labels, ...)`` (see
+    :func:`echoloss.ops.fused_linear.reference.naive_linear_selective_logprobs`), but the
+    ``[N, V]`` logits never exist: only ``chunk_size`` participating rows at a time, in the
+    input dtype, with their gradient written in place over them in backward. Differentiable
+    w.r.t. ``hidden`` and ``weight``.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states (bf16, fp16, fp32 or fp64), any strides.
+        weight: ``[V, H]`` LM-head weight, same dtype and device as ``hidden``.
+        labels: ``[N]`` integer, in ``[0, V)`` on every row that participates.
+        temperature: ``T > 0``: a float, a 0-dim tensor or ``[N]`` per-token values.
+        return_entropy: also return the entropy of ``softmax(logits / T)`` per row.
+        mask: optional ``[N]`` bool, True = compute this row. Other rows cost no matmul, read
+            exactly 0 and get exactly zero gradient.
+        chunk_size: participating rows per chunk; None = about ``2^26`` logits elements per
+            chunk (:func:`default_linear_chunk_size`).
+        backend: the selective-logprob phases on each chunk: ``"auto"`` (Triton on CUDA, the
+            PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
+
+    Returns:
+        ``logprobs [N]`` in fp32 (fp64 for fp64 inputs); with ``return_entropy``
+        ``(logprobs, entropy)``.
+
+    Raises:
+        TypeError, ValueError: on a wrong dtype, shape, device, label or temperature, with the fix.
+
+    Examples:
+        >>> import torch
+        >>> hidden = torch.tensor([[1.0, 0.0], [0.0, 2.0]], requires_grad=True)
+        >>> weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]], requires_grad=True)
+        >>> lp = linear_selective_logprobs(hidden, weight, torch.tensor([0, 1]), backend="reference")
+        >>> torch.allclose(lp, torch.log_softmax(hidden @ weight.T, -1)[[0, 1], [0, 1]])
+        True
+        >>> lp.sum().backward()
+        >>> hidden.grad.shape, weight.grad.shape
+        (torch.Size([2, 2]), torch.Size([3, 2]))
+    """
+    hidden, weight = _check_linear_inputs(hidden, weight)
+    if mask is not None:
+        mask = check_per_token("mask", mask, hidden.shape[:1], hidden.device, "bool")
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy: expected a bool, got {describe(return_entropy)}")
+    chunk_size = check_chunk_size(chunk_size)
+    flat_labels, rows, inv_t = _prepare(hidden, weight, labels, temperature, mask)
+    lp, ent = _apply(hidden, weight, flat_labels, rows, inv_t, return_entropy, chunk_size, backend)
+    if return_entropy:
+        return lp, ent
+    return lp

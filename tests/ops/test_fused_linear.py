@@ -1,0 +1,289 @@
+"""Fused-linear path: ``linear_selective_logprobs`` / ``echo_loss_from_hidden`` against the logits
+path on ``hidden @ weight.T``, chunked against unchunked, both backends, and input errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _fused_cases import (
+    DEVICE,
+    HAS_TRITON,
+    STAT_TOL,
+    assert_no_worse_than_reference,
+    loss_batch,
+)
+
+from echoloss.loss import LossConfig, echo_loss
+from echoloss.ops.fused_linear import (
+    default_linear_chunk_size,
+    echo_loss_from_hidden,
+    linear_selective_logprobs,
+)
+from echoloss.ops.selective_logprobs import selective_logprobs
+
+H, V = 24, 1531
+BACKENDS = [
+    "reference",
+    pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="needs triton")),
+]
+# fused-linear vs logits path, same backend and dtype. fp32: the logits of a row come from a GEMM
+# over a chunk instead of the whole batch (BLAS may block differently: a few ulps of |z| ≲ 10),
+# and the weight gradient sums chunk products (reassociation): 1e-5. bf16: the logits and
+# dlogits round to bf16 in both paths, but a few-ulp fp32 difference in z can flip a rounding:
+# one bf16 ulp (2^-7 relative) on a handful of elements, which the gradients' GEMMs average.
+LINEAR_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2.0**-6)}
+
+
+def _weights(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.4
+    return w.to(dtype).to(DEVICE)
+
+
+def _hidden(n, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, H, generator=g, dtype=torch.float64) * 1.5).to(dtype).to(DEVICE)
+
+
+def _batch(seq_lens, seed=0):
+    """A loss batch whose logits are replaced by hidden states (the loss fields are reused)."""
+    b = loss_batch(seq_lens=seq_lens, vocab=V, seed=seed)
+    b.pop("logits")
+    return b
+
+
+def _grads(out, *tensors):
+    return torch.autograd.grad(out, [t for t in tensors if t.requires_grad], allow_unused=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature", ["scalar", "per_token"])
+def test_linear_logprobs_equal_the_logits_path(backend, dtype, temperature):
+    n = 29
+    h = _hidden(n, dtype).requires_grad_()
+    w = _weights(dtype).requires_grad_()
+    g = torch.Generator().manual_seed(5)
+    labels = torch.randint(0, V, (n,), generator=g).to(DEVICE)
+    mask = (torch.rand(n, generator=g) > 0.3).to(DEVICE)
+    labels[~mask] = -100  # never read
+    temp = 0.8 if temperature == "scalar" else (torch.rand(n, generator=g) + 0.5).to(DEVICE)
+    cot = torch.randn(2, n, generator=g, dtype=torch.float64).to(DEVICE)
+
+    lp, ent = linear_selective_logprobs(
+        h,
+        w,
+        labels,
+        temperature=temp,
+        return_entropy=True,
+        mask=mask,
+        chunk_size=6,
+        backend=backend,
+    )
+    gh, gw = _grads((lp * cot[0]).sum() + (ent * cot[1]).sum(), h, w)
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    lp2, ent2 = selective_logprobs(
+        h2 @ w2.t(), labels, temperature=temp, return_entropy=True, mask=mask, backend=backend
+    )
+    gh2, gw2 = _grads((lp2 * cot[0]).sum() + (ent2 * cot[1]).sum(), h2, w2)
+    atol, rtol = STAT_TOL
+    torch.testing.assert_close(lp, lp2, atol=atol, rtol=rtol)
+    torch.testing.assert_close(ent, ent2, atol=atol, rtol=rtol)
+    atol, rtol = LINEAR_TOL[dtype]
+    torch.testing.assert_close(gh.float(), gh2.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(gw.float(), gw2.float(), atol=atol, rtol=rtol)
+    assert gh.dtype == h.dtype and gw.dtype == w.dtype
+    assert torch.equal(gh[~mask], torch.zeros_like(gh[~mask]))
+
+
+POLICIES = {
+    "dppo": LossConfig(policy="dppo"),
+    "ppo_clip": LossConfig(policy="ppo_clip", dual_clip=3.0),
+    "cispo": LossConfig(policy="cispo", cispo_max=1.2),
+    "gspo": LossConfig(policy="gspo", eps_low=0.05, eps_high=0.05),
+    "reinforce": LossConfig(policy="reinforce"),
+    "entropy_bonus": LossConfig(policy="ppo_clip", entropy_coef=0.05, compute_entropy=True),
+    "sampling_T": LossConfig(policy="dppo", echo_temperature="sampling"),
+}
+
+
+def _hidden_loss(batch, h, w, config, backend, *, chunk_size=None, temperature=None):
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    if temperature is not None:
+        kw["temperature"] = temperature
+    return echo_loss_from_hidden(
+        h, w, batch["labels"], config=config, backend=backend, chunk_size=chunk_size, **kw
+    )
+
+
+def _logits_loss(batch, h, w, config, backend, *, temperature=None):
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    if temperature is not None:
+        kw["temperature"] = temperature
+    return echo_loss(h @ w.t(), batch["labels"], config=config, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_echo_loss_from_hidden_equals_echo_loss(policy, backend):
+    batch = _batch([10, 7, 9], seed=sorted(POLICIES).index(policy))
+    n = batch["labels"].numel()
+    h = _hidden(n, torch.float32).requires_grad_()
+    w = _weights(torch.float32).requires_grad_()
+    cfg = POLICIES[policy]
+    out = _hidden_loss(batch, h, w, cfg, backend, chunk_size=4)
+    gh, gw = torch.autograd.grad(out.loss, [h, w])
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = _logits_loss(batch, h2, w2, cfg, backend)
+    gh2, gw2 = torch.autograd.grad(ref.loss, [h2, w2])
+    atol, rtol = STAT_TOL
+    torch.testing.assert_close(out.loss, ref.loss, atol=atol, rtol=rtol)
+    assert out.metrics.keys() == ref.metrics.keys()
+    for k in ref.metrics:
+        torch.testing.assert_close(out.metrics[k], ref.metrics[k], atol=atol, rtol=rtol)
+    atol, rtol = LINEAR_TOL[torch.float32]
+    torch.testing.assert_close(gh, gh2, atol=atol, rtol=rtol)
+    torch.testing.assert_close(gw, gw2, atol=atol, rtol=rtol)
+    idle = ~(batch["rl_mask"] | (batch["echo_weights"] > 0))
+    assert torch.equal(gh[idle], torch.zeros_like(gh[idle]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_equals_unchunked(backend):
+    batch = _batch([13, 11], seed=3)
+    n = batch["labels"].numel()
+    cfg = POLICIES["entropy_bonus"]
+    results = []
+    for chunk in (1, 5, None):
+        h = _hidden(n, torch.float32).requires_grad_()
+        w = _weights(torch.float32).requires_grad_()
+        out = _hidden_loss(batch, h, w, cfg, backend, chunk_size=chunk)
+        results.append((out.loss.detach(), *torch.autograd.grad(out.loss, [h, w])))
+    assert default_linear_chunk_size(V) >= n  # None is one chunk here
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            # Same rows, same dtype: only the GEMM row blocking and the order of the weight
+            # gradient's chunk sum differ.
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_chunks_run_the_kernels(fused_calls):
+    batch = _batch([6, 5], seed=1)
+    n = batch["labels"].numel()
+    h = _hidden(n, torch.bfloat16).requires_grad_()
+    w = _weights(torch.bfloat16).requires_grad_()
+    out = _hidden_loss(batch, h, w, POLICIES["dppo"], "triton", chunk_size=3)
+    out.loss.backward()
+    part = int((batch["rl_mask"] | (batch["echo_weights"] > 0)).sum())
+    chunks = -(-part // 3)
+    assert fused_calls["forward"] == chunks and 1 <= fused_calls["backward"] <= chunks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_error_no_worse_than_logits_path(backend):
+    """R7 for the fused-linear path: against the fp64 loss on the same bf16-rounded hidden states
+    and weight, its gradients are at most 2x as far off as ``echo_loss`` on bf16 logits (whose
+    weight gradient is one bf16 GEMM; ours sums bf16 chunk products in fp32)."""
+    batch = _batch([16, 12], seed=6)
+    n = batch["labels"].numel()
+    cfg = POLICIES["dppo"]
+    h16, w16 = _hidden(n, torch.bfloat16), _weights(torch.bfloat16)
+    hg, wg = h16.double().requires_grad_(), w16.double().requires_grad_()
+    gold = _logits_loss(batch, hg, wg, cfg, "reference")
+    g_gold = torch.autograd.grad(gold.loss, [hg, wg])
+    hf, wf = h16.clone().requires_grad_(), w16.clone().requires_grad_()
+    fused_out = _hidden_loss(batch, hf, wf, cfg, backend, chunk_size=7)
+    g_f = torch.autograd.grad(fused_out.loss, [hf, wf])
+    hr, wr = h16.clone().requires_grad_(), w16.clone().requires_grad_()
+    ref = _logits_loss(batch, hr, wr, cfg, "reference")
+    g_r = torch.autograd.grad(ref.loss, [hr, wr])
+    assert_no_worse_than_reference(fused_out.loss, ref.loss, gold.loss, what="loss")
+    for name, f, r, gd in zip(("hidden.grad", "weight.grad"), g_f, g_r, g_gold, strict=True):
+        assert_no_worse_than_reference(f, r, gd, what=name)
+
+
+@pytest.mark.parametrize("echo_temperature", ["one", "sampling"])
+@pytest.mark.parametrize("temperature", ["scalar", "per_token"])
+def test_echo_temperature_rule_matches_echo_loss(echo_temperature, temperature):
+    batch = _batch([9, 9], seed=8)
+    n = batch["labels"].numel()
+    t = 0.7 if temperature == "scalar" else torch.linspace(0.6, 1.4, n, dtype=torch.float64)
+    cfg = LossConfig(policy="reinforce", echo_temperature=echo_temperature, compute_entropy=True)
+    h, w = _hidden(n, torch.float64).requires_grad_(), _weights(torch.float64)
+    out = _hidden_loss(batch, h, w, cfg, "reference", temperature=t)
+    ref = _logits_loss(batch, h, w, cfg, "reference", temperature=t)
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(
+        out.metrics["entropy/all"], ref.metrics["entropy/all"], atol=1e-12, rtol=1e-12
+    )
+
+
+def test_idle_rows_are_never_read():
+    """Rows outside ``rl_mask | echo`` skip the matmul: NaN hidden states and junk labels there
+    change nothing, and their gradient is exactly zero."""
+    batch = _batch([8, 6], seed=2)
+    n = batch["labels"].numel()
+    idle = ~(batch["rl_mask"] | (batch["echo_weights"] > 0))
+    h = _hidden(n, torch.float32)
+    w = _weights(torch.float32).requires_grad_()
+    clean = _hidden_loss(batch, h.clone().requires_grad_(), w, POLICIES["dppo"], "reference")
+    dirty_h = h.clone()
+    dirty_h[idle] = float("nan")
+    dirty_h.requires_grad_()
+    batch["labels"] = batch["labels"].masked_fill(idle, -100)
+    dirty = _hidden_loss(batch, dirty_h, w, POLICIES["dppo"], "reference")
+    assert torch.equal(clean.loss, dirty.loss)
+    dirty.loss.backward()
+    assert torch.equal(dirty_h.grad[idle], torch.zeros_like(dirty_h.grad[idle]))
+    assert torch.isfinite(w.grad).all()
+
+
+def test_frozen_weight_or_hidden():
+    batch = _batch([7], seed=4)
+    n = batch["labels"].numel()
+    h, w = _hidden(n, torch.float32).requires_grad_(), _weights(torch.float32)
+    out = _hidden_loss(batch, h, w, POLICIES["reinforce"], "reference")
+    out.loss.backward()
+    assert h.grad is not None and w.grad is None
+    h2, w2 = _hidden(n, torch.float32), _weights(torch.float32).requires_grad_()
+    _hidden_loss(batch, h2, w2, POLICIES["reinforce"], "reference").loss.backward()
+    assert w2.grad is not None and torch.isfinite(w2.grad).all()
+
+
+def test_no_participating_row():
+    batch = _batch([5], seed=0)
+    batch["rl_mask"] = torch.zeros_like(batch["rl_mask"])
+    batch["echo_weights"] = torch.zeros_like(batch["echo_weights"])
+    n = batch["labels"].numel()
+    h, w = _hidden(n, torch.float32).requires_grad_(), _weights(torch.float32).requires_grad_()
+    out = _hidden_loss(batch, h, w, POLICIES["dppo"], "reference")
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0
+    assert torch.equal(h.grad, torch.zeros_like(h)) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize(
+    ("change", "exc", "match"),
+    [
+        (lambda a: a.update(hidden=a["hidden"][None]), TypeError, r"hidden: expected .*\[N, H\]"),
+        (lambda a: a.update(weight=a["weight"].t()), ValueError, r"not its transpose"),
+        (lambda a: a.update(weight=a["weight"].double()), TypeError, r"weight: dtype"),
+        (lambda a: a.update(hidden=a["hidden"].long()), TypeError, r"hidden: expected a float"),
+        (lambda a: a.update(labels=a["labels"][:-1]), ValueError, r"labels: expected shape"),
+        (lambda a: a.update(labels=a["labels"] + V), ValueError, r"labels: .*\[0, V=1531\)"),
+        (lambda a: a.update(rl_mask=a["rl_mask"].float()), TypeError, r"rl_mask: expected a bool"),
+        (lambda a: a.update(chunk_size=0), ValueError, r"chunk_size: expected None or an int"),
+        (lambda a: a.update(config={"policy": "dppo"}), TypeError, r"config: expected"),
+        (lambda a: a.update(temperature=0.0), ValueError, r"temperature: expected a positive"),
+        (lambda a: a.update(backend="cuda"), ValueError, r"backend: expected one of"),
+    ],
+)
+def test_errors_name_the_argument_and_the_fix(change, exc, match):
+    batch = _batch([4, 3], seed=0)
+    n = batch["labels"].numel()
+    args = dict(batch, hidden=_hidden(n, torch.float32), weight=_weights(torch.float32))
+    change(args)
+    hidden, weight, labels = args.pop("hidden"), args.pop("weight"), args.pop("labels")
+    with pytest.raises(exc, match=match):
+        echo_loss_from_hidden(hidden, weight, labels, **args)
