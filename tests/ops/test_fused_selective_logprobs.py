@@ -326,3 +326,25 @@ def test_poison_fixture_is_active():
     exec("x = torch.empty(3); y = torch.empty(2, dtype=torch.long)", ns)
     assert torch.isnan(ns["x"]).all()
     assert (ns["y"] == torch.iinfo(torch.long).max).all()
+
+
+def test_minus_inf_logits_with_a_large_entropy_coefficient():
+    """A -inf logit has p = 0 and gets exactly 0 gradient whatever the entropy coefficient; the
+    other columns equal the gold computed without that column. (The reference's clamp of log p to
+    the lowest float times a coefficient |b| > 1 overflows to NaN there.)"""
+    n, v = 4, 37
+    logits = randn_logits(n, v, torch.float32, seed=30)
+    dead = torch.zeros(n, v, dtype=torch.bool, device=DEVICE)
+    dead[:, ::5] = True
+    labels = torch.tensor([1, 2, 3, 4], device=DEVICE)  # never a -inf column
+    x = logits.masked_fill(dead, float("-inf")).requires_grad_()
+    lp, ent = selective_logprobs(x, labels, return_entropy=True, backend="triton")
+    (lp.sum() + 3.0 * ent.sum()).backward()
+    assert torch.equal(x.grad[dead], torch.zeros_like(x.grad[dead]))
+    keep = ~dead[0]
+    y = logits[:, keep].double().requires_grad_()
+    lp_g, ent_g = naive_selective_logprobs(y, labels - labels // 5 - 1, return_entropy=True)
+    (lp_g.sum() + 3.0 * ent_g.sum()).backward()
+    torch.testing.assert_close(lp.double(), lp_g, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ent_g, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad[:, keep].double(), y.grad, atol=4e-5, rtol=1e-5)
