@@ -18,6 +18,8 @@ Triton interpreter: ``TRITON_INTERPRET=1`` must be set before this module is fir
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -237,19 +239,11 @@ def _inv_t_args(
     return dummy, float(inv_temperature), False
 
 
-def _launch_ctx(t: torch.Tensor):
+def _launch_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager:
     # Triton launches on the current CUDA device: make it the tensor's (logits on cuda:1).
     if t.device.type == "cuda":
         return torch.cuda.device(t.device)
-    return _NullCtx()
-
-
-class _NullCtx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    return contextlib.nullcontext()
 
 
 def _block(v: int, cap: int) -> int:
