@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, RolloutFileError) as err:  # bad input: say what, no traceback
         print(f"echoloss-train: {err}", file=sys.stderr)
         return 2
-    print(f"done: {out}/metrics.jsonl, {out}/plots/, {out}/final-model/")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"done: {out}/metrics.jsonl, {out}/plots/, {out}/final-model/")
     return 0
 
 

@@ -7,7 +7,7 @@ default) is used; ``configs/`` has annotated examples.
 Examples:
     >>> cfg = load_config(None, overrides={"train.max_steps": 3})
     >>> cfg.train.max_steps, cfg.model.arch, cfg.echo.alpha
-    (3, 'qwen3', 0.5)
+    (3, 'qwen3', 0.05)
     >>> parse_config({"optim": {"lr": "fast"}})
     Traceback (most recent call last):
     ...
@@ -93,10 +93,10 @@ class DataConfig(_Section):
 
     source: Literal["generate", "jsonl"] = "generate"
     path: str | None = None  # the rollout JSONL file for source = "jsonl"
-    prompts_per_step: int = Field(8, ge=1)  # prompts (groups) per optimiser step, all ranks
+    prompts_per_step: int = Field(4, ge=1)  # prompts (groups) per optimiser step, all ranks
     group_size: int = Field(8, ge=1)  # rollouts per prompt
     temperature: float = Field(1.0, gt=0)
-    max_new_tokens: int = Field(8, ge=1)  # per model call
+    max_new_tokens: int = Field(4, ge=1)  # per model call
     max_tokens: int = Field(1024, ge=16)  # longest sample; longer ones are an error
     heldout_size: int = Field(32, ge=0)  # held-out conversations for the observation CE
 
@@ -113,14 +113,15 @@ class DataConfig(_Section):
 class WarmupConfig(_Section):
     """``[warmup]``: SFT on scripted demonstrations (assistant tokens only) before RL."""
 
-    steps: int = Field(30, ge=0)
+    steps: int = Field(60, ge=0)
     demos_per_step: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0)  # SFT tolerates (and needs) a far larger step than RL
 
 
 class EchoSection(_Section):
     """``[echo]``: the echo term on tool observations (``alpha = 0`` is plain RL)."""
 
-    alpha: float = Field(0.5, ge=0)  # echo weight of tool-message tokens; 0 = no echo
+    alpha: float = Field(0.05, ge=0)  # echo weight of tool-message tokens; 0 = no echo
     target: Literal["content", "message"] = "content"
     echo_warnings: bool = False
     max_tokens_per_message: int | None = Field(None, ge=1)
@@ -137,12 +138,12 @@ class AdvantageConfig(_Section):
 class OptimConfig(_Section):
     """``[optim]``: AdamW, clipping and micro-batching."""
 
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(3e-4, gt=0)  # the RL learning rate (the warm-start has its own)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.01, ge=0)
     grad_clip: float | None = Field(1.0, gt=0)  # None = no clipping
-    micro_batch_tokens: int = Field(4096, ge=16)  # tokens per packed micro-batch (per rank)
+    micro_batch_tokens: int = Field(1024, ge=16)  # tokens per packed micro-batch (per rank)
 
 
 class TrainSection(_Section):
@@ -204,11 +205,13 @@ class TrainConfig(_Section):
 # The embedded default: what `echoloss-train` runs with no --config (mirrors configs/default.toml).
 DEFAULT_TOML = """\
 # echoloss-train embedded default: a tiny Qwen3-style model learns gridwalk with GRPO + echo on CPU.
+# 60 warm-start steps (SFT on demonstrations), then 90 RL steps of 4 prompts x 8 rollouts.
 [model]
 arch = "qwen3"
 
 [train]
 max_steps = 150
+threads = 1   # a tiny model runs fastest on one thread (two leave a core to the OS / a 2nd run)
 """
 
 

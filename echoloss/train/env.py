@@ -34,15 +34,13 @@ a resumed run sees exactly the tasks an uninterrupted run would.
 
 Examples:
     >>> env = GridWalk(size=4)
-    >>> task = env.task(seed=0, index=3)
-    >>> episode = env.start(task)
-    >>> episode.messages[-1]["content"] == f"start {task.start[0]},{task.start[1]} goal {task.goal[0]},{task.goal[1]}"
-    True
+    >>> env.start(Task(start=(1, 2), goal=(2, 1))).messages[-1]["content"]
+    'start 1,2 goal 2,1 hint right'
     >>> episode = env.start(Task(start=(1, 2), goal=(2, 1)))
     >>> env.act(episode, "up"), env.act(episode, "right"), env.act(episode, "right")
-    ('pos 1,1 goal 2,1', 'pos 2,1 goal 2,1', 'pos 3,1 goal 2,1')
+    ('pos 1,1 goal 2,1 hint right', 'pos 2,1 goal 2,1 hint done', 'pos 3,1 goal 2,1 hint left')
     >>> env.act(episode, "right"), env.act(episode, "jump")
-    ('wall 3,1 goal 2,1', 'error: unknown move')
+    ('wall 3,1 goal 2,1 hint left', 'error: unknown move')
     >>> env.act(episode, "done"), episode.reward, episode.done
     (None, 0.0, True)
 """
@@ -97,7 +95,7 @@ class GridWalk:
     Args:
         size: the grid's side (2 to 10, so that every coordinate is one digit).
         max_turns: assistant turns before the episode ends with reward 0 (None = the longest
-            shortest path + 3, room for a few mistakes).
+            shortest path + 2: its moves, ``done``, and room for one mistake).
         name: the env name used for per-env metrics.
     """
 
@@ -115,15 +113,12 @@ class GridWalk:
 
     @property
     def turn_limit(self) -> int:
-        return self.max_turns if self.max_turns is not None else 2 * (self.size - 1) + 4
+        return self.max_turns if self.max_turns is not None else 2 * (self.size - 1) + 2
 
     @property
     def system_prompt(self) -> str:
         n = self.size
-        return (
-            f"Grid {n}x{n}, x right, y down. Move with up, down, left or right. "
-            "Say done at the goal."
-        )
+        return f"Grid {n}x{n}, x right, y down. Moves: up down left right. Say done at the goal."
 
     def task(self, *, seed: int, index: int) -> Task:
         """Task number ``index`` of the stream ``seed`` (a pure function: resumable, shardable)."""
@@ -137,7 +132,10 @@ class GridWalk:
         (sx, sy), (gx, gy) = task.start, task.goal
         messages = [
             {"role": "system", "content": self.system_prompt},
-            {"role": "user", "content": f"start {sx},{sy} goal {gx},{gy}"},
+            {
+                "role": "user",
+                "content": f"start {sx},{sy} goal {gx},{gy} hint {hint(task.start, task.goal)}",
+            },
         ]
         return Episode(task=task, messages=messages, pos=task.start)
 
@@ -152,7 +150,7 @@ class GridWalk:
         where = "pos"
         if not (0 <= x < self.size and 0 <= y < self.size):
             (x, y), where = pos, "wall"
-        return f"{where} {x},{y} goal {goal[0]},{goal[1]}", (x, y)
+        return f"{where} {x},{y} goal {goal[0]},{goal[1]} hint {hint((x, y), goal)}", (x, y)
 
     def act(self, episode: Episode, text: str) -> str | None:
         """Apply the assistant's reply; returns the tool's observation, or None when it ends.
@@ -181,9 +179,18 @@ class GridWalk:
         return obs
 
 
+def hint(pos: tuple[int, int], goal: tuple[int, int]) -> str:
+    """The compass: the x move first, then the y move, ``done`` on the goal (a pure function)."""
+    if pos[0] != goal[0]:
+        return "right" if goal[0] > pos[0] else "left"
+    if pos[1] != goal[1]:
+        return "down" if goal[1] > pos[1] else "up"
+    return "done"
+
+
 def demonstration(env: GridWalk, task: Task, rng: random.Random) -> list[dict[str, Any]]:
     """A scripted shortest-path conversation for ``task`` (for the warm-start): the moves of
-    both axes in a random interleaving, then ``done``."""
+    both axes in a random interleaving (so it does not always follow the hint), then ``done``."""
     (sx, sy), (gx, gy) = task.start, task.goal
     moves = ["right" if gx > sx else "left"] * abs(gx - sx)
     moves += ["down" if gy > sy else "up"] * abs(gy - sy)

@@ -50,16 +50,38 @@ CHAT_TEMPLATE = r"""{%- for message in messages %}
 """
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
-# Added (not special) tokens, one id each as in Qwen's vocabulary: scaffold the model never emits.
-ADDED_TOKENS = ["<tool_response>", "</tool_response>"]
+# Added (not special) tokens: whole words get one id each, as a trained BPE would give them (the
+# tool-response tags are single tokens in Qwen's vocabulary too). Everything else is characters.
+# A move is then one decision token plus <|im_end|>, which is what makes the demo learnable
+# within minutes by a two-layer model.
+ADDED_TOKENS = [
+    "<tool_response>",
+    "</tool_response>",
+    "system",
+    "user",
+    "assistant",
+    "up",
+    "down",
+    "left",
+    "right",
+    "done",
+    "pos",
+    "wall",
+    "goal",
+    "start",
+    "hint",
+    "error",
+]
 
 
 def build_tokenizer() -> Any:
-    """A character-level tokenizer (printable ASCII + newline) with the ChatML chat template.
+    """A small word + character tokenizer (printable ASCII, newline, the words of
+    :data:`ADDED_TOKENS`) with the ChatML chat template.
 
-    One token per character and no merges: the decoded text of any generated ids tokenizes back to
-    the same ids, so multi-turn prompts extend the previous prompt + completion token for token
-    and :func:`echoloss.interleave` merges the turns into one sample.
+    No merges: a known word is one token, anything else one token per character. Decoded replies
+    tokenize back to the ids the model sampled (unless it spells a known word letter by letter;
+    then the next prompt does not extend the last one token for token and
+    :func:`echoloss.interleave` starts a new sample, as it does for any real retokenisation).
 
     Returns:
         a ``transformers.PreTrainedTokenizerFast`` (eos ``<|im_end|>``, pad ``<|endoftext|>``).
@@ -68,7 +90,7 @@ def build_tokenizer() -> Any:
         >>> tok = build_tokenizer()
         >>> ids = tok("pos 1,2", add_special_tokens=False)["input_ids"]
         >>> len(ids), tok.decode(ids)
-        (7, 'pos 1,2')
+        (5, 'pos 1,2')
         >>> tok.apply_chat_template([{"role": "tool", "content": "pos 1,2"}], tokenize=False)
         '<|im_start|>user\\n<tool_response>\\npos 1,2\\n</tool_response><|im_end|>\\n'
     """
@@ -103,6 +125,7 @@ def build_tiny_model(
     intermediate_size: int,
     max_position_embeddings: int,
     seed: int,
+    rope_theta: float = 1000.0,
     attn_implementation: str = "sdpa",
 ) -> torch.nn.Module:
     """A random-init Qwen3 or Llama causal LM (fp32), initialised from ``seed`` (no download).
@@ -126,6 +149,10 @@ def build_tiny_model(
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=0,
+        # Short contexts: a small RoPE base lets every frequency pair turn over the distances a
+        # conversation spans, so heads can learn "the digit k tokens back" quickly (Qwen3's
+        # default 1e6 leaves most pairs nearly still over a few hundred tokens).
+        rope_theta=rope_theta,
     )
     if arch == "qwen3":
         config = transformers.Qwen3Config(head_dim=hidden_size // num_heads, **common)

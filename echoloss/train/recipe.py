@@ -239,7 +239,7 @@ def _advantages(
     mine = [(r.group_id, r.reward, r.errored, r.env_name) for r in rollouts]
     everything = [x for part in _gather(mine, world) for x in part]
     rank = dist.get_rank() if world > 1 else 0
-    start = sum(len(p) for p in _gather(len(mine), world)[:rank])
+    start = sum(_gather(len(mine), world)[:rank])
     groups = [g for g, _, _, _ in everything]
     rewards = [r for _, r, _, _ in everything]
     errored = [e for _, _, e, _ in everything]
@@ -642,6 +642,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
 
         # 4. Forward + backward per micro-batch; gradients accumulate (sum) in .grad.
         loss_cfg = SFT if warm else cfg.loss
+        for group in opt.param_groups:  # Adam makes steps ~lr whatever the gradient's scale
+            group["lr"] = cfg.warmup.lr if warm else cfg.optim.lr
         agg = _Metrics()
         tokens = 0
         for i, (b, t) in enumerate(zip(batches, targets, strict=True)):

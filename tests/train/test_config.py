@@ -11,13 +11,24 @@ from echoloss.train.cli import main
 from echoloss.train.config import ConfigError, load_config, parse_config
 
 
-def test_embedded_default_and_every_shipped_config_validate():
+def test_embedded_default_and_every_shipped_config_validate(tmp_path):
     cfg = load_config(None)
     assert cfg.model.path is None and cfg.echo.alpha > 0 and cfg.data.source == "generate"
+    assert load_config(REPO / "configs" / "default.toml") == cfg  # the file spells out the default
+    rollouts = tmp_path / "r.jsonl"
+    rollouts.write_text("")
     for path in sorted((REPO / "configs").glob("*.toml")):
         if path.name == "gpu.toml":
             with pytest.raises(ConfigError, match=r"model\.path"):  # needs a real model directory
                 load_config(path)
+            model = tmp_path / "model"
+            model.mkdir()
+            (model / "config.json").write_text("{}")
+            load_config(path, {"model.path": str(model)})
+        elif path.name == "jsonl.toml":
+            with pytest.raises(ConfigError, match=r"path: no such file"):
+                load_config(path)
+            load_config(path, {"data.path": str(rollouts)})
         else:
             load_config(path)
 
