@@ -115,7 +115,6 @@ def test_env_all_is_reserved_and_names_are_checked():
         ),
         ({"config": {"policy": "dppo"}}, TypeError, r"config: expected an echoloss.LossConfig"),
         ({"normalizers": 5}, TypeError, r"normalizers: expected echoloss.Normalizers"),
-        ({"backend": "triton"}, NotImplementedError, r"backend='triton'"),
     ],
 )
 def test_bad_inputs_raise_with_the_argument_name(override, exc, match):
