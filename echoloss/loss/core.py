@@ -426,8 +426,9 @@ def _compute(
     z = None
     if cfg.echo_normalization == "sequence_mean" and table is not None:
         assert rows.observation_mask is not None and rows.sequence_ids is not None
-        counted = rows.observation_mask | rows.echo  # Z_i ≥ |O'_i| always
-        zs = table[rows.sequence_ids.long()[counted]]
+        sid = rows.sequence_ids.long()
+        counted = (rows.observation_mask | rows.echo) & (sid >= 0)  # Z_i ≥ |O'_i| always
+        zs = table[sid[counted]]  # -1: a sequence with no RL or echo row (contributes 0)
         zs = zs[zs >= 0]
         z = torch.bincount(zs, minlength=num_seq)
     echo_term = _echo_term(w_echo * -lp_echo, cfg, norms, seq_echo, z, num_seq)

@@ -2,7 +2,7 @@
 
 RL metrics (entropy, mismatch KL, trust-region fractions) are computed on RL rows only; echo rows
 (whose inference logprob is a placeholder) never enter them. Every value is a 0-dim fp32 tensor
-(no host sync); a mean over an empty set is 0. To aggregate a mean over micro-batches, weight it by
+; a mean over an empty set is 0. To aggregate a mean over micro-batches, weight it by
 ``rl_tokens/<env>`` (or ``echo_tokens/<env>`` for the echo NLL).
 """
 

@@ -358,3 +358,21 @@ def test_undo_data_parallel_averaging():
     assert p.grad.tolist() == [2.0, 4.0, 6.0] and q.grad is None
     with pytest.raises(ValueError, match=r"world_size: expected an int ≥ 1"):
         undo_data_parallel_averaging([p], 0)
+
+
+def test_observation_rows_outside_any_trained_sequence_do_not_count():
+    # An observation row on a padding row (sequence id -1) must not land in another sequence's
+    # Z: indexing with -1 would wrap to the last sequence (Z_1 = 2, echo term 5/24 + ...).
+    t = {k: torch.tensor(v) for k, v in HAND.items()}
+    obs = t["obs"].clone()
+    obs[7] = True  # the padding row
+    out = echo_loss_from_logprobs(
+        t["lp"].to(F64),
+        rl_mask=t["rl"],
+        echo_weights=t["w"].to(F64),
+        advantages=t["adv"].to(F64),
+        observation_mask=obs,
+        sequence_ids=t["seq"],
+        config=LossConfig(policy="reinforce", echo_normalization="sequence_mean"),
+    )
+    assert out.metrics["loss_echo/all"].item() == pytest.approx(7 / 24, rel=1e-7)
