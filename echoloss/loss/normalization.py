@@ -90,6 +90,11 @@ def split_rows(
     """``(rl, echo)`` bool masks: echo = ``echo_weights > 0``; rl = ``rl_mask`` and not echo.
 
     The single definition used by the loss, the counts and the metrics, so they always agree.
+
+    Examples:
+        >>> rl, echo = split_rows(torch.tensor([True, True, False]), torch.tensor([0.0, 0.5, 0.0]))
+        >>> rl.tolist(), echo.tolist()
+        ([True, False, False], [False, True, False])
     """
     if echo_weights is None:
         return rl_mask, torch.zeros_like(rl_mask)

@@ -31,12 +31,22 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation dtype for logits of ``dtype``: fp32, or fp64 for fp64 logits."""
+    """The accumulation dtype for logits of ``dtype``: fp32, or fp64 for fp64 logits.
+
+    Examples:
+        >>> compute_dtype(torch.bfloat16), compute_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
     return torch.promote_types(dtype, torch.float32)
 
 
 def default_chunk_size(num_classes: int) -> int:
-    """Rows per chunk so that one fp32 ``[rows, V]`` buffer holds about 2^22 elements."""
+    """Rows per chunk so that one fp32 ``[rows, V]`` buffer holds about 2^22 elements.
+
+    Examples:
+        >>> default_chunk_size(65_536), default_chunk_size(262_144), default_chunk_size(10**8)
+        (64, 16, 1)
+    """
     return max(1, DEFAULT_CHUNK_ELEMENTS // max(1, num_classes))
 
 
