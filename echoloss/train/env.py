@@ -189,12 +189,12 @@ def hint(pos: tuple[int, int], goal: tuple[int, int]) -> str:
 
 
 def demonstration(env: GridWalk, task: Task, rng: random.Random) -> list[dict[str, Any]]:
-    """A scripted shortest-path conversation for ``task`` (for the warm-start): the moves of
-    both axes in a random interleaving (so it does not always follow the hint), then ``done``."""
+    """A scripted shortest-path conversation for ``task`` (for the warm-start): the x moves,
+    then the y moves (what the hint says), then ``done``. ``rng`` is unused (kept for scripted
+    policies that randomise)."""
     (sx, sy), (gx, gy) = task.start, task.goal
     moves = ["right" if gx > sx else "left"] * abs(gx - sx)
     moves += ["down" if gy > sy else "up"] * abs(gy - sy)
-    rng.shuffle(moves)
     episode = env.start(task)
     for m in [*moves, "done"]:
         env.act(episode, m)

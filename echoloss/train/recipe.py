@@ -72,6 +72,7 @@ from echoloss.train.model import build_tiny_model, build_tokenizer, load_model, 
 __all__ = ["train"]
 
 SFT = LossConfig(mode="sft", compute_entropy=False)  # the warm-start's loss (no RL, no echo)
+_OWNED_GROUP: list[bool] = []  # non-empty while a process group train() created is alive
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,6 +86,7 @@ def _init_distributed(device: torch.device) -> tuple[int, int]:
         return 0, 1
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _OWNED_GROUP.append(True)  # train() destroys it again on the way out
     return dist.get_rank(), world
 
 
@@ -519,6 +521,9 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log: Any = None
     finally:
         torch.use_deterministic_algorithms(deterministic)
         torch.set_num_threads(threads)
+        if _OWNED_GROUP and dist.is_initialized():
+            dist.destroy_process_group()  # a live gloo group aborts the interpreter at exit
+            _OWNED_GROUP.clear()
 
 
 def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitStack) -> Path:

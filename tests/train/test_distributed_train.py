@@ -50,5 +50,10 @@ def test_two_ranks_equal_one_rank(tmp_path):
         tmp_path / "two" / "checkpoints" / "step_000002" / "model.pt", weights_only=True
     )
     assert set(wa) == set(wb)
+    # The gradients agree to float summation order (the losses and gradient norms above, to
+    # 1e-5). AdamW's first steps are ~lr·g/(|g| + eps): on a coordinate whose gradient is near
+    # eps, a 1e-9 difference moves the update by a visible fraction of lr, so the weights are
+    # compared to 0.5% of lr (lr = 1e-2 in the fast config).
+    lr = fast_config(tmp_path).optim.lr
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=5e-3 * lr, msg=k)

@@ -69,7 +69,7 @@ def test_tokenizer_round_trips_and_template_attributes_tool_bodies(tok):
         tok.decode(r.token_ids[s.body_start : s.body_end]) for s in r.spans if s.role == "tool"
     ]
     assert tool_bodies == [m["content"] for m in messages if m["role"] == "tool"]
-    assert tool_bodies[-1] == "pos 1,1 goal 1,1"
+    assert tool_bodies[-1] == "pos 1,1 goal 1,1 hint done"
     # The <tool_response> wrapper and the role header are scaffold, never echoed.
     att = r.attribution
     echoed = [
