@@ -17,6 +17,20 @@ from echoloss.advantages import (
 from echoloss.attribution import TokenAttribution
 from echoloss.config import EchoConfig, EchoFilter, RoleEcho
 from echoloss.echo import StepEcho, echo_weights, select_step_echo
+from echoloss.loss import (
+    LossConfig,
+    LossOutput,
+    Normalizers,
+    PolicyInputs,
+    PolicyOutput,
+    all_reduce_normalizers,
+    count_normalizers,
+    echo_loss,
+    echo_loss_from_logprobs,
+    undo_data_parallel_averaging,
+)
+from echoloss.ops import selective_logprobs
+from echoloss.ops.fused_linear import echo_loss_from_hidden, linear_selective_logprobs
 from echoloss.packing import NextTokenTargets, PackedBatch, next_token_targets, pack, unpack
 from echoloss.samples import Sample, Step, interleave
 
@@ -26,23 +40,36 @@ __all__ = [
     "RAE",
     "EchoConfig",
     "EchoFilter",
+    "LossConfig",
+    "LossOutput",
     "NextTokenTargets",
+    "Normalizers",
     "PackedBatch",
+    "PolicyInputs",
+    "PolicyOutput",
     "RoleEcho",
     "Sample",
     "Step",
     "StepEcho",
     "TokenAttribution",
     "__version__",
+    "all_reduce_normalizers",
     "broadcast_advantages",
     "broadcast_packed_advantages",
     "compute_advantages",
+    "count_normalizers",
+    "echo_loss",
+    "echo_loss_from_hidden",
+    "echo_loss_from_logprobs",
     "echo_weights",
     "interleave",
+    "linear_selective_logprobs",
     "next_token_targets",
     "pack",
     "register_advantage_fn",
     "resolve_advantage_fn",
     "select_step_echo",
+    "selective_logprobs",
+    "undo_data_parallel_averaging",
     "unpack",
 ]

@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh dev
 PY="${PYTHON:-python3}"
 "$PY" -m ruff check .
+"$PY" -m ruff format --check .
 set +e
 "$PY" -m pytest "$@"
 rc=$?

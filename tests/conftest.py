@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -24,3 +25,13 @@ def _fresh_warn_once():
     reset_warnings()
     yield
     reset_warnings()
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests are skipped, not failed, without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(no_gpu)

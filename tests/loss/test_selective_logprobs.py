@@ -222,6 +222,25 @@ def test_minus_inf_logits_off_label():
     assert float(ent[0]) == pytest.approx(float(-(p * p.log()).sum()), abs=1e-6)
 
 
+@pytest.mark.parametrize("coef", [1.0, 3.0, -50.0])
+def test_minus_inf_logit_with_large_entropy_coefficient(coef):
+    # An entropy cotangent |b| > 1 on a row with a -inf logit: the p·b·(log p + H) term must be
+    # exactly 0 there (p = 0), not b·(-huge) overflowing to -inf and 0·inf = NaN.
+    logits = torch.tensor([[0.0, -math.inf, 1.0]], requires_grad=True)
+    labels = torch.tensor([2])
+    for fn in (selective_logprobs, naive_selective_logprobs):
+        x = logits.detach().clone().requires_grad_()
+        lp, ent = fn(x, labels, return_entropy=True)
+        (grad,) = torch.autograd.grad(lp.sum() + coef * ent.sum(), x)
+        assert bool(torch.isfinite(grad).all()), (fn.__name__, grad)
+        assert grad[0, 1] == 0
+        # Closed form on the two live entries: dH/ds = -p·(log p + H).
+        p = torch.softmax(torch.tensor([0.0, 1.0], dtype=torch.float64), 0)
+        h = -(p * p.log()).sum()
+        expected = torch.tensor([0.0, 1.0], dtype=torch.float64) - p - coef * p * (p.log() + h)
+        torch.testing.assert_close(grad[0, [0, 2]].double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_masked_rows_need_no_valid_label_and_get_zero_grad():
     logits, labels, _, _ = _inputs((4,), 5)
     labels[1] = -100

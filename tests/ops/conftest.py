@@ -1,4 +1,4 @@
-"""Kernel tests: Triton interpreter on CPU, NaN-poisoned ``torch.empty``, GPU-only markers.
+"""Kernel tests: Triton interpreter on CPU and NaN-poisoned ``torch.empty``.
 
 Without CUDA the fused kernels run under the Triton interpreter. ``triton.jit`` decides between
 the compiled and the interpreted kernel when the kernel is *defined* (``TRITON_INTERPRET`` is
@@ -31,15 +31,6 @@ if HAS_TRITON and not HAS_CUDA:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = _prev
-
-
-def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` tests of this folder are skipped without a CUDA device."""
-    here = os.path.dirname(__file__)
-    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if str(item.fspath).startswith(here) and "gpu" in item.keywords and not HAS_CUDA:
-            item.add_marker(no_gpu)
 
 
 @pytest.fixture(autouse=True)

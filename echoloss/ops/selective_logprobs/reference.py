@@ -30,6 +30,12 @@ __all__ = [
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
+#: Floor for log p in the entropy terms. exp(-1e4) is exactly 0 in fp32 and fp64, so the floor
+#: changes no value of p·log p, but it keeps b·(log p + H) finite where a logit is -inf (the
+#: dtype's own minimum would overflow to -inf once multiplied by an entropy coefficient |b| > 1,
+#: and 0·inf is NaN).
+LOG_P_FLOOR = -1e4
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype for logits of ``dtype``: fp32, or fp64 for fp64 logits.
 
@@ -158,7 +164,6 @@ def forward(
     out_lp = torch.empty(n, dtype=cdtype, device=dev)
     out_lse = torch.empty(n, dtype=cdtype, device=dev)
     out_ent = torch.empty(n, dtype=cdtype, device=dev) if need_entropy else None
-    lowest = torch.finfo(cdtype).min
     ws = _Workspace(min(chunk_size, max(n, 1)), logits.shape[-1], cdtype, logits)
     for start in range(0, n, chunk_size):
         stop = min(n, start + chunk_size)
@@ -176,7 +181,7 @@ def forward(
         out_lse[start:stop] = s.gather(1, lab).squeeze(1) - lp
         if out_ent is not None:
             # H = -Σ p·log p. Clamping log p keeps a -inf logit (p = 0) from giving 0·(-inf) = NaN.
-            lsm.clamp_(min=lowest)
+            lsm.clamp_(min=LOG_P_FLOOR)
             p = torch.exp(lsm, out=s if owned else ws.get("b", c))
             out_ent[start:stop] = -(p.mul_(lsm)).sum(dim=-1)
     return out_lp, out_lse, out_ent
@@ -226,7 +231,6 @@ def backward(
         out = make(logits, memory_format=torch.contiguous_format)
     grad = out
     flat = grad.view(-1, logits.shape[-1])
-    lowest = torch.finfo(cdtype).min
     ws = _Workspace(min(chunk_size, max(n, 1)), logits.shape[-1], cdtype, logits)
     for start in range(0, n, chunk_size):
         stop = min(n, start + chunk_size)
@@ -248,7 +252,7 @@ def backward(
             b = grad_entropy[start:stop, None].to(cdtype)
             p = torch.exp(g, out=ws.get("b", c))
             # -p·(a + b·(log p + H)), reusing the log p buffer for the factor.
-            g.clamp_(min=lowest).add_(entropy[start:stop, None]).mul_(b).add_(a)
+            g.clamp_(min=LOG_P_FLOOR).add_(entropy[start:stop, None]).mul_(b).add_(a)
             g = p.mul_(g).neg_()
         g.scatter_add_(1, labels.index_select(0, idx)[:, None], a)  # + a·onehot(y)
         if isinstance(inv_t, float):
@@ -299,5 +303,5 @@ def naive_selective_logprobs(
     if not return_entropy:
         return lp
     p = lsm.exp()
-    ent = -(p * lsm.clamp(min=torch.finfo(lsm.dtype).min)).sum(-1)
+    ent = -(p * lsm.clamp(min=LOG_P_FLOOR)).sum(-1)
     return lp, ent
