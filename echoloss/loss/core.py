@@ -24,6 +24,7 @@ from echoloss.loss.policy import (
     cispo_loss,
     dppo_loss,
     gspo_loss,
+    k3,
     kl_penalty,
     mismatch_weights,
     ppo_clip_loss,
@@ -408,11 +409,7 @@ def _compute(
             per_tok = per_tok - cfg.entropy_coef * ent.index_select(0, rl_idx)
         if lq is not None:
             with torch.no_grad():
-                rho = lp_rl - lq
-                c = cfg.log_ratio_clamp
-                rl_means["mismatch_kl"] = (
-                    torch.exp(rho if c is None else rho.clamp(-c, c)) - rho - 1
-                )
+                rl_means["mismatch_kl"] = k3(lp_rl - lq, cfg.log_ratio_clamp)
     if ent is not None and cfg.compute_entropy:
         rl_means["entropy"] = ent.detach().index_select(0, rl_idx)
     rl_term = _rl_term(per_tok, cfg, norms, seq_rl, num_seq)

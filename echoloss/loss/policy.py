@@ -323,6 +323,22 @@ def mismatch_weights(
         return torch.where(outside, torch.zeros_like(w), w), {"is_masked": outside}
 
 
+def k3(log_ratio: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
+    """``exp(x) - x - 1`` without cancellation: ``expm1(x) - x`` in float64, cast back.
+
+    In fp32 ``exp(x) - x - 1`` loses every digit for ``|x| ≲ 1e-3`` (the value is ``≈ x²/2``, far
+    below the ulp of 1) and can even come out negative; ``expm1`` in float64 keeps it exact to
+    fp32 precision. Differentiable; ``x`` is clamped to ``±clamp`` first when given.
+
+    Examples:
+        >>> round(float(k3(torch.tensor([1e-4]))) * 1e8, 4)  # x²/2 = 0.5e-8
+        0.5
+    """
+    x = log_ratio if clamp is None else log_ratio.clamp(-clamp, clamp)
+    x64 = x.double()
+    return (torch.expm1(x64) - x64).to(log_ratio.dtype)
+
+
 def kl_penalty(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
@@ -345,5 +361,5 @@ def kl_penalty(
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
-        return _exp_ratio(d, log_ratio_clamp) - d - 1.0
+        return k3(d, log_ratio_clamp)
     raise ValueError(f"kl_estimator: expected 'k1', 'k2' or 'k3', got {estimator!r}")
