@@ -537,6 +537,54 @@ def echo_loss_from_logprobs(
     return _compute(lp, entropy, rows, normalizers, policy_fn)
 
 
+def row_temperature_and_entropy(
+    temperature: float | torch.Tensor,
+    config: LossConfig,
+    *,
+    rl: torch.Tensor,
+    echo: torch.Tensor,
+    lead: torch.Size,
+) -> tuple[float | torch.Tensor, bool]:
+    """The temperature each row is scored at, and whether the entropy must be computed.
+
+    Echo rows are scored at T = 1 unless ``config.echo_temperature == "sampling"``
+    (``docs/loss.md``, "Echo temperature"); RL rows keep their sampling temperature. The entropy
+    is needed when there are RL rows and it is reported or trained. Shared by every entry point
+    that computes logprobs for the loss (logits, fused-linear).
+
+    Args:
+        temperature: a float, a 0-dim tensor, or ``lead``-shaped per-row temperatures.
+        config: the loss config.
+        rl: ``[N]`` bool RL rows (flat).
+        echo: ``[N]`` bool echo rows (flat).
+        lead: the leading (row) shape of the logits.
+
+    Returns:
+        ``(temperature, need_entropy)``; the temperature is ``lead``-shaped when echo rows
+        change it, else as given.
+
+    Examples:
+        >>> t, ent = row_temperature_and_entropy(
+        ...     0.5, LossConfig(), rl=torch.tensor([True, False]),
+        ...     echo=torch.tensor([False, True]), lead=torch.Size([2]))
+        >>> t.tolist(), ent
+        ([0.5, 1.0], True)
+    """
+    dev = rl.device
+    temp: float | torch.Tensor = temperature
+    if config.echo_temperature == "one" and bool(echo.any()):
+        if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+            t = check_per_token("temperature", temperature, lead, dev, "float").reshape(-1)
+            temp = t.masked_fill(echo, 1.0).view(lead)
+        else:
+            t0 = float(temperature)
+            if t0 != 1.0:
+                temp = torch.full(lead, t0, dtype=torch.float32, device=dev)
+                temp.view(-1).masked_fill_(echo, 1.0)
+    need_entropy = bool(rl.any()) and (config.compute_entropy or config.entropy_coef != 0)
+    return temp, need_entropy
+
+
 @torch.compiler.disable
 def echo_loss(
     logits: torch.Tensor,
@@ -648,18 +696,9 @@ def echo_loss(
     )
     cfg = rows.config
     part = rows.rl | rows.echo
-    # Echo rows at T = 1 unless asked otherwise (docs/loss.md, "Echo temperature").
-    temp: float | torch.Tensor = temperature
-    if cfg.echo_temperature == "one" and bool(rows.echo.any()):
-        if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
-            t = check_per_token("temperature", temperature, lead, dev, "float").reshape(-1)
-            temp = t.masked_fill(rows.echo, 1.0).view(lead)
-        else:
-            t0 = float(temperature)
-            if t0 != 1.0:
-                temp = torch.full(lead, t0, dtype=torch.float32, device=dev)
-                temp.view(-1).masked_fill_(rows.echo, 1.0)
-    need_ent = bool(rows.rl.any()) and (cfg.compute_entropy or cfg.entropy_coef != 0)
+    temp, need_ent = row_temperature_and_entropy(
+        temperature, cfg, rl=rows.rl, echo=rows.echo, lead=lead
+    )
     res = selective_logprobs(
         logits,
         labels,

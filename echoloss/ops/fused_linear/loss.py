@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from echoloss.loss.config import LossConfig
-from echoloss.loss.core import LossOutput, echo_loss_from_logprobs
+from echoloss.loss.core import LossOutput, echo_loss_from_logprobs, row_temperature_and_entropy
 from echoloss.loss.normalization import Normalizers, split_rows
 from echoloss.loss.policy import PolicyFn
 from echoloss.ops._checks import (
@@ -105,14 +105,9 @@ def echo_loss_from_hidden(
     chunk_size = check_chunk_size(chunk_size)
     rl, echo = split_rows(rl_in, ew)
 
-    # Echo rows at T = 1 unless config.echo_temperature == "sampling" (as echo_loss does).
-    temp = check_temperature(temperature, lead, dev)
-    if cfg.echo_temperature == "one" and bool(echo.any()):
-        if isinstance(temp, torch.Tensor):
-            temp = temp.masked_fill(echo, 1.0)
-        elif temp != 1.0:
-            temp = torch.full(lead, temp, dtype=torch.float32, device=dev).masked_fill_(echo, 1.0)
-    need_ent = bool(rl.any()) and (cfg.compute_entropy or cfg.entropy_coef != 0)
+    temp, need_ent = row_temperature_and_entropy(
+        check_temperature(temperature, lead, dev), cfg, rl=rl, echo=echo, lead=lead
+    )
     flat_labels, rows, inv_t = _prepare(hidden, weight, labels, temp, rl | echo)
     lp, ent_all = _apply(hidden, weight, flat_labels, rows, inv_t, need_ent, chunk_size, backend)
     ent: torch.Tensor | None = None
