@@ -1,0 +1,244 @@
+"""The benchmark harness (``python -m benchmarks``) on tiny shapes: the JSON-lines schema, the
+correctness gate (a deliberately wrong provider gets no numbers), and the GPU code path on CPU
+with the CUDA timing and memory calls stubbed. No number produced here means anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import cli, harness  # noqa: E402
+from benchmarks.providers import REGISTRY, Outputs, Provider, register  # noqa: E402
+from benchmarks.workload import MODES, naive_logprobs_entropy, naive_loss  # noqa: E402
+
+ROW_KEYS = {
+    "schema", "sweep", "op", "provider", "mode", "n", "v", "h", "dtype", "status", "reason",
+    "gate", "time_ms", "peak_bytes", "peak_extra_bytes", "floor_bytes", "effective_GBps",
+    "pct_of_peak_bandwidth", "floor_ms", "model_TFLOPs", "note", "workload", "env",
+}  # fmt: skip
+ENV_KEYS = {
+    "device_kind", "device_name", "versions", "git_sha", "timestamp", "torch_threads",
+    "logical_cpus", "loadavg_start", "peak_bandwidth_Bps",
+}  # fmt: skip
+
+
+def _rows(out_dir: Path) -> list[dict]:
+    files = sorted(out_dir.glob("*.jsonl"))
+    assert len(files) == 1, files
+    return [json.loads(line) for line in files[0].read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[int, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    rc = cli.main(["--device", "cpu", "--smoke", "--output", str(out)])
+    return rc, out
+
+
+def test_cpu_smoke_schema(smoke):
+    rc, out = smoke
+    assert rc == 0
+    rows = _rows(out)
+    assert {(r["op"], r["provider"], r["mode"]) for r in rows} == {
+        (op, p, m)
+        for op, ps in (("loss", cli.CPU_LOSS), ("linear", cli.LINEAR))
+        for p in ps
+        for m in MODES
+    }
+    for r in rows:
+        assert set(r) >= ROW_KEYS, ROW_KEYS - set(r)
+        assert set(r["env"]) >= ENV_KEYS, ENV_KEYS - set(r["env"])
+        assert r["schema"] == harness.SCHEMA
+        assert r["env"]["device_kind"] == "cpu" and r["env"]["torch_threads"] == 1
+        assert r["status"] == "ok", (r["provider"], r["mode"], r["reason"])
+        assert r["gate"]["passed"] is True
+        checks = set(r["gate"]["checks"])
+        want = {"no-grad": {"logprobs"}, "forward": {"loss"}}.get(r["mode"])
+        if want is None:  # forward+backward
+            want = {"loss", "dlogits"} if r["op"] == "loss" else {"loss", "dhidden", "dweight"}
+        assert checks == want
+        t = r["time_ms"]
+        assert t["repeats"] == 3 and len(t["samples"]) == 3
+        assert t["min"] <= t["p25"] <= t["median"] <= t["p75"] <= t["max"]
+        assert r["peak_extra_bytes"] is not None and r["peak_extra_bytes"] >= 0
+        assert len(r["loadavg_before_after"]) == 2
+        if r["op"] == "loss":
+            passes = 3 if r["mode"] == "forward+backward" else 1
+            assert r["floor_bytes"] == passes * r["n"] * r["v"] * 4
+            assert r["effective_GBps"] > 0 and r["model_TFLOPs"] is None
+        else:
+            assert r["floor_bytes"] is None and r["model_TFLOPs"] > 0
+        assert r["pct_of_peak_bandwidth"] is None  # no CPU peak bandwidth in the table
+    assert list(out.glob("*.png")), "matplotlib is installed here: the plot must be written"
+
+
+def test_naive_forward_backward_holds_more_memory(smoke):
+    """The memory measurement sees the full-vocabulary copies the naive path makes."""
+    rows = {
+        (r["provider"], r["mode"]): r["peak_extra_bytes"]
+        for r in _rows(smoke[1])
+        if r["op"] == "loss"
+    }
+    logits_bytes = 256 * 4096 * 4
+    assert rows[("naive", "no-grad")] >= logits_bytes  # the fp32 log_softmax
+    assert rows[("naive", "forward+backward")] >= 2 * logits_bytes  # + the gradient
+
+
+def _wrong(kind: str):
+    """A provider that is the naive one with a small error in what ``kind`` names."""
+
+    def build(wl, mode, ctx):
+        logits = wl.logits
+        if mode == "no-grad":
+            bias = 1e-3 if kind == "logprobs" else 0.0
+            return lambda: Outputs(
+                logprobs=naive_logprobs_entropy(logits, wl.labels, entropy=False)[0] + bias
+            )
+
+        def run():
+            x = logits.detach().requires_grad_()
+            loss = naive_loss(x, wl)
+            # "grad": the same value with the gradient scaled by 1.01; else the value is off.
+            loss = loss + 0.01 * (loss - loss.detach()) if kind == "grad" else loss * 1.001
+            if mode == "forward":
+                return Outputs(loss=loss)
+            loss.backward()
+            return Outputs(loss=loss.detach(), grad_rows=lambda idx: x.grad.index_select(0, idx))
+
+        return run
+
+    return build
+
+
+@pytest.mark.parametrize("kind", ["logprobs", "grad"])
+def test_gate_rejects_a_wrong_provider(tmp_path, kind):
+    name = f"wrong-{kind}"
+    register(Provider(name, "loss", "deliberately wrong", _wrong(kind)))
+    try:
+        argv = ["--device", "cpu", "--smoke", "--ops", "loss", "--no-plot", "--repeats", "2"]
+        argv += ["--providers", f"naive,{name}", "--output", str(tmp_path)]
+        assert cli.main(argv) == 1  # a red gate fails the run
+    finally:
+        del REGISTRY[name]
+    rows = {(r["provider"], r["mode"]): r for r in _rows(tmp_path)}
+    assert all(rows[("naive", m)]["status"] == "ok" for m in MODES)
+    for mode in MODES:
+        r = rows[(name, mode)]
+        if kind == "grad" and mode != "forward+backward":
+            assert r["status"] == "ok"  # the value is right; only the gradient is wrong
+            continue
+        assert r["status"] == "gate-failed"
+        assert r["gate"]["passed"] is False
+        for key in ("time_ms", "peak_extra_bytes", "effective_GBps", "peak_bytes"):
+            assert r[key] is None, key  # no number for a provider on a red gate
+        failed = {k for k, c in r["gate"]["checks"].items() if not c["passed"]}
+        expected = {
+            ("logprobs", "no-grad"): {"logprobs"},
+            ("logprobs", "forward"): {"loss"},
+            ("logprobs", "forward+backward"): {"loss", "dlogits"},
+            ("grad", "forward+backward"): {"dlogits"},
+        }[(kind, mode)]
+        assert failed == expected
+
+
+def test_select_overrides_and_unknown_names():
+    args = cli.parse_args(["--device", "cpu", "--quick", "--n", "512", "--providers", "naive"])
+    sweep = cli.select(args, "cpu")
+    assert [(b.op, b.ns, b.vs, b.providers) for b in sweep.blocks] == [
+        ("loss", (512,), (32000,), ("naive",))
+    ]
+    with pytest.raises(SystemExit):
+        cli.select(cli.parse_args(["--providers", "nope"]), "cpu")
+    # The CPU sweeps never time the Triton interpreter.
+    for (kind, _), sw in cli.SWEEPS.items():
+        if kind == "cpu":
+            assert all("triton" not in b.providers for b in sw.blocks)
+
+
+def test_triton_and_liger_are_never_timed_on_cpu():
+    from benchmarks.providers import Context
+
+    ctx = Context("cpu", torch.device("cpu"))
+    assert "interpreter" in REGISTRY["triton"].unavailable(ctx)
+    assert REGISTRY["liger"].unavailable(ctx) is not None
+
+
+def test_floor_and_summary():
+    assert harness.peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert harness.peak_bandwidth("NVIDIA H100 PCIe") is None
+    assert harness.peak_bandwidth("NVIDIA H200") == 4.8e12
+    t = harness.summarize([0.004, 0.001, 0.002, 0.003, 0.005])
+    assert (t["min"], t["p25"], t["median"], t["p75"], t["max"]) == (1.0, 2.0, 3.0, 4.0, 5.0)
+
+
+def test_refuses_cuda_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal without CUDA")
+    assert cli.main(["--device", "cuda", "--output", "/nonexistent"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+_CUDA_STUB = """
+import sys, time, torch
+class Event:
+    def __init__(self, enable_timing=False): self.t = 0.0
+    def record(self): self.t = time.perf_counter()
+    def elapsed_time(self, end): return (end.t - self.t) * 1e3
+c = torch.cuda
+c.is_available = lambda: True
+c.Event = Event
+for n in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+    setattr(c, n, lambda: None)
+c.memory_allocated = lambda: 0
+c.max_memory_allocated = lambda: 1
+c.get_device_name = lambda: "NVIDIA H100 80GB HBM3 (stub)"
+from benchmarks.cli import parse_args, run
+from benchmarks.providers import Context
+args = parse_args(["--device", "cuda", "--smoke", "--output", sys.argv[1], "--no-plot", *sys.argv[2:]])
+sys.exit(run(args, Context("cuda", torch.device("cpu"))))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-in for the GPU path")
+def test_gpu_path_on_cpu_with_stubs(tmp_path):
+    """The CUDA sweep's code (CUDA-event timing, allocator memory, floor, Triton and Liger
+    providers, fused-linear) end to end on cpu tensors, the kernels in the Triton interpreter
+    (set before triton is imported, so Liger's kernels can run too)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    argv = ["--modes", "no-grad,forward+backward", "--dtype", "float32"]
+    res = subprocess.run(
+        [sys.executable, "-c", _CUDA_STUB, str(tmp_path), *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = _rows(tmp_path)
+    by = {(r["op"], r["provider"], r["mode"]): r for r in rows}
+    for key in [("loss", "triton", "forward+backward"), ("linear", "fused-linear", "no-grad")]:
+        r = by[key]
+        assert r["status"] == "ok" and r["gate"]["passed"], r
+        assert r["env"]["device_kind"] == "cuda" and r["env"]["peak_bandwidth_Bps"] == 3.35e12
+        assert r["peak_bytes"] == 1 and r["peak_extra_bytes"] == 1  # the stubbed counters
+    fb = by[("loss", "triton", "forward+backward")]
+    assert fb["floor_ms"] == pytest.approx(3 * 64 * 301 * 4 / 3.35e12 * 1e3)
+    assert fb["pct_of_peak_bandwidth"] == pytest.approx(
+        100 * fb["floor_ms"] / fb["time_ms"]["median"]
+    )
+    liger = by[("loss", "liger", "forward+backward")]
+    assert liger["status"] in ("ok", "skipped"), liger
+    if liger["status"] == "ok":
+        assert liger["gate"]["checks"]["dlogits"]["passed"]
