@@ -36,6 +36,7 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 22
 #: and 0·inf is NaN).
 LOG_P_FLOOR = -1e4
 
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype for logits of ``dtype``: fp32, or fp64 for fp64 logits.
 
