@@ -97,7 +97,7 @@ def peak_bandwidth(name: str) -> float | None:
 
 def environment(ctx: Context, threads: int, peak_bw: float | None) -> dict[str, Any]:
     """Metadata stored with every row: device, versions, git sha, time, threads, load."""
-    dirty = _git("status", "--porcelain", "--", "echoloss", "benchmarks")
+    dirty = _git("status", "--porcelain", "--", "echoloss", "benchmarks", ":!benchmarks/results")
     env: dict[str, Any] = {
         "device_kind": ctx.kind,
         "device_name": device_name(ctx),

@@ -1,8 +1,12 @@
 """One PNG per sweep: median time (with the quartiles as error bars) and peak extra memory per
-provider, one column per mode, one pair of rows per op; the bandwidth floor where it is known."""
+provider, one column per mode, one pair of rows per op; the bandwidth floor where it is known.
+
+``python -m benchmarks.plot FILE.jsonl [...]`` redraws ``FILE.png`` from saved results."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,33 +48,44 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
         for mi, mode in enumerate(modes):
             ax_t, ax_m = axes[2 * oi, mi], axes[2 * oi + 1, mi]
             floor: dict[int, float] = {}
-            for p in providers:
-                xs, ys, lo, hi, mx, my = [], [], [], [], [], []
-                for r in op_rows:
-                    if r["provider"] != p or r["mode"] != mode or r["time_ms"] is None:
-                        continue
-                    x = shapes.index(_shape_label(r))
-                    t = r["time_ms"]
-                    xs.append(x)
-                    ys.append(t["median"])
-                    lo.append(t["median"] - t["p25"])
-                    hi.append(t["p75"] - t["median"])
-                    if r.get("peak_extra_bytes") is not None:
-                        mx.append(x)
-                        my.append(max(r["peak_extra_bytes"], 0) / 2**20)
-                    if r.get("floor_ms") is not None:
-                        floor[x] = r["floor_ms"]
-                if xs:
-                    ax_t.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=p)
-                if mx:
-                    ax_m.plot(mx, my, marker="o", label=p)
+            for pi, p in enumerate(providers):
+                color = f"C{pi % 10}"
+                labelled = False
+                # One line per dtype: points of different dtypes are not joined.
+                for dtype in dict.fromkeys(r["dtype"] for r in op_rows):
+                    xs, ys, lo, hi, mx, my = [], [], [], [], [], []
+                    for r in op_rows:
+                        if (r["provider"], r["mode"], r["dtype"]) != (p, mode, dtype):
+                            continue
+                        if r["time_ms"] is None:
+                            continue
+                        x = shapes.index(_shape_label(r))
+                        t = r["time_ms"]
+                        xs.append(x)
+                        ys.append(t["median"])
+                        lo.append(t["median"] - t["p25"])
+                        hi.append(t["p75"] - t["median"])
+                        if r.get("peak_extra_bytes"):
+                            mx.append(x)
+                            my.append(r["peak_extra_bytes"] / 2**20)
+                        if r.get("floor_ms") is not None:
+                            floor[x] = r["floor_ms"]
+                    label = None if labelled else p
+                    if xs:
+                        ax_t.errorbar(
+                            xs, ys, yerr=[lo, hi], marker="o", capsize=3, color=color, label=label
+                        )
+                        labelled = True
+                    if mx:
+                        ax_m.plot(mx, my, marker="o", color=color, label=label)
             if floor:
                 fx = sorted(floor)
                 ax_t.plot(
                     fx,
                     [floor[x] for x in fx],
                     "k--",
-                    label="bandwidth floor",
+                    marker="_",
+                    label="bandwidth floor (datasheet peak)",
                 )
             for ax, ylabel in ((ax_t, "median time (ms)"), (ax_m, "peak extra memory (MiB)")):
                 ax.set_yscale("log")
@@ -86,3 +101,20 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
+    for path in paths:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        env = rows[0]["env"] if rows else {}
+        bw = env.get("peak_bandwidth_Bps")
+        title = f"{rows[0]['sweep'] if rows else path.stem} — {env.get('device_name', '')}"
+        title += f", floor at {bw / 1e12:.2f} TB/s" if bw else ""
+        out = plot(rows, path.with_suffix(".png"), title)
+        print(f"wrote {out}" if out else f"nothing to plot in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

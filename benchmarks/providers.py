@@ -76,6 +76,9 @@ class Provider:
     check: Callable[[Context], str | None] = lambda ctx: None
     #: Free text stored with every row of this provider (what it computes differently).
     note: str | None = None
+    #: False for other libraries (TRL, Liger, torch.compile): their red gate is a finding that
+    #: is recorded, not a failure of the run; a red gate of echoloss or of the naive baseline is.
+    ours: bool = True
 
     def unavailable(self, ctx: Context) -> str | None:
         return self.check(ctx)
@@ -443,6 +446,7 @@ for _p in (
         "loss algebra by echoloss.echo_loss_from_logprobs",
         _compile,
         _compile_check,
+        ours=False,
     ),
     Provider(
         "trl",
@@ -451,6 +455,7 @@ for _p in (
         "(row_mask = participating rows), loss algebra by echoloss.echo_loss_from_logprobs",
         _trl,
         _trl_check,
+        ours=False,
     ),
     Provider(
         "liger",
@@ -460,6 +465,7 @@ for _p in (
         _liger,
         _liger_check,
         note="computes no entropy metric; its [B, L+1, V] input copy is allocated before measuring",
+        ours=False,
     ),
     Provider(
         "linear-naive",

@@ -242,3 +242,18 @@ def test_gpu_path_on_cpu_with_stubs(tmp_path):
     assert liger["status"] in ("ok", "skipped"), liger
     if liger["status"] == "ok":
         assert liger["gate"]["checks"]["dlogits"]["passed"]
+
+
+def test_a_peer_on_a_red_gate_is_recorded_not_a_failure(tmp_path):
+    register(
+        Provider("wrong-peer", "loss", "a peer that disagrees", _wrong("logprobs"), ours=False)
+    )
+    try:
+        argv = ["--device", "cpu", "--smoke", "--ops", "loss", "--no-plot", "--repeats", "1"]
+        argv += ["--modes", "no-grad", "--providers", "naive,wrong-peer", "--output", str(tmp_path)]
+        assert cli.main(argv) == 0
+    finally:
+        del REGISTRY["wrong-peer"]
+    rows = {r["provider"]: r for r in _rows(tmp_path)}
+    assert rows["wrong-peer"]["status"] == "gate-failed" and rows["wrong-peer"]["time_ms"] is None
+    assert rows["naive"]["status"] == "ok"
