@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Datasheet HBM bandwidth (bytes/s) by GPU-name pattern, first match wins
 #: (/work/shared/reference/kernels-and-estimators.md §6). Others get GB/s but no floor.
 PEAK_BANDWIDTH: list[tuple[str, float]] = [
-    (r"H200", 4.8e12),
-    (r"H100(?!.*PCIe)", 3.35e12),
+    (r"(?<!G)H200", 4.8e12),  # not GH200 (a Grace Hopper superchip: other memory)
+    (r"(?<!G)H100(?!.*(PCIe|NVL))", 3.35e12),  # SXM only: PCIe and NVL differ
     (r"A100.*80GB", 2.0e12),
 ]
 
@@ -403,6 +403,29 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(e)
 
 
+def new_row(base_row: dict[str, Any], wl: Workload, p: Provider, mode: str) -> dict[str, Any]:
+    """A result row with every field of the schema, nothing measured yet."""
+    return {
+        **base_row,
+        "op": p.op,
+        "provider": p.name,
+        "mode": mode,
+        "status": "ok",
+        "reason": None,
+        "gate": None,
+        "time_ms": None,
+        "peak_bytes": None,
+        "peak_extra_bytes": None,
+        "floor_bytes": floor_bytes(wl, mode),
+        "effective_GBps": None,
+        "pct_of_peak_bandwidth": None,
+        "floor_ms": None,
+        "model_TFLOPs": None,
+        "note": p.note,
+        "loadavg_before_after": None,
+    }
+
+
 def run_shape(
     ctx: Context,
     wl: Workload,
@@ -418,28 +441,21 @@ def run_shape(
     """Gate, then measure, every provider in every mode at one shape. Returns the rows."""
     rows: list[dict[str, Any]] = []
     for mode in modes:
-        ref = compute_reference(wl, mode)
+        try:
+            ref = compute_reference(wl, mode)
+        except Exception as e:  # the gate cannot run: record every provider, measure nothing
+            failed: dict[str, Any] = {}
+            _fail(ctx, failed, e)
+            for p in providers:
+                row = new_row(base_row, wl, p, mode)
+                row.update(status=failed["status"], reason=f"no reference: {failed['reason']}")
+                rows.append(row)
+            log(f"  {mode:17s} reference failed ({failed['status']}): nothing measured")
+            continue
         runnable: dict[str, Callable[[], Outputs]] = {}
         mode_rows: dict[str, dict[str, Any]] = {}
         for p in providers:
-            row: dict[str, Any] = {
-                **base_row,
-                "op": p.op,
-                "provider": p.name,
-                "mode": mode,
-                "status": "ok",
-                "reason": None,
-                "gate": None,
-                "time_ms": None,
-                "peak_bytes": None,
-                "peak_extra_bytes": None,
-                "floor_bytes": floor_bytes(wl, mode),
-                "effective_GBps": None,
-                "pct_of_peak_bandwidth": None,
-                "floor_ms": None,
-                "model_TFLOPs": None,
-                "note": p.note,
-            }
+            row = new_row(base_row, wl, p, mode)
             if p.name == "trl":
                 row["note"] = trl_note(wl)
             mode_rows[p.name] = row

@@ -25,6 +25,7 @@ ROW_KEYS = {
     "schema", "sweep", "op", "provider", "mode", "n", "v", "h", "dtype", "status", "reason",
     "gate", "time_ms", "peak_bytes", "peak_extra_bytes", "floor_bytes", "effective_GBps",
     "pct_of_peak_bandwidth", "floor_ms", "model_TFLOPs", "note", "workload", "env",
+    "loadavg_before_after",
 }  # fmt: skip
 ENV_KEYS = {
     "device_kind", "device_name", "versions", "git_sha", "timestamp", "torch_threads",
@@ -257,3 +258,19 @@ def test_a_peer_on_a_red_gate_is_recorded_not_a_failure(tmp_path):
     rows = {r["provider"]: r for r in _rows(tmp_path)}
     assert rows["wrong-peer"]["status"] == "gate-failed" and rows["wrong-peer"]["time_ms"] is None
     assert rows["naive"]["status"] == "ok"
+
+
+def test_no_reference_means_no_numbers(tmp_path, monkeypatch):
+    """If the gate's reference cannot be computed (e.g. out of memory), nothing is measured."""
+
+    def boom(wl, mode):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(harness, "compute_reference", boom)
+    argv = ["--device", "cpu", "--smoke", "--ops", "loss", "--no-plot", "--modes", "no-grad"]
+    assert cli.main([*argv, "--providers", "naive,reference", "--output", str(tmp_path)]) == 0
+    rows = _rows(tmp_path)
+    assert {r["provider"] for r in rows} == {"naive", "reference"}
+    for r in rows:
+        assert r["status"] == "oom" and r["reason"].startswith("no reference")
+        assert r["time_ms"] is None and r["peak_extra_bytes"] is None
