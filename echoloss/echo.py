@@ -50,6 +50,14 @@ def validate_keep_mask(
     Raises:
         TypeError: not a list, or an element is not exactly ``bool`` (0/1, numpy bools, strings).
         ValueError: wrong length.
+
+    Examples:
+        >>> validate_keep_mask([True, False], prompt_len=1, completion_len=1)
+        [True, False]
+        >>> validate_keep_mask([True, 1], prompt_len=1, completion_len=1, step_index=2)
+        Traceback (most recent call last):
+        ...
+        TypeError: echo filter: step 2, keep[1] must be a bool, got int 1; masks are exact True/False (True = this token participates): convert with [bool(x) for x in ...]
     """
     if not isinstance(keep, list):
         raise TypeError(

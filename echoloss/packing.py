@@ -370,6 +370,14 @@ def unpack(batch: PackedBatch) -> list[tuple[int, Sample]]:
 
     Inverse of :func:`pack` for samples in normal form (position 0 untrained, echoed tokens out of
     the completion mask), which is what :func:`interleave` produces.
+
+    Examples:
+        >>> from echoloss import Sample
+        >>> s = Sample(prompt_ids=[1, 2], completion_ids=[3], completion_mask=[True],
+        ...            completion_logprobs=[-0.5], advantage=1.0)
+        >>> [(index, back)] = unpack(pack([s], max_tokens=4, pad_to_multiple_of=4)[0])
+        >>> index, back == s
+        (0, True)
     """
     out: list[tuple[int, Sample]] = []
     cu = batch.cu_seqlens.tolist()
