@@ -14,9 +14,23 @@ from echoloss.advantages import (
     register_advantage_fn,
     resolve_advantage_fn,
 )
-from echoloss.attribution import TokenAttribution
-from echoloss.config import EchoConfig, EchoFilter, RoleEcho
-from echoloss.echo import StepEcho, echo_weights, select_step_echo
+from echoloss.data import (
+    EchoConfig,
+    EchoFilter,
+    NextTokenTargets,
+    PackedBatch,
+    RoleEcho,
+    Sample,
+    Step,
+    StepEcho,
+    TokenAttribution,
+    echo_weights,
+    interleave,
+    next_token_targets,
+    pack,
+    select_step_echo,
+    unpack,
+)
 from echoloss.loss import (
     LossConfig,
     LossOutput,
@@ -31,8 +45,6 @@ from echoloss.loss import (
 )
 from echoloss.ops import selective_logprobs
 from echoloss.ops.fused_linear import echo_loss_from_hidden, linear_selective_logprobs
-from echoloss.packing import NextTokenTargets, PackedBatch, next_token_targets, pack, unpack
-from echoloss.samples import Sample, Step, interleave
 
 __version__ = "0.1.0.dev0"
 

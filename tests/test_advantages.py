@@ -14,7 +14,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-import echoloss.advantages as advantages_module
+import echoloss.advantages.registry as registry_module
 from echoloss.advantages import (
     RAE,
     broadcast_advantages,
@@ -652,7 +652,7 @@ def test_registry_lists_builtins():
 
 @pytest.fixture
 def isolated_registry(monkeypatch):
-    monkeypatch.setattr(advantages_module, "_REGISTRY", dict(advantages_module._REGISTRY))
+    monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))
 
 
 def test_register_and_resolve_custom_fn(isolated_registry):

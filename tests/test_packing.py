@@ -16,7 +16,7 @@ from echoloss import (
     pack,
     unpack,
 )
-from echoloss.packing import truncate_sample
+from echoloss.data.packing import truncate_sample
 
 
 def sample(p, c, *, mask=None, echo=None, obs=None, adv=1.0, env="", temps=None, lp=None):

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from echoloss._logging import warn_once
-from echoloss.attribution import TokenAttribution
-from echoloss.config import STANDARD_ROLES
-from echoloss.samples import Step
+from echoloss.data.attribution import TokenAttribution
+from echoloss.data.echo_config import STANDARD_ROLES
+from echoloss.data.interleave import Step
 
 __all__ = [
     "ChatRendering",

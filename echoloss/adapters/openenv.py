@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from echoloss._logging import warn_once
-from echoloss.samples import Sample
+from echoloss.data.interleave import Sample
 
 __all__ = ["sample_from_record", "sample_from_tags"]
 

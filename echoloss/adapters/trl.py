@@ -25,9 +25,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from echoloss._logging import warn_once
-from echoloss.attribution import TokenAttribution
-from echoloss.config import EchoConfig
-from echoloss.echo import StepEcho, select_step_echo
+from echoloss.data.attribution import TokenAttribution
+from echoloss.data.echo_config import EchoConfig
+from echoloss.data.echo_weights import StepEcho, select_step_echo
 
 if TYPE_CHECKING:  # pragma: no cover
     from echoloss.loss import LossConfig

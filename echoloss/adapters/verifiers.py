@@ -29,9 +29,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from echoloss._logging import warn_once
-from echoloss.attribution import TokenAttribution
-from echoloss.config import EchoConfig
-from echoloss.samples import Sample, Step, interleave
+from echoloss.data.attribution import TokenAttribution
+from echoloss.data.echo_config import EchoConfig
+from echoloss.data.interleave import Sample, Step, interleave
 
 __all__ = ["TRACE_VERSION", "samples_from_rollout", "samples_from_trace"]
 

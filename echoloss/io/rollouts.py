@@ -37,9 +37,9 @@ from pydantic import (
     model_validator,
 )
 
-from echoloss.attribution import TokenAttribution
-from echoloss.config import EchoConfig
-from echoloss.samples import Sample, Step, interleave
+from echoloss.data.attribution import TokenAttribution
+from echoloss.data.echo_config import EchoConfig
+from echoloss.data.interleave import Sample, Step, interleave
 
 __all__ = [
     "ROLLOUT_SCHEMA_VERSION",

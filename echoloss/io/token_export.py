@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import torch
 
-from echoloss.packing import PackedBatch
+from echoloss.data.packing import PackedBatch
 
 __all__ = ["RL_ONLY_COLUMNS", "TOKEN_EXPORT_SCHEMA_VERSION", "TokenExporter", "token_records"]
 

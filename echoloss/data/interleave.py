@@ -15,9 +15,9 @@ from typing import Any
 
 from echoloss._logging import warn_once
 from echoloss._validate import bool_list, check_len, finite_float_list, int_list
-from echoloss.attribution import TokenAttribution
-from echoloss.config import EchoConfig
-from echoloss.echo import select_step_echo, validate_keep_mask
+from echoloss.data.attribution import TokenAttribution
+from echoloss.data.echo_config import EchoConfig
+from echoloss.data.echo_weights import select_step_echo, validate_keep_mask
 
 __all__ = ["Sample", "Step", "interleave"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from echoloss._logging import warn_once
 from echoloss._validate import bool_list, type_name
-from echoloss.attribution import TokenAttribution
-from echoloss.config import EchoConfig
+from echoloss.data.attribution import TokenAttribution
+from echoloss.data.echo_config import EchoConfig
 
 __all__ = ["StepEcho", "echo_weights", "select_step_echo", "validate_keep_mask"]
 

@@ -1,4 +1,4 @@
-"""Packing samples into micro-batches, and the next-token view a loss consumes.
+"""Packing samples into micro-batches (FlashAttention varlen layout).
 
 A :class:`PackedBatch` is one row of concatenated sequences (batch size 1), FlashAttention style:
 ``cu_seqlens`` marks the boundaries and ``position_ids`` restart at 0 for every sequence. Every
@@ -11,22 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from echoloss._logging import warn_once
 from echoloss.advantages import broadcast_packed_advantages
-from echoloss.samples import Sample
+from echoloss.data.interleave import Sample
 
-__all__ = [
-    "NextTokenTargets",
-    "PackedBatch",
-    "next_token_targets",
-    "pack",
-    "truncate_sample",
-    "unpack",
-]
+__all__ = ["PackedBatch", "pack", "truncate_sample", "unpack"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +26,7 @@ class PackedBatch:
     """Samples concatenated into one sequence of ``L`` tokens (``S`` segments, padding included).
 
     Token-indexed streams: entry ``t`` describes token ``t`` as a *target* (predicted from ``< t``).
-    Use :func:`next_token_targets` to get the row-aligned view for ``logits[t]`` predicting ``t+1``.
+    Use :func:`echoloss.data.targets.next_token_targets` to get the row-aligned view for ``logits[t]`` predicting ``t+1``.
 
     Attributes:
         input_ids: ``[L]`` int64.
@@ -100,76 +92,6 @@ class PackedBatch:
             for k, v in self.__dict__.items()
         }
         return PackedBatch(**moved)
-
-
-class NextTokenTargets(NamedTuple):
-    """Row-aligned view of a :class:`PackedBatch`: row ``j`` of the logits predicts ``labels[j]``.
-
-    Rows whose next token belongs to another segment (the last row of each sequence) and padding
-    rows predict nothing: their masks are False, weights 0, label ``0``.
-
-    Attributes:
-        labels: ``[L]`` int64.
-        rl_mask: ``[L]`` bool.
-        echo_weights: ``[L]`` float32 (0 = not echoed).
-        observation_mask: ``[L]`` bool.
-        advantages: ``[L]`` float32.
-        inference_logprobs: ``[L]`` float32.
-        temperatures: ``[L]`` float32.
-        sequence_ids: ``[L]`` int64 segment of each row, ``-1`` for padding.
-    """
-
-    labels: torch.Tensor
-    rl_mask: torch.Tensor
-    echo_weights: torch.Tensor
-    observation_mask: torch.Tensor
-    advantages: torch.Tensor
-    inference_logprobs: torch.Tensor
-    temperatures: torch.Tensor
-    sequence_ids: torch.Tensor
-
-
-def next_token_targets(batch: PackedBatch) -> NextTokenTargets:
-    """Shift a packed batch so that row ``j`` holds the streams of token ``j + 1``.
-
-    Position 0 of every segment is never RL, echo or observation, so shifting the whole packed row
-    by one already masks the row that would predict across a boundary; the last row predicts
-    nothing.
-
-    Args:
-        batch: a :class:`PackedBatch` of length ``L``.
-
-    Returns:
-        :class:`NextTokenTargets` with every field of length ``L``.
-
-    Examples:
-        >>> from echoloss import Sample, pack
-        >>> s = Sample(prompt_ids=[5], completion_ids=[6, 7], completion_mask=[True, True],
-        ...            completion_logprobs=[-0.1, -0.2], advantage=1.0)
-        >>> [b] = pack([s], max_tokens=8)
-        >>> t = next_token_targets(b)
-        >>> t.labels.tolist(), t.rl_mask.tolist(), t.advantages.tolist()
-        ([6, 7, 0], [True, True, False], [1.0, 1.0, 0.0])
-    """
-
-    def shift(x: torch.Tensor, fill: float | bool | int) -> torch.Tensor:
-        return torch.cat([x[1:], x.new_full((1,), fill)])
-
-    # A segment's first token is never a target, so the row before it must predict nothing.
-    starts = batch.cu_seqlens[1:-1].long()
-    labels = shift(batch.input_ids, 0)
-    labels[starts - 1] = 0
-    seq = batch.sequence_ids()
-    return NextTokenTargets(
-        labels=labels,
-        rl_mask=shift(batch.rl_mask, False),
-        echo_weights=shift(batch.echo_weights, 0.0),
-        observation_mask=shift(batch.observation_mask, False),
-        advantages=shift(batch.advantages, 0.0),
-        inference_logprobs=shift(batch.inference_logprobs, 0.0),
-        temperatures=shift(batch.temperatures, 1.0),
-        sequence_ids=seq,
-    )
 
 
 def truncate_sample(sample: Sample, max_tokens: int) -> Sample:

@@ -1,0 +1,84 @@
+"""Input checks shared by the advantage estimators, the grouping driver and broadcast."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _is_real(value: Any) -> bool:
+    # bool is an int subclass; a mask passed where rewards belong must fail, not become 0/1.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_list(values: Any, field: str) -> list[Any]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise ValueError(f"{field} must be 1-D, got a tensor of shape {tuple(values.shape)}")
+        return values.tolist()
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise TypeError(f"{field} must be a sequence, got {type(values).__name__}")
+    if hasattr(values, "tolist"):  # numpy arrays: plain Python scalars, one per rollout
+        values = values.tolist()
+    return list(values)
+
+
+def _finite_float(value: Any, field: str, fix: str) -> float:
+    if not _is_real(value):
+        raise TypeError(
+            f"{field} must be a real number, got {type(value).__name__} {value!r}; {fix}"
+        )
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{field} = {result} is not finite; {fix}")
+    return result
+
+
+_REWARD_FIX = (
+    "every reward must be a finite float (if the rollout failed, pass it in "
+    "compute_advantages(errored=...) instead of giving it a placeholder reward)"
+)
+
+
+def _check_rewards(rewards: Any, field: str = "rewards") -> list[float]:
+    values = _as_list(rewards, field)
+    if not values:
+        raise ValueError(f"{field} is empty; a group needs at least one reward")
+    return [_finite_float(v, f"{field}[{i}]", _REWARD_FIX) for i, v in enumerate(values)]
+
+
+def _check_eps(eps: Any) -> float:
+    value = _finite_float(eps, "eps", "pass a finite eps >= 0")
+    if value < 0:
+        raise ValueError(f"eps must be >= 0, got {value}")
+    return value
+
+
+def _check_key(key: Any, field: str) -> Hashable:
+    try:
+        hash(key)
+    except TypeError as err:
+        raise TypeError(
+            f"{field} = {key!r} is not hashable; use a str, int or a tuple of them, e.g. (env, role)"
+        ) from err
+    return key
+
+
+def _check_errored(errored: Sequence[bool] | None, n: int) -> list[bool]:
+    if errored is None:
+        return [False] * n
+    flags = _as_list(errored, "errored")
+    if len(flags) != n:
+        raise ValueError(f"errored has length {len(flags)}, expected {n} (one per rollout)")
+    for i, flag in enumerate(flags):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(
+                f"errored[{i}] must be a bool, got {type(flag).__name__} {flag!r}; "
+                "True marks a rollout that failed"
+            )
+    return [bool(flag) for flag in flags]

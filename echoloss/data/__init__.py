@@ -1,0 +1,45 @@
+"""The data path, one module per step, in pipeline order.
+
+1. ``attribution``: :class:`TokenAttribution`, which message (and which part of it) produced each
+   prompt token.
+2. ``echo_config``: :class:`EchoConfig`, which roles are echoed, with which weight.
+3. ``echo_weights``: :func:`echo_weights` / :func:`select_step_echo`, one step's per-token echo
+   weights and observation mask.
+4. ``interleave``: :class:`Step` (one model call) and :class:`Sample` (one training sequence), and
+   :func:`interleave`, which merges a trajectory's steps into samples.
+5. ``packing``: :func:`pack` / :func:`unpack`, samples into FlashAttention-style micro-batches.
+6. ``targets``: :func:`next_token_targets`, the row-aligned record a loss consumes.
+
+The semantics are specified in ``docs/spec.md``; the public names are re-exported here and from
+``echoloss``.
+"""
+
+from __future__ import annotations
+
+from echoloss.data.attribution import TokenAttribution
+from echoloss.data.echo_config import STANDARD_ROLES, EchoConfig, EchoFilter, RoleEcho
+from echoloss.data.echo_weights import StepEcho, echo_weights, select_step_echo, validate_keep_mask
+from echoloss.data.interleave import Sample, Step, interleave
+from echoloss.data.packing import PackedBatch, pack, truncate_sample, unpack
+from echoloss.data.targets import NextTokenTargets, next_token_targets
+
+__all__ = [
+    "STANDARD_ROLES",
+    "EchoConfig",
+    "EchoFilter",
+    "NextTokenTargets",
+    "PackedBatch",
+    "RoleEcho",
+    "Sample",
+    "Step",
+    "StepEcho",
+    "TokenAttribution",
+    "echo_weights",
+    "interleave",
+    "next_token_targets",
+    "pack",
+    "select_step_echo",
+    "truncate_sample",
+    "unpack",
+    "validate_keep_mask",
+]
