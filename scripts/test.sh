@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The test command of the README: installs what it needs, lints, runs the whole suite on CPU.
+# The Python is $PYTHON, the active virtual environment, or the project's .venv (scripts/python.sh).
+# Arguments go to pytest (`bash scripts/test.sh -x -q -k docs`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/python.sh
+source scripts/python.sh
 bash scripts/install.sh dev
-PY="${PYTHON:-python3}"
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
 set +e

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from echoloss._compile import compiler_disable
 from echoloss.loss.config import LossConfig
 from echoloss.loss.metrics import RESERVED_ENV, loss_metrics
 from echoloss.loss.normalization import Normalizers, split_rows
@@ -585,7 +586,7 @@ def row_temperature_and_entropy(
     return temp, need_entropy
 
 
-@torch.compiler.disable
+@compiler_disable
 def echo_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,

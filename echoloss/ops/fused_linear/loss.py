@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from echoloss._compile import compiler_disable
 from echoloss.loss.config import LossConfig
 from echoloss.loss.core import LossOutput, echo_loss_from_logprobs, row_temperature_and_entropy
 from echoloss.loss.normalization import Normalizers, split_rows
@@ -22,7 +23,7 @@ from echoloss.ops.fused_linear.op import _apply, _check_linear_inputs, _prepare
 __all__ = ["echo_loss_from_hidden"]
 
 
-@torch.compiler.disable
+@compiler_disable
 def echo_loss_from_hidden(
     hidden: torch.Tensor,
     weight: torch.Tensor,

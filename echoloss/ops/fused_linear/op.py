@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from echoloss._compile import compiler_disable
 from echoloss.ops._checks import (
     check_chunk_size,
     check_per_token,
@@ -273,7 +274,7 @@ def _apply(
     return _LinearLogprobsFn.apply(hidden, weight, labels, rows, inv_t, need_entropy, cs, impl)
 
 
-@torch.compiler.disable
+@compiler_disable
 def linear_selective_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

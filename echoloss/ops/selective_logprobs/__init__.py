@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from echoloss._compile import compiler_disable
 from echoloss._logging import warn_once
 from echoloss.ops._checks import (
     check_chunk_size,
@@ -151,7 +152,7 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
         return (grad, *nones)
 
 
-@torch.compiler.disable
+@compiler_disable
 def selective_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
