@@ -1,33 +1,99 @@
-"""Atomic checkpoints: a crash mid-write never leaves a corrupt latest checkpoint.
+"""Checkpoints that load without running code, are verified before use, and resume idempotently.
 
 Layout of ``<output_dir>/checkpoints/``::
 
     step_000050/            a complete checkpoint (never modified after it appears)
-        model.pt            full (unsharded) model state dict
-        optimizer.pt        full optimiser state dict
-        rng.pt              RNG states of every rank (torch, python, numpy)
-        state.json          step, data position, RAE state, the config
+        model.pt            full (unsharded) model state dict: tensors only
+        optimizer.pt        full optimiser state dict: tensors, numbers, lists and dicts
+        rng.pt              RNG states of every rank as tensors and numbers (torch, python, numpy)
+        state.json          step, data position, RAE state, the config, output file sizes
+        manifest.json       size and SHA-256 of every other file; written last
     latest                  text file naming the newest complete checkpoint
 
-How a checkpoint is written: every file goes into a temporary directory ``.tmp-step_000050-*``,
-each file is fsynced, the directory is fsynced and renamed to ``step_000050`` (a rename is atomic
-on POSIX), the parent is fsynced, and only then is ``latest`` replaced (written to a temporary file,
-fsynced, ``os.replace``). A crash at any point leaves either the previous ``latest`` or the new
-one, each pointing to a complete directory; leftover ``.tmp-*`` directories are removed by the
-next save.
+**Nothing in a checkpoint runs code.** Every ``.pt`` file is read with
+``torch.load(weights_only=True)``, which accepts tensors and plain containers only; a file holding
+anything else (a pickled object whose ``__reduce__`` would run a command) is refused with
+:class:`CheckpointError` before any of it executes. The rest is JSON.
+
+**How a checkpoint is written**: every file goes into a temporary directory
+``.tmp-step_000050-*``; the manifest (sizes and checksums) is written last; each file is fsynced,
+the directory is fsynced and renamed to ``step_000050`` (a rename is atomic on POSIX), the parent
+is fsynced, and only then is ``latest`` replaced (written to a temporary file, fsynced,
+``os.replace``). A crash at any point leaves the previous ``latest``, or the new one, each naming a
+complete directory; leftover ``.tmp-*`` directories are removed by the next save.
+
+**How a checkpoint is chosen on resume**: the one ``latest`` names, then older ones, newest first;
+the first whose manifest matches its files is used. A skipped (truncated, corrupt, incomplete)
+checkpoint gives a :class:`ResumeWarning` naming it and why.
+
+**Outputs are cut back on resume**: ``state.json`` records the size of every append-only output
+(``metrics.jsonl``, ``rollouts.rank<R>.jsonl``) when the checkpoint was taken, and
+:func:`truncate_outputs` cuts them back to it (token exports: the ``step_N`` files past the
+checkpoint are removed), so a resumed run never duplicates a row.
+
+Examples:
+    >>> import tempfile
+    >>> root = Path(tempfile.mkdtemp()) / "checkpoints"
+    >>> def write(d):
+    ...     (d / "state.json").write_text('{"step": 3}')
+    >>> save_checkpoint(root, 3, write, keep=2).name
+    'step_000003'
+    >>> verify_checkpoint(root / "step_000003") is None  # complete: no problem to report
+    True
+    >>> latest_checkpoint(root).name
+    'step_000003'
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import pickle
+import random
 import shutil
 import tempfile
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["latest_checkpoint", "save_checkpoint"]
+import numpy as np
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "ResumeWarning",
+    "capture_rng",
+    "config_changes",
+    "export_atomically",
+    "final_model_complete",
+    "find_checkpoint",
+    "latest_checkpoint",
+    "load_tensors",
+    "output_sizes",
+    "read_state",
+    "restore_rng",
+    "save_checkpoint",
+    "truncate_outputs",
+    "verify_checkpoint",
+]
+
+MANIFEST = "manifest.json"
+FORMAT = 2  # 1: pickled RNG state (numpy arrays, tuples) and no manifest; refused since
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupt, or holding more than data."""
+
+
+class ResumeWarning(UserWarning):
+    """A resume that goes on, but not exactly as asked (a skipped checkpoint, a changed config)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Durable writes
 
 
 def _fsync_file(path: Path) -> None:
@@ -59,10 +125,31 @@ def atomic_write_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest(directory: Path) -> dict[str, Any]:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return {
+        "format": FORMAT,
+        "files": {
+            p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in files
+        },
+    }
+
+
 def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, keep: int) -> Path:
     """Write a checkpoint for ``step`` atomically; ``write(tmp_dir)`` writes its files.
 
-    Keeps the newest ``keep`` checkpoints. Returns the final directory.
+    The manifest (size and SHA-256 of every file ``write`` wrote) is written last, so a directory
+    with a valid manifest is complete. Keeps the newest ``keep`` checkpoints. Returns the final
+    directory.
     """
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # a crash of an earlier save
@@ -73,6 +160,7 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, kee
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-"))
     try:
         write(tmp)
+        (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1))
         for f in tmp.rglob("*"):
             if f.is_file():
                 _fsync_file(f)
@@ -92,13 +180,111 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, kee
     return final
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (following ``latest``), or None."""
+# ------------------------------------------------------------------------------------------------
+# Verification and choice of a checkpoint
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None when its manifest matches its files."""
+    path = Path(path)
+    if not path.is_dir():
+        return "not a directory"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError("files is not a table")
+    except FileNotFoundError:
+        return f"no {MANIFEST} (incomplete, or written by an echoloss older than checkpoint format {FORMAT})"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        return f"{MANIFEST} is unreadable ({type(err).__name__}: {err})"
+    if "state.json" not in files:
+        return f"{MANIFEST} lists no state.json"
+    for rel, meta in sorted(files.items()):
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        size = f.stat().st_size
+        if size != meta.get("bytes"):
+            return f"{rel} has {size} bytes, the manifest says {meta.get('bytes')} (truncated?)"
+        if _sha256(f) != meta.get("sha256"):
+            return f"{rel} does not match its SHA-256 checksum (corrupt or modified)"
+    return None
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step_"))
+    except ValueError:
+        return -1
+
+
+def _candidates(root: Path) -> list[Path]:
+    """The checkpoint ``latest`` names, then the older ones, newest first."""
+    steps = sorted(
+        (p for p in root.glob("step_*") if p.is_dir() and _step_of(p) >= 0),
+        key=_step_of,
+        reverse=True,
+    )
     pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if (path / "state.json").is_file() else None
+    named = root / pointer.read_text().strip() if pointer.is_file() else None
+    if named is None or not named.is_dir():
+        return steps
+    # Checkpoints newer than `latest` belong to an abandoned branch of the run (a resume from an
+    # older checkpoint wrote `latest` since): never resume from them.
+    return [named, *(p for p in steps if _step_of(p) < _step_of(named))]
+
+
+def latest_checkpoint(root: Path, *, warn: bool = True) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None if there is none.
+
+    A newer checkpoint that fails :func:`verify_checkpoint` is skipped with a
+    :class:`ResumeWarning` (set ``warn=False`` to skip it silently).
+    """
+    for path in _candidates(Path(root)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        if warn:
+            warnings.warn(
+                f"--resume: skipping checkpoint {str(path)!r}: {problem}; trying the previous one",
+                ResumeWarning,
+                stacklevel=2,
+            )
+    return None
+
+
+def find_checkpoint(resume: str | Path) -> Path:
+    """The checkpoint to resume from: ``resume`` itself (a ``step_NNNNNN`` directory), or the
+    newest complete one of an output directory (``resume/checkpoints``).
+
+    Raises:
+        FileNotFoundError: nothing that looks like a checkpoint is there.
+        CheckpointError: ``resume`` is a checkpoint directory that fails verification, or every
+            checkpoint of the output directory does.
+    """
+    path = Path(resume)
+    if (path / "state.json").is_file() or (path / MANIFEST).is_file():
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise CheckpointError(
+                f"--resume: checkpoint {str(path)!r} cannot be used: {problem}. Give an older "
+                f"step_NNNNNN directory, or the output directory to pick the newest complete one"
+            )
+        return path
+    root = path / "checkpoints"
+    if not root.is_dir() or not any(root.glob("step_*")):
+        raise FileNotFoundError(
+            f"--resume: no checkpoint in {str(path)!r} (no state.json, no checkpoints/step_*); "
+            "give a step_NNNNNN directory, or an output directory with checkpoints"
+        )
+    found = latest_checkpoint(root)
+    if found is None:
+        raise CheckpointError(
+            f"--resume: no complete checkpoint in {str(root)!r} (each was skipped: see the "
+            "warnings above); start a fresh run, or restore a checkpoint from a backup"
+        )
+    return found
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -109,4 +295,200 @@ def read_state(path: Path) -> dict[str, Any]:
             f"--resume: {str(path)!r} is not a checkpoint directory (no state.json); give a "
             "step_NNNNNN directory, or an output directory with checkpoints/latest"
         )
-    return json.loads(f.read_text())
+    try:
+        state = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"--resume: {str(f)!r} is not valid JSON ({err})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"--resume: {str(f)!r} has no integer 'step'")
+    return state
+
+
+def load_tensors(path: Path) -> Any:
+    """A ``.pt`` file of a checkpoint, read with ``torch.load(weights_only=True)`` on CPU.
+
+    Raises:
+        CheckpointError: the file holds objects other than tensors and plain containers (it is
+            refused before any of them is built), or it is truncated or not a torch file.
+    """
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"--resume: refused to load {str(path)!r}: it holds pickled objects other than tensors "
+            f"and plain containers ({first}). Checkpoints are read with "
+            "torch.load(weights_only=True) and never run code; this file was not written by "
+            "echoloss-train (or by one older than checkpoint format 2). Resume from a checkpoint "
+            "you trust"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"--resume: cannot read {str(path)!r} ({type(err).__name__}: {err}); truncated or "
+            "corrupt"
+        ) from None
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG states as tensors (what weights_only=True can load)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states (torch, CUDA, Python, NumPy) as tensors, numbers and dicts."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": {"version": version, "state": torch.tensor(internal), "gauss": gauss},
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Set the RNG states captured by :func:`capture_rng`."""
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state(
+        (
+            n["name"],
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Idempotent outputs
+
+
+def output_sizes(out: Path, names: list[str]) -> dict[str, int]:
+    """Sizes in bytes of the append-only outputs ``names`` (relative to ``out``) that exist."""
+    return {n: (out / n).stat().st_size for n in names if (out / n).is_file()}
+
+
+def truncate_outputs(
+    out: Path, sizes: Mapping[str, int], *, step: int, rank: int, names: list[str]
+) -> list[str]:
+    """Cut this rank's outputs back to the checkpoint at ``step``; returns what was cut.
+
+    ``names`` are this rank's append-only files; each is cut to its size in ``sizes`` (its size
+    when the checkpoint was taken; absent = it did not exist yet, so it is emptied). Token exports
+    of later steps (``token_exports/step_N/rank_<rank>.jsonl`` with ``N > step``) are removed.
+    """
+    cut = []
+    for name in names:
+        f = out / name
+        if not f.is_file():
+            continue
+        keep = int(sizes.get(name, 0))
+        size = f.stat().st_size
+        if size > keep:
+            with open(f, "r+b") as fh:
+                fh.truncate(keep)
+            cut.append(f"{name}: {size - keep} bytes after step {step}")
+        elif size < keep:
+            warnings.warn(
+                f"--resume: {str(f)!r} has {size} bytes, fewer than the {keep} it had at step "
+                f"{step}: it was edited or replaced since; kept as it is",
+                ResumeWarning,
+                stacklevel=2,
+            )
+    exports = out / "token_exports"
+    for d in sorted(exports.glob("step_*")) if exports.is_dir() else []:
+        n = d.name.removeprefix("step_")
+        if n.isdigit() and int(n) > step:
+            f = d / f"rank_{rank}.jsonl"
+            if f.is_file():
+                f.unlink()
+                cut.append(f"token_exports/{d.name}/{f.name}")
+            with contextlib.suppress(OSError):  # the last rank out removes the directory
+                d.rmdir()
+    return cut
+
+
+# ------------------------------------------------------------------------------------------------
+# The final model
+
+
+def export_atomically(final: Path, write: Callable[[Path], None]) -> Path:
+    """Write a directory atomically: ``write(tmp)`` fills a temporary sibling, which then replaces
+    ``final`` by renames, so ``final`` is either absent, the old one, or complete."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".tmp-{final.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{final.name}-"))
+    try:
+        write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync_file(f)
+        _fsync_dir(tmp)
+        if final.exists():
+            old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{final.name}-old-"))
+            os.rename(final, old / final.name)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def final_model_complete(final: Path) -> bool:
+    """``final`` holds a Hugging Face model: its config and its (possibly sharded) weights."""
+    final = Path(final)
+    weights = (final / "model.safetensors").is_file() or (
+        final / "model.safetensors.index.json"
+    ).is_file()
+    return weights and (final / "config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration changes
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v and key.count(".") < 1:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """``"key: old -> new"`` for every configuration key whose value differs (sorted by key).
+
+    Examples:
+        >>> config_changes({"optim": {"lr": 1e-3}}, {"optim": {"lr": 3e-4}})
+        ['optim.lr: 0.001 -> 0.0003']
+    """
+    a, b = _flatten(old), _flatten(new)
+
+    def show(d: dict[str, Any], key: str) -> str:
+        return repr(d[key]) if key in d else "(absent)"
+
+    return [
+        f"{k}: {show(a, k)} -> {show(b, k)}"
+        for k in sorted(set(a) | set(b))
+        if k not in a or k not in b or a[k] != b[k]
+    ]
