@@ -1,4 +1,4 @@
-"""Deprecated entry point of the loss issue's CPU benchmark: use ``python -m benchmarks``.
+"""Deprecated entry point of the original CPU benchmark: use ``python -m benchmarks``.
 
 It compared the chunked :func:`echoloss.selective_logprobs` with the naive full-vocabulary path
 at N = 4096, V = 65,536 (fp32 and bf16). The harness now measures the same pair (providers
@@ -8,7 +8,7 @@ round-robin timing and allocator-level peak memory; this wrapper runs it at the 
     python -m benchmarks --device cpu --ops loss --providers naive,reference \\
         --n 4096 --v 65536 --dtype float32 --repeats 7
 
-The loss issue's result, ``results/selective_logprobs_cpu_N4096_V65536_t1.json``, was measured
+The original result, ``results/selective_logprobs_cpu_N4096_V65536_t1.json``, was measured
 by the previous version of this script (peak resident memory of one call in a fresh subprocess,
 naive and chunked alternated in another) and is kept as history.
 

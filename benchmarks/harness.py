@@ -42,7 +42,7 @@ SCHEMA = "echoloss-bench/1"
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Datasheet HBM bandwidth (bytes/s) by GPU-name pattern, first match wins
-#: (/work/shared/reference/kernels-and-estimators.md §6). Others get GB/s but no floor.
+#: (vendor datasheet figures for the SXM parts). Others get GB/s but no floor.
 PEAK_BANDWIDTH: list[tuple[str, float]] = [
     (r"(?<!G)H200", 4.8e12),  # not GH200 (a Grace Hopper superchip: other memory)
     (r"(?<!G)H100(?!.*(PCIe|NVL))", 3.35e12),  # SXM only: PCIe and NVL differ
@@ -53,7 +53,7 @@ PEAK_BANDWIDTH: list[tuple[str, float]] = [
 #: quantities differ only by summation order: ``STAT_TOL`` (atol, rtol) for logprobs, ``LOSS_TOL``
 #: for the scalar loss. ``dlogits`` are compared in the logits dtype: rtol one ulp of it, atol
 #: ``1e-5`` per unit of the largest per-row coefficient ``|d loss / d logprob|``. Computing the
-#: log-softmax in bf16 (errors ~4e-3, kernels-and-estimators.md §1.6) fails these by design.
+#: log-softmax in bf16 (errors ~4e-3: bf16 keeps 8 mantissa bits) fails these by design.
 STAT_TOL = (1e-4, 1e-4)
 LOSS_TOL = (1e-6, 1e-4)
 GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -242,7 +242,8 @@ def time_cuda(ctx: Context, fn: Callable[[], Outputs], warmup: int, repeats: int
 
 def floor_bytes(wl: Workload, mode: str) -> int | None:
     """Bytes a logits-level kernel must move: one read of the ``[N, V]`` logits for no-grad and
-    forward, three passes (read, read, write) for forward+backward (kernels-and-estimators.md §6).
+    forward, three passes (read, read, write) for forward+backward (docs/kernels.md, "Bandwidth
+    floor").
     None for the linear op, which is GEMM-bound."""
     if wl.logits is None:
         return None

@@ -1,7 +1,6 @@
 """End-to-end example: tool rollouts → echo weights → samples → advantages → packed loss → step.
 
-Everything here is the library's own path except two stand-ins that later issues replace with the
-real thing: a ten-line ChatML renderer over bytes (the HF chat-template adapter produces the same
+Everything here is the library's own path except two stand-ins for the real thing: a ten-line ChatML renderer over bytes (the HF chat-template adapter produces the same
 attribution from any tokenizer), and a bigram "policy" (the reference trainer uses a real causal LM).
 
 Run: ``python examples/quickstart.py`` (CPU, a few seconds).

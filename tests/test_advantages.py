@@ -13,6 +13,14 @@ import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from strategies import (
+    MAX_GROUP,
+    any_finite_rewards,
+    dyadic_rewards,
+    group_rewards,
+    rae_keys,
+    reward_values,
+)
 
 import echoloss.advantages.registry as registry_module
 from echoloss.advantages import (
@@ -30,30 +38,6 @@ from echoloss.advantages import (
     resolve_advantage_fn,
     rloo,
     with_length_shaping,
-)
-
-# Strategies (kept here: other modules' strategies live in tests/strategies.py)
-
-MAX_GROUP = 12
-
-# Rewards as agent environments produce them: binary, small integers, or arbitrary floats.
-reward_values = st.one_of(
-    st.sampled_from([0.0, 1.0]),
-    st.integers(-5, 5).map(float),
-    st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False),
-)
-group_rewards = st.lists(reward_values, min_size=1, max_size=MAX_GROUP)
-# Quarter-integers: shifting by an integer is exact, so shift invariance is tested without
-# the rounding of the shift itself.
-dyadic_rewards = st.lists(st.integers(-32, 32).map(lambda q: q / 4), min_size=1, max_size=MAX_GROUP)
-any_finite_rewards = st.lists(
-    st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=MAX_GROUP
-)
-rae_keys = st.one_of(
-    st.text(max_size=3),
-    st.integers(-3, 3),
-    st.tuples(st.sampled_from(["env_a", "env_b"]), st.integers(0, 1)),
-    st.tuples(st.text(max_size=2), st.tuples(st.integers(0, 2), st.none())),
 )
 
 STD_SCALES = ["group", "trl", "verl", "openrlhf"]

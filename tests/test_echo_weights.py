@@ -1,4 +1,4 @@
-"""Per-step echo weights: the golden cases of echo-semantics §13 and the §12 failure modes."""
+"""Per-step echo weights: the golden values of docs/spec.md §13 and its failure modes (§12)."""
 
 import logging
 
@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import attributed_prompts, echo_configs
 
 from echoloss import EchoConfig, RoleEcho, TokenAttribution, echo_weights, select_step_echo
 
@@ -17,7 +18,7 @@ def cfg(**kw):
     return EchoConfig(**kw)
 
 
-# -- §13 golden cases ---------------------------------------------------------------------------
+# -- golden values (docs/spec.md §13) -------------------------------------------------------------
 
 
 def test_golden_c_tool_allow_list():
@@ -96,12 +97,13 @@ def test_golden_e_train_sink_variant_with_filter():
 
 
 def test_golden_f_alpha_zero_is_rejected_not_silently_meaningful():
-    # §13 F used assistant alpha=0 to "kill RL"; echoloss forbids weight 0 (§12 #24 decision).
+    # An assistant alpha of 0 as a way to "kill RL" does not exist: weight 0 is an error
+    # (docs/spec.md §2.2, F24).
     with pytest.raises(ValueError, match="alpha"):
         RoleEcho(alpha=0.0)
 
 
-# -- attribution robustness (§12 #8, #9, #10) -----------------------------------------------------
+# -- attribution robustness (docs/spec.md F8, F9, F10) --------------------------------------------
 
 
 def test_dict_attribution_accepted_and_equivalent_to_object():
@@ -314,7 +316,7 @@ def test_seen_prefix_not_re_echoed_unless_asked():
     assert echo_weights(att, again, prompt_len=3, completion_len=0, seen_prefix_len=2) == [1.0] * 3
 
 
-# -- filter validation (§12 #17, #18) ---------------------------------------------------------------
+# -- filter validation (docs/spec.md F17, F18) ----------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -351,48 +353,7 @@ def test_filter_cannot_enable_disabled_roles():
     assert w == [None, 0.5, None]
 
 
-# -- properties ---------------------------------------------------------------------------------
-
-
-@st.composite
-def attributed_prompts(draw):
-    m = draw(st.integers(0, 4))
-    roles = draw(st.lists(st.sampled_from(ROLES), min_size=m, max_size=m))
-    names = draw(st.lists(st.sampled_from([None, "ls", "cat"]), min_size=m, max_size=m))
-    p = draw(st.integers(0, 12))
-    idx = draw(st.lists(st.integers(-1, m - 1), min_size=p, max_size=p))
-    content = draw(st.lists(st.booleans(), min_size=p, max_size=p))
-    warning = [c and i >= 0 and draw(st.booleans()) for c, i in zip(content, idx, strict=True)]
-    att = TokenAttribution(
-        message_indices=idx,
-        is_content=content,
-        message_roles=roles,
-        message_tool_names=names,
-        is_warning=warning,
-    )
-    return att, p
-
-
-@st.composite
-def echo_configs(draw):
-    def role(tool=False):
-        if not draw(st.booleans()):
-            return None
-        names = (
-            draw(st.none() | st.sets(st.sampled_from(["ls", "cat"]), min_size=1)) if tool else None
-        )
-        return RoleEcho(alpha=draw(st.sampled_from([0.05, 0.5, 1.0])), tool_names=names)
-
-    roles = {"system": role(), "user": role(), "assistant": role(), "tool": role(tool=True)}
-    if not any(roles.values()):
-        roles["tool"] = RoleEcho(alpha=1.0)
-    return EchoConfig(
-        **roles,
-        skip_initial_prompt=draw(st.booleans()),
-        target=draw(st.sampled_from(["content", "message"])),
-        echo_warnings=draw(st.booleans()),
-        max_tokens_per_message=draw(st.none() | st.integers(1, 3)),
-    )
+# -- properties -----------------------------------------------------------------------------------
 
 
 @given(attributed_prompts(), echo_configs(), st.integers(0, 4), st.data())

@@ -1,4 +1,4 @@
-"""Trajectory → samples: the §5.6 worked example and the merge failure modes of §12."""
+"""Trajectory → samples: golden value G of docs/spec.md §13 and the merge failure modes of §12."""
 
 import logging
 
@@ -47,7 +47,7 @@ def worked_example_steps():
     return [s0, s1]
 
 
-def test_worked_example_5_6():
+def test_worked_example_bridged_tool_turn():
     [sample] = interleave(worked_example_steps(), echo=TOOL)
     assert sample.prompt_ids == [S, U]
     assert sample.completion_ids == [A1, A2, W, T, B1]
@@ -65,7 +65,7 @@ def test_no_echo_config_means_no_echo_streams():
 
 
 def test_three_turn_merge_stays_one_sample():
-    # §12 #16: the prefix must be the full prompt+completion of the last merged step.
+    # docs/spec.md F16: the prefix must be the full prompt+completion of the last merged step.
     s0 = step([1, 2], [3])
     s1 = step([1, 2, 3, 4], [5])
     s2 = step([1, 2, 3, 4, 5, 6, 7], [8, 9], temperature=0.5)
@@ -73,12 +73,12 @@ def test_three_turn_merge_stays_one_sample():
     assert sample.prompt_ids == [1, 2]
     assert sample.completion_ids == [3, 4, 5, 6, 7, 8, 9]
     assert sample.completion_mask == [True, False, True, False, False, True, True]
-    # §12 #13: temperatures extend in lockstep; env tokens take the temperature of their step.
+    # docs/spec.md F13: temperatures extend in lockstep; env tokens take the temperature of their step.
     assert sample.completion_temperatures == [1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5]
 
 
 def test_rollback_longest_prefix_wins():
-    # §12 #15 (PR #2634): after a rollback, one active prefix is a strict prefix of another.
+    # docs/spec.md F15: after a rollback, one active prefix is a strict prefix of another.
     steps = [
         step([1, 2], [3]),  # sample 0: prefix [1,2,3]
         step([1, 2, 3, 4], [5]),  # extends sample 0: prefix [1,2,3,4,5]
@@ -100,7 +100,7 @@ def test_interleaved_agents_become_separate_samples():
 
 
 def test_empty_completion_step_is_fine():
-    # §12 #13: a tool-only step with no completion used to crash on temperatures.
+    # docs/spec.md F13: a tool-only step with no completion used to crash on temperatures.
     s0 = step([1, 2], [3])
     s1 = step([1, 2, 3, 4], [])
     [sample] = interleave([s0, s1])
@@ -110,7 +110,7 @@ def test_empty_completion_step_is_fine():
 
 
 def test_errored_rollout_trains_nothing_even_with_assistant_echo():
-    # §12 #22: assistant echo must not re-enable training on an errored rollout.
+    # docs/spec.md F22: assistant echo must not re-enable training on an errored rollout.
     cfg = EchoConfig(assistant=RoleEcho(alpha=1.0), tool=RoleEcho(alpha=1.0))
     assert interleave(worked_example_steps(), echo=cfg, errored=True) == []
 
@@ -124,7 +124,7 @@ def test_assistant_echo_takes_completion_out_of_rl():
 
 
 def test_position_zero_never_echoed():
-    # §12 #5: the system prompt's first token is body here, yet position 0 has no prediction.
+    # docs/spec.md F5: the system prompt's first token is body here, yet position 0 has no prediction.
     att = {"message_indices": [0, 0], "is_content": [True, True], "message_roles": ["system"]}
     cfg = EchoConfig(system=RoleEcho(alpha=1.0), skip_initial_prompt=False)
     [sample] = interleave([step([1, 2], [3], att=att)], echo=cfg)
@@ -173,7 +173,7 @@ def test_initial_prompt_skipped_with_bridged_attribution():
 
 
 def test_restarted_sample_does_not_re_echo_shared_tokens():
-    # §12 #23: a step that cannot extend (context compaction) restarts a sample whose prompt shares
+    # docs/spec.md F23: a step that cannot extend (context compaction) restarts a sample whose prompt shares
     # the first turn's tokens. They were covered by sample 0; the default does not train them twice.
     att0 = {
         "message_indices": [0, 1],

@@ -1,16 +1,16 @@
-"""Packing, truncation, unpacking and the next-token view (§7, §12 #5, #6, #7)."""
+"""Packing, truncation, unpacking and the next-token view (docs/spec.md §7-§9, F5-F7)."""
 
 import logging
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import normal_form_samples, trajectories
 
 from echoloss import (
     EchoConfig,
     RoleEcho,
     Sample,
-    Step,
     interleave,
     next_token_targets,
     pack,
@@ -34,7 +34,7 @@ def sample(p, c, *, mask=None, echo=None, obs=None, adv=1.0, env="", temps=None,
 
 
 def test_golden_a_overlay():
-    # §13 A with the weight 0.0 replaced by 0.125 (weight 0 is rejected, see the next test):
+    # docs/spec.md §13 A (weight 0 is rejected, see the next test):
     # index 0 is ignored; completion token 3 becomes echo and leaves RL; token 4 stays RL.
     s = sample([1, 2], [3, 4], mask=[True, True], echo=[0.5, 0.125, 0.25, None], adv=1.0)
     [b] = pack([s], max_tokens=4)
@@ -61,7 +61,7 @@ def test_position_zero_ignored_and_warned_once(caplog):
 
 
 def test_packed_boundary_rows_predict_nothing():
-    # §12 #5: the last row of a sequence must not be trained to predict the next sequence's token 0.
+    # docs/spec.md F5: the last row of a sequence must not be trained to predict the next sequence's token 0.
     a = sample([1, 2], [3], echo=[None, 0.5, None], obs=[False, True, False], adv=2.0)
     b = sample([4], [5, 6], adv=-1.0)
     [batch] = pack([a, b], max_tokens=8, pad_to_multiple_of=4)
@@ -76,7 +76,7 @@ def test_packed_boundary_rows_predict_nothing():
 
 
 def test_misaligned_echo_stream_is_an_error():
-    # §12 #6
+    # docs/spec.md F6
     with pytest.raises(ValueError, match=r"echo_weights has length 3, expected 4"):
         sample([1, 2], [3, 4], echo=[None, 0.5, None])
     s = sample([1, 2], [3, 4])
@@ -87,7 +87,7 @@ def test_misaligned_echo_stream_is_an_error():
 
 @pytest.mark.parametrize("order", ["plain_first", "echo_first"])
 def test_optional_streams_backfilled_in_mixed_bins(order):
-    # §12 #7: a bin mixing samples with and without echo / observation / temperatures stays aligned.
+    # docs/spec.md F7: a bin mixing samples with and without echo / observation / temperatures stays aligned.
     plain = sample([1, 2], [3], adv=1.0)
     echoed = sample(
         [4, 5],
@@ -173,40 +173,6 @@ def test_first_fit_decreasing_bins():
 
 # -- properties ---------------------------------------------------------------------------------
 
-# Weights exactly representable in float32, so that unpack(pack(x)) == x holds bit for bit.
-WEIGHTS = st.sampled_from([0.0625, 0.125, 0.5, 1.0, 2.0])
-LOGPROBS = st.sampled_from([-0.25, -1.5, -3.0])
-
-
-@st.composite
-def normal_form_samples(draw):
-    p = draw(st.integers(0, 5))
-    c = draw(st.integers(0 if p else 1, 6))
-    n = p + c
-    echo = draw(st.none() | st.lists(st.none() | WEIGHTS, min_size=n, max_size=n))
-    if echo is not None:
-        echo[0] = None
-    obs = None
-    if echo is not None and draw(st.booleans()):
-        obs = [w is not None or (k > 0 and draw(st.booleans())) for k, w in enumerate(echo)]
-    mask = [
-        draw(st.booleans()) and (echo is None or echo[p + k] is None) and p + k > 0
-        for k in range(c)
-    ]
-    return Sample(
-        prompt_ids=draw(st.lists(st.integers(1, 50), min_size=p, max_size=p)),
-        completion_ids=draw(st.lists(st.integers(1, 50), min_size=c, max_size=c)),
-        completion_mask=mask,
-        completion_logprobs=draw(st.lists(LOGPROBS, min_size=c, max_size=c)),
-        completion_temperatures=draw(
-            st.none() | st.lists(st.sampled_from([0.5, 1.0]), min_size=c, max_size=c)
-        ),
-        echo_weights=echo,
-        observation_mask=obs,
-        advantage=draw(st.sampled_from([-1.0, 0.0, 0.5])),
-        env_name=draw(st.sampled_from(["", "env-a", "env-b"])),
-    )
-
 
 @given(
     st.lists(normal_form_samples(), min_size=1, max_size=8),
@@ -249,40 +215,6 @@ def test_pack_then_unpack_returns_the_samples(samples, max_tokens, pad):
     for i, s in enumerate(samples):
         expected = truncate_sample(s, max_tokens)
         assert recovered[i] == expected
-
-
-ROLE_NAMES = ["system", "user", "assistant", "tool"]
-
-
-@st.composite
-def trajectories(draw):
-    """Multi-turn trajectories that mostly extend (bridged attribution), sometimes restart."""
-    steps = []
-    history: list[int] = []
-    for turn in range(draw(st.integers(1, 4))):
-        restart = turn == 0 or draw(st.integers(0, 4)) == 0
-        new = draw(
-            st.lists(st.integers(1, 30), min_size=0 if history and not restart else 1, max_size=5)
-        )
-        prompt = new if restart else history + new
-        m = draw(st.integers(1, 2))
-        roles = draw(st.lists(st.sampled_from(ROLE_NAMES), min_size=m, max_size=m))
-        offset = 0 if restart else len(history)
-        idx = [-1] * offset + [draw(st.integers(-1, m - 1)) for _ in new]
-        content = [False] * offset + [draw(st.booleans()) for _ in new]
-        completion = draw(st.lists(st.integers(1, 30), min_size=0, max_size=4))
-        steps.append(
-            Step(
-                prompt_ids=prompt,
-                completion_ids=completion,
-                completion_logprobs=[-1.0] * len(completion),
-                completion_mask=[draw(st.booleans()) for _ in completion],
-                attribution={"message_indices": idx, "is_content": content, "message_roles": roles},
-                temperature=draw(st.sampled_from([0.6, 1.0])),
-            )
-        )
-        history = prompt + completion
-    return steps
 
 
 @given(trajectories(), st.booleans(), st.booleans())

@@ -8,7 +8,7 @@
 For each seed it runs two arms that differ **only** in ``echo.alpha`` (``0`` for GRPO, the given
 value for echo), each as its own ``echoloss-train`` process (``--jobs`` at a time), then writes
 ``comparison.png`` (held-out observation cross-entropy and reward against the step, per seed and
-averaged) and ``results.md`` / ``results.json`` (the table). The claim under test (ECHO paper §5.2):
+averaged) and ``results.md`` / ``results.json`` (the table). The claim under test (the ECHO paper's main result):
 echo lowers the held-out observation-token CE sharply while GRPO alone barely moves it, at no cost
 in reward.
 """

@@ -1,4 +1,4 @@
-"""§12 #14: two real ranks (torchrun, gloo) with unequal token counts give the gradient of one
+"""docs/spec.md F14: two real ranks (torchrun, gloo) with unequal token counts give the gradient of one
 process on the whole batch, with global normalisers and the DDP averaging undone; per-rank
 denominators do not."""
 

@@ -1,4 +1,4 @@
-"""Golden case §13 B and the failure modes of echo-semantics.md §12 (#1-#4, #19-#21, #24, #26).
+"""Golden case B (docs/spec.md §13) and failure modes F1-F4, F19-F21, F24, F26 (docs/spec.md §12).
 
 Where a failure mode is a known buggy implementation, the test runs the same check on a small
 re-creation of the bug and asserts that the check catches it, so the test cannot pass vacuously.
@@ -32,7 +32,7 @@ def _grad(loss, x):
     return g
 
 
-# ---------------------------------------------------------------- golden case B (§13 B)
+# ---------------------------------------------------------------- golden case B (docs/spec.md §13 B)
 
 
 def test_golden_case_b_from_logprobs():

@@ -249,7 +249,7 @@ def test_batch_token_mean_is_the_mean_of_micro_batch_means():
 
 
 def test_per_call_local_normalizers_are_biased():
-    # The bug §12 #14 guards against, at micro-batch level: per-call denominators overweight
+    # The bug docs/spec.md F14 guards against, at micro-batch level: per-call denominators overweight
     # micro-batches with few tokens.
     batch = random_batch(seq_lens=[8, 2], vocab=9, seed=9)
     mbs = split_by_sequence(batch, [[0], [1]])

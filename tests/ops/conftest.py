@@ -60,7 +60,7 @@ def _called_from_echoloss() -> bool:
 def poison_empty(monkeypatch):
     """``torch.empty``/``empty_like``/``Tensor.new_empty`` called from echoloss return garbage
     (NaN for floats, the dtype's max for integers, True for bools): any element a kernel or the
-    reference forgets to write shows up in the results (codebase-models.md R8)."""
+    reference forgets to write shows up in the results instead of passing by luck on zeroed memory."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
     real_new_empty = torch.Tensor.new_empty
 
