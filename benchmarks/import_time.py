@@ -46,9 +46,11 @@ def _run(imports: str) -> tuple[float, dict[str, int], list[str]]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        check=True,
         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
     )
+    if res.returncode != 0:
+        errors = [ln for ln in res.stderr.splitlines() if not ln.startswith("import time:")]
+        raise RuntimeError(f"{imports!r} failed:\n" + "\n".join(errors[-20:]))
     cumulative: dict[str, int] = {}
     for line in res.stderr.splitlines():
         m = _LINE.match(line)

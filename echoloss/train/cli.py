@@ -3,7 +3,7 @@
 ::
 
     echoloss-train                                   # the embedded default (CPU, ~5 min)
-    echoloss-train --config configs/gpu.toml         # your config
+    echoloss-train --config gpu                      # a packaged config (or a path)
     echoloss-train --max-steps 20 --output-dir runs/a --seed 1
     echoloss-train --output-dir runs/a --resume      # continue from runs/a/checkpoints/latest
     echoloss-train --set echo.alpha=0 --set optim.lr=1e-3
@@ -37,7 +37,11 @@ def _parser() -> argparse.ArgumentParser:
         "With no --config it runs the embedded default (a tiny model on CPU). "
         "`echoloss-train experiment --help` for the ECHO experiment.",
     )
-    p.add_argument("--config", help="a TOML file (default: the embedded default)")
+    p.add_argument(
+        "--config",
+        help="a TOML file, or a packaged config by name: default, fast, gpu, jsonl "
+        "(default: the embedded default)",
+    )
     p.add_argument("--max-steps", type=int, help="train.max_steps")
     p.add_argument("--output-dir", help="train.output_dir")
     p.add_argument("--seed", type=int, help="train.seed")
@@ -78,15 +82,24 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``echoloss-train`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not {"-h", "--help"} & set(argv):
+        from echoloss._optional import MissingExtraError, require_extra
+
+        try:  # every missing module named at once, with the extra that installs them
+            require_extra("train", needed_by="echoloss-train")
+        except MissingExtraError as err:
+            print(f"echoloss-train: {err}", file=sys.stderr)
+            return 2
     if argv[:1] == ["experiment"]:
         from echoloss.train.experiment import main as experiment_main
 
         return experiment_main(argv[1:])
     args = _parser().parse_args(argv)
     from echoloss.train.config import ConfigError, load_config
+    from echoloss.train.presets import resolve_config
 
     try:
-        cfg = load_config(args.config, _overrides(args))
+        cfg = load_config(resolve_config(args.config), _overrides(args))
     except (ConfigError, FileNotFoundError) as err:
         print(f"echoloss-train: {err}", file=sys.stderr)
         return 2
