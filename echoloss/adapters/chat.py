@@ -16,13 +16,13 @@ token. This module recovers that from the chat template itself, by rendering it 
    Role headers, ``<tool_response>`` wrappers, end-of-turn tokens are scaffold.
 3. **Prefix stability.** Each message's body must render the same whether or not later messages
    follow. A template that rewrites earlier turns once later turns exist (for example one that
-   strips reasoning from earlier assistant turns) is a :class:`ChatTemplateError` naming the first
+   strips reasoning from earlier assistant turns) is a [`ChatTemplateError`][echoloss.adapters.chat.ChatTemplateError] naming the first
    message where it breaks; attribution is never guessed.
 4. **Token for token.** Character boundaries become token boundaries only where the tokenizer
    splits there: the pieces between boundaries, tokenized one by one, must concatenate to the
    template's own token ids (``apply_chat_template(..., tokenize=True)``); otherwise each
    boundary is checked by tokenizing the text up to it (exact for SentencePiece-style tokenizers
-   too). A token that straddles a boundary is a :class:`ChatTemplateError` naming the message.
+   too). A token that straddles a boundary is a [`ChatTemplateError`][echoloss.adapters.chat.ChatTemplateError] naming the message.
 
 The tokenizer is duck-typed: ``apply_chat_template(messages, tools=..., tokenize=...,
 add_generation_prompt=..., **kwargs)`` and ``tokenizer(list_of_texts, add_special_tokens=False)``
@@ -96,8 +96,8 @@ class ChatRendering:
     Attributes:
         text: the template's rendering.
         token_ids: ``[P]`` the template's own token ids for it.
-        attribution: :class:`echoloss.TokenAttribution` parallel to ``token_ids``.
-        spans: one :class:`MessageSpan` per message, in order.
+        attribution: [`echoloss.TokenAttribution`][echoloss.data.attribution.TokenAttribution] parallel to ``token_ids``.
+        spans: one [`MessageSpan`][echoloss.adapters.chat.MessageSpan] per message, in order.
     """
 
     text: str
@@ -576,7 +576,7 @@ def _token_cuts(
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Token index of every message start, and each body's token range.
 
-    Message boundaries must be token boundaries (else :class:`ChatTemplateError`). A body
+    Message boundaries must be token boundaries (else [`ChatTemplateError`][echoloss.adapters.chat.ChatTemplateError]). A body
     boundary inside a token is widened to the enclosing token boundaries: a token that holds any
     body character is body (the closing ``}}`` of tool-call arguments, say).
     """
@@ -646,10 +646,10 @@ def render_attributed(
 ) -> ChatRendering:
     """Render ``messages`` with the tokenizer's chat template and attribute every token.
 
-    Same arguments as :func:`attribute`, which returns the short form of this result.
+    Same arguments as [`attribute`][echoloss.adapters.chat.attribute], which returns the short form of this result.
 
     Returns:
-        :class:`ChatRendering` with the text, the token ids, the attribution and per-message
+        [`ChatRendering`][echoloss.adapters.chat.ChatRendering] with the text, the token ids, the attribution and per-message
         token spans.
 
     Examples:
@@ -764,9 +764,9 @@ def attribute(
     Returns:
         ``(token_ids, attribution)``: ``token_ids`` ``[P]`` exactly as
         ``apply_chat_template(..., tokenize=True)`` returns them, and a
-        :class:`echoloss.TokenAttribution` of length ``P`` with ``message_indices`` (``-1`` after
+        [`echoloss.TokenAttribution`][echoloss.data.attribution.TokenAttribution] of length ``P`` with ``message_indices`` (``-1`` after
         the last message), ``is_content`` (True on message bodies), ``message_roles`` and
-        ``message_tool_names`` (see :func:`resolve_tool_names`).
+        ``message_tool_names`` (see [`resolve_tool_names`][echoloss.adapters.chat.resolve_tool_names]).
 
     Raises:
         ChatTemplateError: the template is not prefix-stable, renders a body twice, branches on
@@ -840,18 +840,18 @@ def steps_from_messages(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     extra_roles: Sequence[str] = (),
 ) -> list[Step]:
-    """One :class:`echoloss.Step` per assistant message of a multi-turn conversation.
+    """One [`echoloss.Step`][echoloss.data.interleave.Step] per assistant message of a multi-turn conversation.
 
     Step ``j`` (the ``j``-th assistant message, at index ``k``): the prompt is
     ``messages[:k]`` rendered with the generation prompt, with its attribution; the completion is
     the tokens the template renders for message ``k`` after that prompt, up to and including its
     end-of-turn token (the tokenizer's EOS after the body, else the first special token after
     it), or to the end of the message if it has neither.
-    Feed the steps to :func:`echoloss.interleave`: with a prefix-stable template they merge into
+    Feed the steps to [`echoloss.interleave`][echoloss.data.interleave]: with a prefix-stable template they merge into
     one sample whose completion region interleaves the assistant turns with the observations.
 
     Args:
-        messages: the conversation (see :func:`attribute`); at least one assistant message, and
+        messages: the conversation (see [`attribute`][echoloss.adapters.chat.attribute]); at least one assistant message, and
             not as the first message.
         tokenizer: a Hugging Face tokenizer with a chat template.
         tools: tool schemas for the template.
@@ -867,7 +867,7 @@ def steps_from_messages(
         ``list[Step]``, one per assistant message; ``step.metadata["message_index"]`` is ``k``.
 
     Raises:
-        ChatTemplateError: as :func:`attribute`; or the generation prompt is not how the template
+        ChatTemplateError: as [`attribute`][echoloss.adapters.chat.attribute]; or the generation prompt is not how the template
             starts the assistant message (no completion can be located).
         ValueError: no assistant message, an assistant message first, or a ``logprobs`` length
             that does not match.

@@ -1,4 +1,4 @@
-"""OpenEnv RFC 010 per-token role tags → :class:`echoloss.Sample`.
+"""OpenEnv RFC 010 per-token role tags → [`echoloss.Sample`][echoloss.data.interleave.Sample].
 
 RFC 010 ("env-token world modeling") describes a rollout as token ids with three aligned boolean
 masks: ``action_mask`` (the agent's tokens, the RL target), ``obs_mask`` (environment output, the
@@ -70,7 +70,7 @@ def sample_from_tags(
     temperature: float = 1.0,
     env_name: str = "",
 ) -> Sample:
-    """One :class:`echoloss.Sample` from RFC 010 token ids and role masks.
+    """One [`echoloss.Sample`][echoloss.data.interleave.Sample] from RFC 010 token ids and role masks.
 
     Args:
         input_ids: ``[N]`` token ids (list or 1-D tensor).
@@ -88,7 +88,7 @@ def sample_from_tags(
         env_name: stamped on the sample.
 
     Returns:
-        The :class:`echoloss.Sample`: prompt = tokens before the first action token.
+        The [`echoloss.Sample`][echoloss.data.interleave.Sample]: prompt = tokens before the first action token.
 
     Raises:
         ValueError: lengths that do not match ``input_ids``, a mask value other than bool/0/1,
@@ -186,7 +186,7 @@ def sample_from_record(
     temperature: float = 1.0,
     env_name: str = "",
 ) -> Sample:
-    """:func:`sample_from_tags` on a dict: ``input_ids`` (or ``token_ids``), ``action_mask``,
+    """[`sample_from_tags`][echoloss.adapters.openenv.sample_from_tags] on a dict: ``input_ids`` (or ``token_ids``), ``action_mask``,
     ``obs_mask``, optional ``warning_mask``, ``logprobs``, ``world_model_coeff``,
     ``world_loss_target``. Keyword arguments override the record's values.
 

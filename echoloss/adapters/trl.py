@@ -2,19 +2,19 @@
 
 TRL's GRPO tool loop (``GRPOTrainer(tools=[...])``) appends each batch of tool results to the
 completion as the chat template renders them, and marks those tokens ``tool_mask = 0`` so that RL
-skips them. :class:`EchoGRPOTrainer` trains them with the echo cross-entropy instead:
+skips them. `EchoGRPOTrainer` trains them with the echo cross-entropy instead:
 
 1. After generation it rebuilds, for every completion, the tool messages TRL appended and
-   attributes their tokens with :mod:`echoloss.adapters.chat`, rendering them exactly as TRL
+   attributes their tokens with [`echoloss.adapters.chat`][echoloss.adapters.chat], rendering them exactly as TRL
    does (``_get_tool_suffix_ids``); the rendered ids must equal the completion's tokens. Only the
    tool result *bodies* are echoed (``EchoConfig(target="content")``), never the
    ``<tool_response>`` wrappers or the next generation prompt.
 2. Its loss is TRL's own objective for the configured ``loss_type`` and
-   ``importance_sampling_level`` (:func:`trl_loss_mapping`: mapped exactly or rejected with an
+   ``importance_sampling_level`` ([`trl_loss_mapping`][echoloss.adapters.trl.trl_loss_mapping]: mapped exactly or rejected with an
    error) on the model's tokens, plus ``λ · (-log p)`` on the echoed tool tokens with the
-   normaliser of :func:`scale_echo_weights`.
+   normaliser of [`scale_echo_weights`][echoloss.adapters.trl.scale_echo_weights].
 
-:class:`EchoGRPOConfig` is ``GRPOConfig`` with the echo fields, so ``TrlParser`` reads them from
+`EchoGRPOConfig` is ``GRPOConfig`` with the echo fields, so ``TrlParser`` reads them from
 YAML and the command line. A ``rollout_func`` may return ``"echo_weights"`` itself (one list per
 completion, aligned to ``completion_ids``, ``0.0`` = not echoed) next to TRL's ``"env_mask"``.
 
@@ -106,9 +106,9 @@ def completion_echo(
     ``completion_messages``. TRL renders such a batch as the suffix of
     ``[user, assistant(tool call)] + tool messages`` (with the generation prompt) after the
     assistant's end-of-turn token; this function renders it the same way with
-    :func:`echoloss.adapters.chat.render_attributed` (bodies located exactly, prefix stability
+    [`echoloss.adapters.chat.render_attributed`][echoloss.adapters.chat.render_attributed] (bodies located exactly, prefix stability
     not required), checks that the ids equal the run's tokens, and selects echo on it with
-    :func:`echoloss.select_step_echo` (tool role, tool-name allow-list, ``target``,
+    [`echoloss.select_step_echo`][echoloss.data.echo_weights.select_step_echo] (tool role, tool-name allow-list, ``target``,
     ``max_tokens_per_message``). With the assistant role enabled, every model token
     (``tool_mask == 1``) gets the assistant weight.
 
@@ -118,14 +118,14 @@ def completion_echo(
         completion_messages: the completion as messages (TRL's ``completions[i]``: assistant
             turns and the tool messages, each with ``name`` and ``content``).
         tokenizer: the tokenizer TRL renders with.
-        echo: :class:`echoloss.EchoConfig`; only the ``tool`` and ``assistant`` roles can apply
+        echo: [`echoloss.EchoConfig`][echoloss.data.echo_config.EchoConfig]; only the ``tool`` and ``assistant`` roles can apply
             (the system and user messages are in the prompt, never echoed).
         chat_template: the template TRL renders with (``trainer.chat_template``), None = the
             tokenizer's.
         chat_template_kwargs: TRL's ``chat_template_kwargs``.
 
     Returns:
-        :class:`echoloss.StepEcho` over the ``C`` completion tokens.
+        [`echoloss.StepEcho`][echoloss.data.echo_weights.StepEcho] over the ``C`` completion tokens.
 
     Raises:
         ValueError: the tool-result runs and tool messages do not pair up, or a rendered batch of
@@ -224,13 +224,13 @@ ECHO_TEMPERATURES = ("one", "sampling")
 
 @dataclass(frozen=True)
 class TrlLossMapping:
-    """How one ``GRPOConfig`` maps onto echoloss; built by :func:`trl_loss_mapping`.
+    """How one ``GRPOConfig`` maps onto echoloss; built by [`trl_loss_mapping`][echoloss.adapters.trl.trl_loss_mapping].
 
     Attributes:
         loss_type: TRL's ``loss_type``.
-        config: the :class:`echoloss.LossConfig` of every micro-batch except its RL normaliser
-            constant, which :meth:`micro_batch` fills in (the echo term always uses
-            ``echo_normalization="sum"`` on pre-scaled weights, see :func:`scale_echo_weights`).
+        config: the [`echoloss.LossConfig`][echoloss.loss.config.LossConfig] of every micro-batch except its RL normaliser
+            constant, which [`micro_batch`][echoloss.adapters.trl.TrlLossMapping.micro_batch] fills in (the echo term always uses
+            ``echo_normalization="sum"`` on pre-scaled weights, see [`scale_echo_weights`][echoloss.adapters.trl.scale_echo_weights]).
         policy_fn: the custom policy of ``sapo`` and sequence-level ``cispo`` (TRL's formula on
             the RL rows), else None.
     """
@@ -307,7 +307,7 @@ def _require(ok: bool, message: str) -> None:
 def trl_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> TrlLossMapping:
     """Map a ``GRPOConfig`` onto echoloss exactly, or raise naming the setting and the fix.
 
-    Mapped: every ``loss_type`` but ``vespo`` (see :data:`TRL_LOSS_TYPES`), both
+    Mapped: every ``loss_type`` but ``vespo`` (see [`TRL_LOSS_TYPES`][echoloss.adapters.trl.TRL_LOSS_TYPES]), both
     ``importance_sampling_level`` values, ``epsilon``/``epsilon_high``, ``delta`` (as
     ``dual_clip``, which equals it whenever ``delta > 1 + epsilon_high``), ``beta`` (k3 reference
     KL, with ``use_bias_correction_kl=False``) and the vLLM importance-sampling correction (as
@@ -321,7 +321,7 @@ def trl_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> T
             ``trainer.epsilon_low`` / ``epsilon_high``).
 
     Returns:
-        :class:`TrlLossMapping`.
+        [`TrlLossMapping`][echoloss.adapters.trl.TrlLossMapping].
 
     Examples:
         >>> from types import SimpleNamespace as NS
@@ -523,7 +523,7 @@ def scale_echo_weights(
     Args:
         echo_weights: ``[B, T]`` float ≥ 0 (0 = not echoed).
         observation_mask: ``[B, T]`` bool, the rows counted in ``|O_i|``.
-        normalization: one of :data:`ECHO_NORMALIZATIONS`.
+        normalization: one of [`ECHO_NORMALIZATIONS`][echoloss.adapters.trl.ECHO_NORMALIZATIONS].
         num_echo_items_in_batch: echo tokens in the generation batch over every process
             (``"token_mean"`` only).
         num_processes, accumulation_steps, steps_per_generation: as in TRL (eval: 1, 1, 1 for the
@@ -606,7 +606,7 @@ def _build_classes() -> None:
             echo_normalization: ``"token_mean"`` (echo tokens of the generation batch, like
                 ``dapo``), ``"sequence_mean"`` (the ECHO paper's ``1/|O_i|``, then a mean over
                 every completion, like ``grpo``) or ``"batch_token_mean"`` (each micro-batch's
-                echo-token mean); see :func:`scale_echo_weights`.
+                echo-token mean); see [`scale_echo_weights`][echoloss.adapters.trl.scale_echo_weights].
             echo_temperature: ``"one"`` (echo rows at ``T = 1``) or ``"sampling"`` (at
                 ``temperature``).
         """
@@ -661,7 +661,7 @@ def _build_classes() -> None:
                 )
 
         def echo_config(self) -> EchoConfig | None:
-            """The :class:`echoloss.EchoConfig` of these fields (None when no role is on)."""
+            """The [`echoloss.EchoConfig`][echoloss.data.echo_config.EchoConfig] of these fields (None when no role is on)."""
             tool = assistant = None
             if self.echo_tool_alpha is not None:
                 names = None if self.echo_tool_names is None else frozenset(self.echo_tool_names)
@@ -674,13 +674,13 @@ def _build_classes() -> None:
 
     class EchoGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc, valid-type]
         """``trl.GRPOTrainer`` whose loss is TRL's own objective (every ``loss_type`` mapped
-        exactly, see :func:`trl_loss_mapping`) plus the echo cross-entropy on tool-result bodies.
+        exactly, see [`trl_loss_mapping`][echoloss.adapters.trl.trl_loss_mapping]) plus the echo cross-entropy on tool-result bodies.
 
         Args:
             *args, **kwargs: as ``trl.GRPOTrainer`` (pass ``tools=[...]`` to run TRL's tool loop).
-                ``args`` may be an :class:`EchoGRPOConfig` carrying the echo settings.
-            echo: :class:`echoloss.EchoConfig`, instead of the ``echo_*`` fields of an
-                :class:`EchoGRPOConfig` (not both). The ``tool`` role (and optionally
+                ``args`` may be an `EchoGRPOConfig` carrying the echo settings.
+            echo: [`echoloss.EchoConfig`][echoloss.data.echo_config.EchoConfig], instead of the ``echo_*`` fields of an
+                `EchoGRPOConfig` (not both). The ``tool`` role (and optionally
                 ``assistant``) applies. None with no ``echo_*`` field set = no echo term (TRL's
                 loss alone).
 

@@ -1,4 +1,4 @@
-"""verifiers rollouts → echo-ready :class:`echoloss.Sample` s.
+"""verifiers rollouts → echo-ready [`echoloss.Sample`][echoloss.data.interleave.Sample] s.
 
 Two formats:
 
@@ -7,12 +7,12 @@ Two formats:
   assistant node, the generation prompt then the sampled completion), a per-token ``mask`` (True
   on sampled tokens), ``is_content`` (True on message body tokens, empty when the renderer does not
   attribute content), and ``logprobs`` of the sampled tokens. A branch is a root-to-leaf path and
-  becomes one sample. :func:`samples_from_trace` accepts the ``Trace`` object or its JSON record
+  becomes one sample. [`samples_from_trace`][echoloss.adapters.verifiers.samples_from_trace] accepts the ``Trace`` object or its JSON record
   (``trace.to_record()``, or the dict read back from disk); it needs no ``verifiers`` import.
 * **rollout dicts** (the earlier format): ``{"trajectory": [{"tokens": {"prompt_ids": ...,
   "completion_ids": ..., "completion_mask": ..., "completion_logprobs": ...,
   "prompt_attribution": {...}}}, ...], "error": ...}``, where ``prompt_attribution`` is the
-  renderer's attribution as a plain dict. :func:`samples_from_rollout` turns it into samples.
+  renderer's attribution as a plain dict. [`samples_from_rollout`][echoloss.adapters.verifiers.samples_from_rollout] turns it into samples.
 
 Echo selection follows the rest of echoloss (``docs/data-path.md``): only nodes after the first
 sampled token are eligible (the initial task prompt is not echoed), only body tokens with
@@ -227,7 +227,7 @@ def samples_from_trace(
 
     A branch's tokens are the concatenation of its nodes' ``token_ids``. Each maximal run of
     sampled tokens (``mask`` True) is one model call: the tokens before it are its prompt, the
-    run its completion. The calls are merged with :func:`echoloss.interleave` (they always extend
+    run its completion. The calls are merged with [`echoloss.interleave`][echoloss.data.interleave] (they always extend
     each other along a branch), so a sample's prompt is everything before the branch's first
     sampled token and its completion region interleaves sampled turns (RL) with observations.
     Prompt attribution comes from the nodes: each node is one message (its role, its tool name
@@ -237,7 +237,7 @@ def samples_from_trace(
     Args:
         trace: a ``verifiers.v1.Trace`` or its JSON record (``trace.to_record()`` or
             ``json.loads`` of a saved trace).
-        echo: the :class:`echoloss.EchoConfig`, or None for RL only.
+        echo: the [`echoloss.EchoConfig`][echoloss.data.echo_config.EchoConfig], or None for RL only.
         env_name: stamped on every sample.
         temperature: sampling temperature of every call. None: each call's recorded
             ``calls[i].sampling.temperature``, else the agent config's, else 1.0.
@@ -476,13 +476,13 @@ def samples_from_rollout(
 ) -> list[Sample]:
     """Samples from a rollout dict whose trajectory steps carry tokens and prompt attribution.
 
-    Each ``trajectory[i].tokens`` becomes one :class:`echoloss.Step` (``completion_mask`` may be
+    Each ``trajectory[i].tokens`` becomes one [`echoloss.Step`][echoloss.data.interleave.Step] (``completion_mask`` may be
     0/1 ints; ``prompt_attribution`` is the renderer's attribution dict, full or bridged, passed
-    through as is) and the steps are merged with :func:`echoloss.interleave`.
+    through as is) and the steps are merged with [`echoloss.interleave`][echoloss.data.interleave].
 
     Args:
         rollout: ``{"trajectory": [...], "error": ..., "env_name": ..., "sampling_args": ...}``.
-        echo: the :class:`echoloss.EchoConfig`, or None.
+        echo: the [`echoloss.EchoConfig`][echoloss.data.echo_config.EchoConfig], or None.
         env_name: stamped on the samples; None = ``rollout["env_name"]`` or ``""``.
         temperature: None = ``rollout["sampling_args"]["temperature"]`` or 1.0.
 

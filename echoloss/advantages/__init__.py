@@ -3,20 +3,20 @@
 One module per job, every public name re-exported here (``echoloss.advantages.X``):
 
 - ``estimators``: the per-group functions; ``length_shaping``: reward shaping before them;
-- ``registry``: names and import paths to functions; ``rae``: :class:`RAE`;
-- ``grouping``: :func:`compute_advantages`; ``broadcast``: per-rollout to per-token.
+- ``registry``: names and import paths to functions; ``rae``: [`RAE`][echoloss.advantages.rae.RAE];
+- ``grouping``: [`compute_advantages`][echoloss.advantages.grouping.compute_advantages]; ``broadcast``: per-rollout to per-token.
 
 Every estimator is a pure function of one group's rewards (``list[float]`` in, one float per
 reward out, in input order) so the same arithmetic serves any orchestrator:
 
-- :func:`grpo` (mean-centred by default; ``scale=`` reproduces TRL / verl / OpenRLHF exactly),
-  :func:`dr_grpo`, :func:`rloo`, :func:`max_rl` and :func:`reinforce`;
-- :func:`length_shaped_rewards` / :func:`with_length_shaping`: prime-rl's correctness-gated
+- [`grpo`][echoloss.advantages.estimators.grpo] (mean-centred by default; ``scale=`` reproduces TRL / verl / OpenRLHF exactly),
+  [`dr_grpo`][echoloss.advantages.estimators.dr_grpo], [`rloo`][echoloss.advantages.estimators.rloo], [`max_rl`][echoloss.advantages.estimators.max_rl] and [`reinforce`][echoloss.advantages.estimators.reinforce];
+- [`length_shaped_rewards`][echoloss.advantages.length_shaping.length_shaped_rewards] / [`with_length_shaping`][echoloss.advantages.length_shaping.with_length_shaping]: prime-rl's correctness-gated
   length shaping, applied to the rewards before any estimator;
-- :class:`RAE`: SPIRAL's per-key EMA baselines, with both published update orders;
-- :func:`compute_advantages`: groups rollouts by a unique group id, drops errored rollouts
+- [`RAE`][echoloss.advantages.rae.RAE]: SPIRAL's per-key EMA baselines, with both published update orders;
+- [`compute_advantages`][echoloss.advantages.grouping.compute_advantages]: groups rollouts by a unique group id, drops errored rollouts
   (partial groups), and validates what a custom estimator returns;
-- :func:`broadcast_advantages` / :func:`broadcast_packed_advantages`: per-rollout advantages to
+- [`broadcast_advantages`][echoloss.advantages.broadcast.broadcast_advantages] / [`broadcast_packed_advantages`][echoloss.advantages.broadcast.broadcast_packed_advantages]: per-rollout advantages to
   per-token tensors over the RL mask.
 
 Rules shared by every group-relative estimator: a singleton group gets ``[0.0]`` (it has no

@@ -1,7 +1,7 @@
 """Per-group advantage estimators: pure functions of one group's rewards.
 
-:func:`grpo` (mean-centred by default; ``scale=`` reproduces TRL / verl / OpenRLHF exactly),
-:func:`dr_grpo`, :func:`rloo`, :func:`max_rl` and :func:`reinforce`, each registered by name.
+[`grpo`][echoloss.advantages.estimators.grpo] (mean-centred by default; ``scale=`` reproduces TRL / verl / OpenRLHF exactly),
+[`dr_grpo`][echoloss.advantages.estimators.dr_grpo], [`rloo`][echoloss.advantages.estimators.rloo], [`max_rl`][echoloss.advantages.estimators.max_rl] and [`reinforce`][echoloss.advantages.estimators.reinforce], each registered by name.
 Means and deviations are computed in exact rational arithmetic and rounded to float64 once, so
 results do not depend on the order of the rewards; see ``docs/advantages.md``.
 """

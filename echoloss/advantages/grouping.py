@@ -83,7 +83,7 @@ def compute_advantages(
         drop_group_on_error: Give the whole group None if any of its rollouts errored.
         fn_kwargs: Keyword arguments for ``fn``, e.g. ``{"scale": "trl"}``.
         length_costs: ``[B]`` per-rollout costs; if given, each group's rewards go through
-            :func:`length_shaped_rewards` (on survivors) before ``fn``.
+            [`length_shaped_rewards`][echoloss.advantages.length_shaping.length_shaped_rewards] (on survivors) before ``fn``.
 
     Returns:
         ``[B]`` advantages, None for rollouts without one.

@@ -21,7 +21,7 @@ def length_shaped_rewards(rewards: Sequence[float], costs: Sequence[float]) -> l
     and ``R'_i = R_i · (1 + bonus_i)`` for correct rollouts (up to 2× for a free rollout);
     incorrect rollouts keep their reward. If the maximum reward is ``<= 0`` or ``mean_c <= 0``
     the rewards are returned unchanged. Feed the result to any estimator (prime-rl uses
-    mean-centred GRPO), or use :func:`with_length_shaping`.
+    mean-centred GRPO), or use [`with_length_shaping`][echoloss.advantages.length_shaping.with_length_shaping].
 
     Args:
         rewards: ``[G]`` one group's rewards, finite.
@@ -71,7 +71,7 @@ def length_shaped_rewards(rewards: Sequence[float], costs: Sequence[float]) -> l
 
 
 def with_length_shaping(fn: str | AdvantageFn, **kwargs: Any) -> Callable[..., Sequence[float]]:
-    """Wrap an estimator so it sees :func:`length_shaped_rewards` instead of the raw rewards.
+    """Wrap an estimator so it sees [`length_shaped_rewards`][echoloss.advantages.length_shaping.length_shaped_rewards] instead of the raw rewards.
 
     Args:
         fn: A registry name, an import path or a per-group function.

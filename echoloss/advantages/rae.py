@@ -49,7 +49,7 @@ class RAE:
     rollouts sharing a key. No std normalisation; any group size works, including 1. With a
     single key this is REINFORCE with an EMA baseline.
 
-    The state is in memory; :meth:`state_dict` / :meth:`load_state_dict` make a resumed run
+    The state is in memory; [`state_dict`][echoloss.advantages.rae.RAE.state_dict] / [`load_state_dict`][echoloss.advantages.rae.RAE.load_state_dict] make a resumed run
     continue bit-identically. Keys that round-trip through JSON: ``str``, ``int``, ``float``,
     ``bool``, ``None`` and (nested) tuples of those; tuples are stored as lists and turned back
     into tuples on load. Other hashables (frozensets, enums, …) round-trip only through pickle
@@ -183,7 +183,7 @@ class RAE:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore baselines saved by :meth:`state_dict` (after JSON or ``torch.save``).
+        """Restore baselines saved by [`state_dict`][echoloss.advantages.rae.RAE.state_dict] (after JSON or ``torch.save``).
 
         Args:
             state: A state dict whose ``decay`` and ``order`` equal this estimator's.
@@ -191,7 +191,7 @@ class RAE:
         Raises:
             ValueError: If the state is malformed, from another version, or was saved with a
                 different ``decay``/``order`` (build the estimator with
-                :meth:`from_state_dict` to take them from the state instead).
+                [`from_state_dict`][echoloss.advantages.rae.RAE.from_state_dict] to take them from the state instead).
 
         Examples:
             >>> import json

@@ -22,7 +22,7 @@ def register_advantage_fn(
 
     The function must take one group's rewards as its first positional argument (``[G]``,
     ``list[float]``, survivors only) and return one finite float per reward, in input order;
-    hyperparameters are keyword arguments, bound later by :func:`resolve_advantage_fn`.
+    hyperparameters are keyword arguments, bound later by [`resolve_advantage_fn`][echoloss.advantages.registry.resolve_advantage_fn].
 
     Args:
         name: The registry name, e.g. ``"my_grpo"``. It may not contain ``":"`` or ``"."``,
@@ -63,7 +63,7 @@ def register_advantage_fn(
 
 
 def list_advantage_fns() -> list[str]:
-    """Names accepted by :func:`resolve_advantage_fn` and ``compute_advantages(fn=...)``.
+    """Names accepted by [`resolve_advantage_fn`][echoloss.advantages.registry.resolve_advantage_fn] and ``compute_advantages(fn=...)``.
 
     Returns:
         The registered names, sorted.
@@ -111,7 +111,7 @@ def resolve_advantage_fn(spec: str | AdvantageFn, **kwargs: Any) -> AdvantageFn:
     """Turn a registry name, an import path or a callable into a per-group function.
 
     Args:
-        spec: A registered name (``"grpo"``, ``"rloo"``, … see :func:`list_advantage_fns`), an
+        spec: A registered name (``"grpo"``, ``"rloo"``, … see [`list_advantage_fns`][echoloss.advantages.registry.list_advantage_fns]), an
             import path to a function with the same contract (``"pkg.mod:fn"`` or
             ``"pkg.mod.fn"``), or the callable itself.
         **kwargs: Hyperparameters bound to the function (e.g. ``scale="trl"`` for ``"grpo"``).

@@ -1,14 +1,14 @@
 """The data path, one module per step, in pipeline order.
 
-1. ``attribution``: :class:`TokenAttribution`, which message (and which part of it) produced each
+1. ``attribution``: [`TokenAttribution`][echoloss.data.attribution.TokenAttribution], which message (and which part of it) produced each
    prompt token.
-2. ``echo_config``: :class:`EchoConfig`, which roles are echoed, with which weight.
-3. ``echo_weights``: :func:`echo_weights` / :func:`select_step_echo`, one step's per-token echo
+2. ``echo_config``: [`EchoConfig`][echoloss.data.echo_config.EchoConfig], which roles are echoed, with which weight.
+3. ``echo_weights``: [`echo_weights`][echoloss.data.echo_weights] / [`select_step_echo`][echoloss.data.echo_weights.select_step_echo], one step's per-token echo
    weights and observation mask.
-4. ``interleave``: :class:`Step` (one model call) and :class:`Sample` (one training sequence), and
-   :func:`interleave`, which merges a trajectory's steps into samples.
-5. ``packing``: :func:`pack` / :func:`unpack`, samples into FlashAttention-style micro-batches.
-6. ``targets``: :func:`next_token_targets`, the row-aligned record a loss consumes.
+4. ``interleave``: [`Step`][echoloss.data.interleave.Step] (one model call) and [`Sample`][echoloss.data.interleave.Sample] (one training sequence), and
+   [`interleave`][echoloss.data.interleave], which merges a trajectory's steps into samples.
+5. ``packing``: [`pack`][echoloss.data.packing.pack] / [`unpack`][echoloss.data.packing.unpack], samples into FlashAttention-style micro-batches.
+6. ``targets``: [`next_token_targets`][echoloss.data.targets.next_token_targets], the row-aligned record a loss consumes.
 
 The semantics are specified in ``docs/spec.md``; the public names are re-exported here and from
 ``echoloss``.

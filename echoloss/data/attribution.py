@@ -122,7 +122,7 @@ class TokenAttribution:
         return att
 
     def to_dict(self) -> dict[str, Any]:
-        """The plain-dict form accepted by :meth:`from_dict` (lists, JSON-serialisable)."""
+        """The plain-dict form accepted by [`from_dict`][echoloss.data.attribution.TokenAttribution.from_dict] (lists, JSON-serialisable)."""
         return {
             "message_indices": list(self.message_indices),
             "is_content": list(self.is_content),

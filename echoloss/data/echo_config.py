@@ -63,7 +63,7 @@ class EchoFilter(BaseModel):
     """A user filter that narrows echo: an import path to a callable plus keyword arguments.
 
     The callable is called once per trajectory as ``fn(steps, **kwargs)`` with the list of
-    :class:`echoloss.Step` and must return one ``list[bool]`` per step, each of length
+    [`echoloss.Step`][echoloss.data.interleave.Step] and must return one ``list[bool]`` per step, each of length
     ``len(prompt_ids) + len(completion_ids)`` of that step, exact ``bool`` values. ``False`` removes a
     token from echo; ``True`` keeps whatever the roles selected (a filter never enables echo).
 
@@ -142,7 +142,7 @@ class EchoConfig(BaseModel):
         reecho_restarted_prompts: when a trajectory step cannot extend an earlier sample and a new
             sample starts, echo again the tokens it shares with an earlier sample. Default False: a
             token is trained at most once per trajectory.
-        filter: optional :class:`EchoFilter` that can only narrow the selection.
+        filter: optional [`EchoFilter`][echoloss.data.echo_config.EchoFilter] that can only narrow the selection.
 
     Examples:
         >>> cfg = EchoConfig(tool=RoleEcho(alpha=0.05))

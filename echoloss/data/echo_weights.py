@@ -133,7 +133,7 @@ def select_step_echo(
 ) -> StepEcho:
     """Echo weights *and* the ``Z = |O|`` observation mask of one step.
 
-    Same arguments as :func:`echo_weights`; see there.
+    Same arguments as [`echo_weights`][echoloss.data.echo_weights.echo_weights]; see there.
 
     Examples:
         >>> from echoloss import EchoConfig, RoleEcho
@@ -228,9 +228,9 @@ def echo_weights(
     """Echo weight of every token of one trajectory step (prompt then completion).
 
     Args:
-        attribution: the prompt's :class:`TokenAttribution`, its plain-dict form, or ``None``.
+        attribution: the prompt's [`TokenAttribution`][echoloss.data.attribution.TokenAttribution], its plain-dict form, or ``None``.
             Missing or inconsistent attribution disables prompt-side echo (one warning per cause).
-        config: the :class:`EchoConfig`.
+        config: the [`EchoConfig`][echoloss.data.echo_config.EchoConfig].
         prompt_len: ``P``, number of prompt tokens of the step.
         completion_len: ``C``, number of completion tokens of the step.
         keep: optional filter mask ``[P + C]`` of exact bools; ``False`` removes echo, ``True``

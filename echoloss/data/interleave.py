@@ -1,8 +1,8 @@
 """Trajectory steps and training samples, and the multi-turn merge between them (``interleave``).
 
-A multi-turn rollout is a list of :class:`Step` (prompt + sampled completion per model call). When a
+A multi-turn rollout is a list of [`Step`][echoloss.data.interleave.Step] (prompt + sampled completion per model call). When a
 step's prompt extends an earlier step's prompt + completion, the two are one sequence and become one
-:class:`Sample` whose "completion" region interleaves model tokens with the environment's tokens:
+[`Sample`][echoloss.data.interleave.Sample] whose "completion" region interleaves model tokens with the environment's tokens:
 ``[c1, obs1, c2, obs2, c3]``. Every per-token stream extends in lockstep.
 """
 
@@ -51,7 +51,7 @@ class Step:
         completion_ids: ``[C]`` sampled token ids.
         completion_logprobs: ``[C]`` sampling (inference) logprobs of the completion.
         completion_mask: ``[C]`` bool, True where the token is trained with RL (default all True).
-        attribution: :class:`TokenAttribution` of the prompt (or its dict form), or ``None``.
+        attribution: [`TokenAttribution`][echoloss.data.attribution.TokenAttribution] of the prompt (or its dict form), or ``None``.
         temperature: the sampling temperature of this call (> 0).
         metadata: free-form data for user echo filters (e.g. the raw messages).
 
@@ -322,7 +322,7 @@ def interleave(
 
     Args:
         steps: the trajectory's steps in order.
-        echo: the :class:`EchoConfig`, or ``None`` for no echo.
+        echo: the [`EchoConfig`][echoloss.data.echo_config.EchoConfig], or ``None`` for no echo.
         errored: the rollout errored; it trains nothing, so no samples are returned.
         keep: optional explicit filter masks, one ``list[bool]`` of length ``P + C`` per step,
             AND-ed with ``echo.filter``'s output. Both can only narrow echo.

@@ -1,6 +1,6 @@
 """Packing samples into micro-batches (FlashAttention varlen layout).
 
-A :class:`PackedBatch` is one row of concatenated sequences (batch size 1), FlashAttention style:
+A [`PackedBatch`][echoloss.data.packing.PackedBatch] is one row of concatenated sequences (batch size 1), FlashAttention style:
 ``cu_seqlens`` marks the boundaries and ``position_ids`` restart at 0 for every sequence. Every
 per-token stream is a tensor of the same length ``L``; optional streams of the samples (echo
 weights, observation mask, temperatures) are backfilled so that bins mixing samples with and
@@ -26,7 +26,7 @@ class PackedBatch:
     """Samples concatenated into one sequence of ``L`` tokens (``S`` segments, padding included).
 
     Token-indexed streams: entry ``t`` describes token ``t`` as a *target* (predicted from ``< t``).
-    Use :func:`echoloss.data.targets.next_token_targets` to get the row-aligned view for ``logits[t]`` predicting ``t+1``.
+    Use [`echoloss.data.targets.next_token_targets`][echoloss.data.targets.next_token_targets] to get the row-aligned view for ``logits[t]`` predicting ``t+1``.
 
     Attributes:
         input_ids: ``[L]`` int64.
@@ -40,14 +40,14 @@ class PackedBatch:
         inference_logprobs: ``[L]`` float32, sampling logprobs (0.0 outside completions).
         temperatures: ``[L]`` float32, sampling temperature of each token (prompt tokens take the
             sample's first completion temperature, or 1.0).
-        sample_indices: per segment, the index of the sample in the list given to :func:`pack`;
+        sample_indices: per segment, the index of the sample in the list given to [`pack`][echoloss.data.packing.pack];
             ``-1`` for the padding segment.
         prompt_lens: per segment, the sample's prompt length (0 for padding).
         sample_advantages: per segment, the sample's advantage (``None`` if unset).
         env_names: per segment, the sample's env name (``""`` for padding).
         num_padding: padding tokens at the end (one extra segment when > 0).
         has_echo, has_observation, has_temperatures: per segment, whether the sample carried the
-            optional stream (so :func:`unpack` can restore ``None``).
+            optional stream (so [`unpack`][echoloss.data.packing.unpack] can restore ``None``).
     """
 
     input_ids: torch.Tensor
@@ -290,8 +290,8 @@ def _build(
 def unpack(batch: PackedBatch) -> list[tuple[int, Sample]]:
     """Recover ``(sample_index, Sample)`` for every non-padding segment of a packed batch.
 
-    Inverse of :func:`pack` for samples in normal form (position 0 untrained, echoed tokens out of
-    the completion mask), which is what :func:`interleave` produces.
+    Inverse of [`pack`][echoloss.data.packing.pack] for samples in normal form (position 0 untrained, echoed tokens out of
+    the completion mask), which is what [`interleave`][echoloss.data.interleave] produces.
 
     Examples:
         >>> from echoloss import Sample

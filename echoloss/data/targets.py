@@ -17,7 +17,7 @@ __all__ = ["NextTokenTargets", "next_token_targets"]
 
 
 class NextTokenTargets(NamedTuple):
-    """Row-aligned view of a :class:`PackedBatch`: row ``j`` of the logits predicts ``labels[j]``.
+    """Row-aligned view of a [`PackedBatch`][echoloss.data.packing.PackedBatch]: row ``j`` of the logits predicts ``labels[j]``.
 
     Rows whose next token belongs to another segment (the last row of each sequence) and padding
     rows predict nothing: their masks are False, weights 0, label ``0``.
@@ -51,10 +51,10 @@ def next_token_targets(batch: PackedBatch) -> NextTokenTargets:
     nothing.
 
     Args:
-        batch: a :class:`PackedBatch` of length ``L``.
+        batch: a [`PackedBatch`][echoloss.data.packing.PackedBatch] of length ``L``.
 
     Returns:
-        :class:`NextTokenTargets` with every field of length ``L``.
+        [`NextTokenTargets`][echoloss.data.targets.NextTokenTargets] with every field of length ``L``.
 
     Examples:
         >>> from echoloss import Sample, pack

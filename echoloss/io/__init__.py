@@ -1,8 +1,8 @@
 """Files in and out: the rollout JSONL interchange format and the token JSONL export.
 
-* :mod:`echoloss.io.rollouts`: versioned, validated rollout records (token steps with attribution,
+* [`echoloss.io.rollouts`][echoloss.io.rollouts]: versioned, validated rollout records (token steps with attribution,
   or chat messages), a reader that reports every bad line and field, and a writer.
-* :mod:`echoloss.io.token_export`: what the loss saw, one JSON record per packed sequence.
+* [`echoloss.io.token_export`][echoloss.io.token_export]: what the loss saw, one JSON record per packed sequence.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ One JSON object per line, one rollout per object (``docs/adapters.md`` has the f
 
 A rollout carries either token ``steps`` (one per model call, with the prompt's attribution) or
 chat ``messages`` (tokenized later with a tokenizer's chat template, see
-:func:`echoloss.adapters.chat.steps_from_messages`), or both (then the steps are the tokens and the
+[`echoloss.adapters.chat.steps_from_messages`][echoloss.adapters.chat.steps_from_messages]), or both (then the steps are the tokens and the
 messages are kept for filters). The file is untrusted input: every record is validated, and
-:func:`read_rollouts` reports the line number and field of *every* bad record before raising.
+[`read_rollouts`][echoloss.io.rollouts.read_rollouts] reports the line number and field of *every* bad record before raising.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ Positive = Annotated[float, AfterValidator(_positive)]
 
 
 class AttributionRecord(BaseModel):
-    """The prompt attribution of one step (:class:`echoloss.TokenAttribution` as JSON)."""
+    """The prompt attribution of one step ([`echoloss.TokenAttribution`][echoloss.data.attribution.TokenAttribution] as JSON)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -163,7 +163,7 @@ class RolloutRecord(BaseModel):
         temperature: sampling temperature (> 0) of every call without its own.
         id: optional rollout id.
         error: an error message if the rollout errored (it then trains nothing), else None.
-        steps: token form: one :class:`StepRecord` per model call.
+        steps: token form: one [`StepRecord`][echoloss.io.rollouts.StepRecord] per model call.
         messages: chat form: the conversation; ``tools`` are its tool schemas.
         metrics: named finite floats for logging.
         metadata: anything else (kept, not read).
@@ -201,7 +201,7 @@ class RolloutRecord(BaseModel):
         chat_template_kwargs: Mapping[str, Any] | None = None,
         extra_roles: Sequence[str] = (),
     ) -> list[Step]:
-        """The rollout's :class:`echoloss.Step` s: its token ``steps``, or else its ``messages``
+        """The rollout's [`echoloss.Step`][echoloss.data.interleave.Step] s: its token ``steps``, or else its ``messages``
         tokenized with ``tokenizer``'s chat template (which must then be given)."""
         if self.steps:
             return [
@@ -253,7 +253,7 @@ class RolloutRecord(BaseModel):
         chat_template_kwargs: Mapping[str, Any] | None = None,
         extra_roles: Sequence[str] = (),
     ) -> list[Sample]:
-        """:meth:`to_steps` merged with :func:`echoloss.interleave` (empty if ``error`` is set).
+        """[`to_steps`][echoloss.io.rollouts.RolloutRecord.to_steps] merged with [`echoloss.interleave`][echoloss.data.interleave] (empty if ``error`` is set).
 
         Examples:
             >>> from echoloss import EchoConfig, RoleEcho
@@ -345,8 +345,8 @@ def iter_rollouts(
 ) -> Iterator[RolloutRecord]:
     """Stream rollouts from a JSONL file (path, open file or iterable of lines).
 
-    Blank lines are skipped. Stops at the first bad record with a :class:`RolloutFileError`
-    naming its line and fields; use :func:`read_rollouts` to collect every error of a file.
+    Blank lines are skipped. Stops at the first bad record with a [`RolloutFileError`][echoloss.io.rollouts.RolloutFileError]
+    naming its line and fields; use [`read_rollouts`][echoloss.io.rollouts.read_rollouts] to collect every error of a file.
     """
     name, lines = _lines(source)
     try:
@@ -376,7 +376,7 @@ def read_rollouts(
     Raises:
         RolloutFileError: one or more lines are bad (invalid JSON, not an object, unsupported
             ``schema_version``, a missing or wrongly typed field, lengths that do not match).
-            ``errors`` holds one :class:`RecordError` (line, field, message) per problem, for
+            ``errors`` holds one [`RecordError`][echoloss.io.rollouts.RecordError] (line, field, message) per problem, for
             every bad line of the file; nothing is skipped silently.
 
     Examples:
@@ -433,7 +433,7 @@ def write_rollouts(
     Args:
         destination: a path (created or truncated, or appended to with ``append=True``) or an
             open text file.
-        records: :class:`RolloutRecord` s or dicts.
+        records: [`RolloutRecord`][echoloss.io.rollouts.RolloutRecord] s or dicts.
         append: append to an existing file instead of truncating it.
 
     Returns:

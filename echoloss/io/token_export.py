@@ -2,7 +2,7 @@
 
 For debugging a run token by token (why was this token trained, with which weight, what did the
 trainer and the sampler think of it). Files are ``{directory}/step_{step}/rank_{rank}.jsonl``. Each
-record is one sequence of a :class:`echoloss.PackedBatch` that trains at least one token (padding
+record is one sequence of a [`echoloss.PackedBatch`][echoloss.data.packing.PackedBatch] that trains at least one token (padding
 and fully masked sequences are skipped), with per-token columns aligned to its ``token_ids``
 (entry ``t`` describes token ``t`` as a target, like every packed stream). Non-finite floats are
 written as ``null``; so are RL diagnostics outside the RL mask.
@@ -110,14 +110,14 @@ def token_records(
     """The export records of one packed micro-batch.
 
     Args:
-        batch: the :class:`echoloss.PackedBatch` the loss was computed on.
+        batch: the [`echoloss.PackedBatch`][echoloss.data.packing.PackedBatch] the loss was computed on.
         step: optimiser step.
         rank: data-parallel rank.
         micro_step: micro-batch index within the step.
         token_stats: extra per-token columns, ``[L]`` token-aligned (entry ``t`` is about token
             ``t``), e.g. ``trainer_logprobs``.
         row_stats: extra per-row columns, ``[L]`` row-aligned like the loss's inputs (row ``j``
-            predicts token ``j + 1``, see :func:`echoloss.next_token_targets`): shifted onto the
+            predicts token ``j + 1``, see [`echoloss.next_token_targets`][echoloss.data.targets.next_token_targets]): shifted onto the
             token they predict; the first token of each sequence gets null.
         rl_only: column names written as null outside the RL mask.
         first_index: ``export_sequence_idx`` of the first record (a running count in a step).
@@ -207,11 +207,11 @@ def token_records(
 
 
 class TokenExporter:
-    """Writes :func:`token_records` to ``{directory}/step_{step}/rank_{rank}.jsonl``.
+    """Writes [`token_records`][echoloss.io.token_export.token_records] to ``{directory}/step_{step}/rank_{rank}.jsonl``.
 
     The file of a step is opened at its first write and closed when the step changes (or on
-    :meth:`close`); ``export_sequence_idx`` counts sequences within a step. Use as a context
-    manager or call :meth:`close`.
+    [`close`][echoloss.io.token_export.TokenExporter.close]); ``export_sequence_idx`` counts sequences within a step. Use as a context
+    manager or call [`close`][echoloss.io.token_export.TokenExporter.close].
 
     Examples:
         >>> import tempfile
@@ -268,7 +268,7 @@ class TokenExporter:
         return len(records)
 
     def close(self) -> None:
-        """Close the current file (a later :meth:`write` opens the next one)."""
+        """Close the current file (a later [`write`][echoloss.io.token_export.TokenExporter.write] opens the next one)."""
         if self._file is not None:
             self._file.close()
             self._file = None

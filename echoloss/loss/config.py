@@ -1,4 +1,4 @@
-"""``LossConfig``: every hyperparameter of :func:`echoloss.echo_loss`, validated at construction."""
+"""``LossConfig``: every hyperparameter of [`echoloss.echo_loss`][echoloss.loss.echo_loss], validated at construction."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The split RL + echo loss: ``L = L_RL(RL rows) + L_echo(echo rows)``, sharing one log-softmax.
 
-:func:`echo_loss` takes logits; :func:`echo_loss_from_logprobs` takes per-token logprobs (the same
+[`echo_loss`][echoloss.loss.echo_loss] takes logits; [`echo_loss_from_logprobs`][echoloss.loss.echo_loss_from_logprobs] takes per-token logprobs (the same
 loss algebra, for callers that computed logprobs elsewhere, and for the gradient tests). The
-logits path computes logprobs with :func:`echoloss.ops.selective_logprobs` for the rows that
+logits path computes logprobs with [`echoloss.ops.selective_logprobs`][echoloss.ops.selective_logprobs] for the rows that
 participate only; everything after that is ``[N]``-sized PyTorch.
 """
 
@@ -38,7 +38,7 @@ __all__ = ["LossOutput", "echo_loss", "echo_loss_from_logprobs"]
 
 
 class LossOutput(NamedTuple):
-    """Result of :func:`echo_loss`.
+    """Result of [`echo_loss`][echoloss.loss.echo_loss].
 
     Attributes:
         loss: 0-dim loss (RL term + echo term), connected to the graph even when no row
@@ -478,7 +478,7 @@ def echo_loss_from_logprobs(
     env_names: Sequence[str] | None = None,
     policy_fn: PolicyFn | None = None,
 ) -> LossOutput:
-    """The loss of :func:`echo_loss` from per-token logprobs (and entropy) computed elsewhere.
+    """The loss of [`echo_loss`][echoloss.loss.echo_loss] from per-token logprobs (and entropy) computed elsewhere.
 
     ``logprobs`` must already be at the right temperature per row (sampling temperature on RL
     rows; see ``LossConfig.echo_temperature`` for echo rows). Values on rows that do not
@@ -488,12 +488,12 @@ def echo_loss_from_logprobs(
         logprobs: ``[N]`` float, differentiable.
         rl_mask, echo_weights, advantages, inference_logprobs, config, normalizers, old_logprobs,
             ref_logprobs, sequence_ids, observation_mask, env_names, policy_fn: as in
-            :func:`echo_loss`, with shape ``[N]``.
+            [`echo_loss`][echoloss.loss.echo_loss], with shape ``[N]``.
         entropy: ``[N]`` per-token entropy: required when ``config.entropy_coef != 0``; used for
             the ``entropy`` metric when given.
 
     Returns:
-        :class:`LossOutput`.
+        [`LossOutput`][echoloss.loss.LossOutput].
 
     Examples:
         >>> lp = torch.tensor([-0.2, -0.4], requires_grad=True)
@@ -614,7 +614,7 @@ def echo_loss(
     ``config.rl_normalization``. ``L_echo = Σ_{echo rows} w_t · (-log p_t)`` normalised by
     ``config.echo_normalization``: no importance ratio, trust region, KL, advantage or
     ``adv_tau``, so ``d loss / d log p_t = -w_t / N_echo`` under the default normaliser. Both terms
-    share one chunked log-softmax (:func:`echoloss.selective_logprobs`), computed only on rows that
+    share one chunked log-softmax ([`echoloss.selective_logprobs`][echoloss.ops.selective_logprobs]), computed only on rows that
     participate. ``docs/loss.md`` has every formula and decision.
 
     Args:
@@ -629,10 +629,10 @@ def echo_loss(
             placeholders are never read). Required by ratio policies and mismatch correction.
         temperature: sampling temperature, a float or ``[N]`` float (RL rows always use it; echo
             rows use it only with ``echo_temperature="sampling"``, else ``T = 1``).
-        config: :class:`echoloss.LossConfig`; None = defaults (dppo, token means).
-        normalizers: global counts (:class:`echoloss.Normalizers`) of the optimiser step; None
+        config: [`echoloss.LossConfig`][echoloss.loss.config.LossConfig]; None = defaults (dppo, token means).
+        normalizers: global counts ([`echoloss.Normalizers`][echoloss.loss.normalization.Normalizers]) of the optimiser step; None
             means "this call is the whole batch".
-        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see :func:`echoloss.selective_logprobs`).
+        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see [`echoloss.selective_logprobs`][echoloss.ops.selective_logprobs]).
         old_logprobs: ``[N]`` optional trainer-side logprobs of the behaviour policy; the ratio's
             denominator when given (otherwise the inference logprobs, or the current logprobs
             detached when ``config.mismatch`` is set).
@@ -649,7 +649,7 @@ def echo_loss(
         chunk_size: rows per chunk of the logprob computation (None = automatic).
 
     Returns:
-        :class:`LossOutput` ``(loss, metrics)``.
+        [`LossOutput`][echoloss.loss.LossOutput] ``(loss, metrics)``.
 
     Raises:
         TypeError, ValueError: on a bad input (the message names the argument and the fix), on

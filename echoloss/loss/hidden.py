@@ -1,4 +1,4 @@
-"""``echo_loss_from_hidden``: :func:`echoloss.echo_loss` from hidden states and the LM head."""
+"""``echo_loss_from_hidden``: [`echoloss.echo_loss`][echoloss.loss.echo_loss] from hidden states and the LM head."""
 
 from __future__ import annotations
 
@@ -45,13 +45,13 @@ def echo_loss_from_hidden(
     env_names: Sequence[str] | None = None,
     policy_fn: PolicyFn | None = None,
 ) -> LossOutput:
-    """:func:`echoloss.echo_loss` on ``logits = hidden @ weight.T``, without the ``[N, V]`` logits.
+    """[`echoloss.echo_loss`][echoloss.loss.echo_loss] on ``logits = hidden @ weight.T``, without the ``[N, V]`` logits.
 
     Same loss, metrics and gradients as ``echo_loss(hidden @ weight.T, labels, ...)`` (up to
     the rounding of a different summation order): the rows that take part in neither term
     are dropped before the matmul, the others go through the LM head ``chunk_size`` rows at a
-    time (:func:`echoloss.ops.fused_linear.linear_selective_logprobs`), and the loss algebra is
-    :func:`echoloss.loss.echo_loss_from_logprobs`. Backward recomputes each chunk's logits and
+    time ([`echoloss.ops.fused_linear.linear_selective_logprobs`][echoloss.ops.fused_linear.linear_selective_logprobs]), and the loss algebra is
+    [`echoloss.loss.echo_loss_from_logprobs`][echoloss.loss.echo_loss_from_logprobs]. Backward recomputes each chunk's logits and
     accumulates ``hidden.grad`` and ``weight.grad`` chunk by chunk (``weight.grad`` in fp32 for a
     bf16/fp16 weight, cast once at the end). Rows outside ``rl_mask | echo_weights > 0`` get
     exactly zero ``hidden.grad``. Arguments other than ``rl_mask`` and ``echo_weights`` are
@@ -64,13 +64,13 @@ def echo_loss_from_hidden(
             on every participating row.
         rl_mask, echo_weights, advantages, inference_logprobs, temperature, config,
             normalizers, old_logprobs, ref_logprobs, sequence_ids, observation_mask, env_names,
-            policy_fn: as in :func:`echoloss.echo_loss`, every per-token tensor ``[N]``.
+            policy_fn: as in [`echoloss.echo_loss`][echoloss.loss.echo_loss], every per-token tensor ``[N]``.
         chunk_size: participating rows per chunk; None = about ``2^26`` logits elements.
         backend: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"reference"``
             or ``"triton"``: the selective-logprob phases run on each chunk's logits.
 
     Returns:
-        :class:`echoloss.loss.LossOutput` ``(loss, metrics)``.
+        [`echoloss.loss.LossOutput`][echoloss.loss.LossOutput] ``(loss, metrics)``.
 
     Raises:
         TypeError, ValueError: on a bad input; the message names the argument and the fix.

@@ -43,7 +43,7 @@ def loss_metrics(
     totals: dict[str, torch.Tensor],
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    """Build the metrics dict of one :func:`echoloss.echo_loss` call.
+    """Build the metrics dict of one [`echoloss.echo_loss`][echoloss.loss.echo_loss] call.
 
     Args:
         rl_env: ``[n_rl]`` int64 env index of each RL row (into ``env_names``, ``-1`` = none), or

@@ -75,12 +75,12 @@ class Normalizers:
         return NotImplemented  # type: ignore[return-value]
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """``[4]`` int64 in field order (what :func:`all_reduce_normalizers` reduces)."""
+        """``[4]`` int64 in field order (what [`all_reduce_normalizers`][echoloss.loss.normalization.all_reduce_normalizers] reduces)."""
         return torch.tensor(list(asdict(self).values()), dtype=torch.int64, device=device)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> Normalizers:
-        """Inverse of :meth:`as_tensor`."""
+        """Inverse of [`as_tensor`][echoloss.loss.normalization.Normalizers.as_tensor]."""
         return cls(*(int(v) for v in t.tolist()))
 
 
@@ -117,7 +117,7 @@ def count_normalizers(
             None (then ``sequences`` stays 0 and the ``sequence_mean*`` modes cannot be used).
 
     Returns:
-        :class:`Normalizers` of this micro-batch.
+        [`Normalizers`][echoloss.loss.normalization.Normalizers] of this micro-batch.
 
     Examples:
         >>> count_normalizers(rl_mask=torch.tensor([True, True, False, False]),
@@ -168,7 +168,7 @@ def all_reduce_normalizers(
         device: where the collective runs; None = CUDA for NCCL, CPU otherwise.
 
     Returns:
-        The global :class:`Normalizers`, identical on every rank.
+        The global [`Normalizers`][echoloss.loss.normalization.Normalizers], identical on every rank.
 
     Examples:
         >>> all_reduce_normalizers(Normalizers(rl_tokens=4))  # not distributed: unchanged

@@ -1,6 +1,6 @@
 """Policy-loss variants: one small function each, on the RL rows only (``[n]`` tensors).
 
-Every function takes a :class:`PolicyInputs` and returns a :class:`PolicyOutput`: the per-token loss
+Every function takes a [`PolicyInputs`][echoloss.loss.policy.PolicyInputs] and returns a [`PolicyOutput`][echoloss.loss.policy.PolicyOutput]: the per-token loss
 before normalisation and boolean flags that the metrics report as fractions of RL tokens. Echo
 rows never reach these functions. The derivative of each loss w.r.t. ``logprobs`` is written in
 its docstring (the tests check it against autograd); ``docs/loss.md`` has the full table.
@@ -37,7 +37,7 @@ class PolicyInputs(NamedTuple):
     Attributes:
         logprobs: ``[n]`` trainer logprobs at the sampling temperature (differentiable).
         old_logprobs: ``[n]`` the ratio's denominator, detached: ``old_logprobs`` given to
-            :func:`echoloss.echo_loss`, else the current logprobs (detached) when a mismatch
+            [`echoloss.echo_loss`][echoloss.loss.echo_loss], else the current logprobs (detached) when a mismatch
             correction is on, else the inference logprobs (prime-rl).
         advantages: ``[n]`` advantages times ``adv_tau``.
         sequence_index: ``[n]`` int64 local sequence of each row in ``[0, num_sequences)``, or
@@ -100,7 +100,7 @@ def dppo_loss(
         log_ratio_clamp: clamp of ``ρ`` before ``exp`` (None = none).
 
     Returns:
-        :class:`PolicyOutput` with flags ``masked``, ``masked_low`` (``A < 0``) and ``masked_high``
+        [`PolicyOutput`][echoloss.loss.policy.PolicyOutput] with flags ``masked``, ``masked_low`` (``A < 0``) and ``masked_high``
         (``A > 0``); a dropped ``A == 0`` token is in ``masked`` only, as in prime-rl.
 
     Examples:
@@ -159,7 +159,7 @@ def ppo_clip_loss(
         log_ratio_clamp: clamp of ``ρ`` before ``exp`` (None = none).
 
     Returns:
-        :class:`PolicyOutput` with flags ``clipped``, ``clipped_low`` (``A < 0, r < 1 - eps_low``),
+        [`PolicyOutput`][echoloss.loss.policy.PolicyOutput] with flags ``clipped``, ``clipped_low`` (``A < 0, r < 1 - eps_low``),
         ``clipped_high`` (``A > 0, r > 1 + eps_high``) and, with dual clip, ``dual_clipped``.
 
     Examples:
@@ -199,7 +199,7 @@ def cispo_loss(
         log_ratio_clamp: clamp of ``ρ`` before ``exp`` (None = none).
 
     Returns:
-        :class:`PolicyOutput` with flags ``clipped``, ``clipped_low``, ``clipped_high`` (the
+        [`PolicyOutput`][echoloss.loss.policy.PolicyOutput] with flags ``clipped``, ``clipped_low``, ``clipped_high`` (the
         weight hit a bound).
 
     Examples:
@@ -239,7 +239,7 @@ def gspo_loss(
         log_ratio_clamp: clamp of the mean log ratio before ``exp`` (None = none).
 
     Returns:
-        :class:`PolicyOutput` with the ``clipped*`` flags of :func:`ppo_clip_loss`, per token.
+        [`PolicyOutput`][echoloss.loss.policy.PolicyOutput] with the ``clipped*`` flags of [`ppo_clip_loss`][echoloss.loss.policy.ppo_clip_loss], per token.
 
     Examples:
         >>> lp = torch.tensor([0.0, 0.0], requires_grad=True)

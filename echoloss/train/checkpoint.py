@@ -13,7 +13,7 @@ Layout of ``<output_dir>/checkpoints/``::
 **Nothing in a checkpoint runs code.** Every ``.pt`` file is read with
 ``torch.load(weights_only=True)``, which accepts tensors and plain containers only; a file holding
 anything else (a pickled object whose ``__reduce__`` would run a command) is refused with
-:class:`CheckpointError` before any of it executes. The rest is JSON.
+`CheckpointError` before any of it executes. The rest is JSON.
 
 **How a checkpoint is written**: every file goes into a temporary directory
 ``.tmp-step_000050-*``; the manifest (sizes and checksums) is written last; each file is fsynced,
@@ -24,11 +24,11 @@ complete directory; leftover ``.tmp-*`` directories are removed by the next save
 
 **How a checkpoint is chosen on resume**: the one ``latest`` names, then older ones, newest first;
 the first whose manifest matches its files is used. A skipped (truncated, corrupt, incomplete)
-checkpoint gives a :class:`ResumeWarning` naming it and why.
+checkpoint gives a `ResumeWarning` naming it and why.
 
 **Outputs are cut back on resume**: ``state.json`` records the size of every append-only output
 (``metrics.jsonl``, ``rollouts.rank<R>.jsonl``) when the checkpoint was taken, and
-:func:`truncate_outputs` cuts them back to it (token exports: the ``step_N`` files past the
+`truncate_outputs` cuts them back to it (token exports: the ``step_N`` files past the
 checkpoint are removed), so a resumed run never duplicates a row.
 
 Examples:
@@ -238,8 +238,8 @@ def _candidates(root: Path) -> list[Path]:
 def latest_checkpoint(root: Path, *, warn: bool = True) -> Path | None:
     """The newest complete checkpoint under ``root``, or None if there is none.
 
-    A newer checkpoint that fails :func:`verify_checkpoint` is skipped with a
-    :class:`ResumeWarning` (set ``warn=False`` to skip it silently).
+    A newer checkpoint that fails `verify_checkpoint` is skipped with a
+    `ResumeWarning` (set ``warn=False`` to skip it silently).
     """
     for path in _candidates(Path(root)):
         problem = verify_checkpoint(path)
@@ -352,7 +352,7 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:
-    """Set the RNG states captured by :func:`capture_rng`."""
+    """Set the RNG states captured by `capture_rng`."""
     torch.set_rng_state(state["torch"])
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))

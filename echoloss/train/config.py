@@ -1,7 +1,7 @@
 """The trainer's configuration: a TOML file validated with pydantic, plus command-line overrides.
 
 Every section rejects unknown keys, and every error names the key it is about
-(``optim.lr: Input should be a valid number``). With no file, :data:`DEFAULT_TOML` (the embedded
+(``optim.lr: Input should be a valid number``). With no file, `DEFAULT_TOML` (the embedded
 default) is used; ``configs/`` has annotated examples.
 
 Examples:
@@ -235,7 +235,7 @@ def _format(err: ValidationError) -> str:
 
 
 def parse_config(data: dict[str, Any]) -> TrainConfig:
-    """Validate a dict (a parsed TOML file); raises :class:`ConfigError` naming every bad key."""
+    """Validate a dict (a parsed TOML file); raises `ConfigError` naming every bad key."""
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as err:

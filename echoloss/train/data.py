@@ -1,7 +1,7 @@
 """Where the trainer's rollouts come from: on-policy generation, scripted demonstrations, a
 held-out set, or a rollout JSONL file.
 
-A :class:`Rollout` is what the training loop consumes: the :class:`echoloss.Step` list of one
+A `Rollout` is what the training loop consumes: the [`echoloss.Step`][echoloss.data.interleave.Step] list of one
 conversation (one step per model call, with the prompt's attribution), its reward, its group and
 env. Everything downstream (advantages, ``interleave``, ``pack``, the loss) is the library's own.
 """
@@ -33,10 +33,10 @@ __all__ = [
 
 @dataclass
 class Rollout:
-    """One finished conversation, ready for :func:`echoloss.interleave`.
+    """One finished conversation, ready for [`echoloss.interleave`][echoloss.data.interleave].
 
     Attributes:
-        steps: one :class:`echoloss.Step` per model call.
+        steps: one [`echoloss.Step`][echoloss.data.interleave.Step] per model call.
         reward: the scalar reward.
         group_id: rollouts of the same prompt share it (GRPO groups).
         env_name: for per-env metrics.
@@ -169,10 +169,10 @@ def generate_rollouts(
 
     Every turn renders each live conversation with the chat template, samples all live
     conversations in one batched ``generate`` call, and feeds the decoded replies to the env. A
-    model call is one :class:`echoloss.Step`: the exact prompt ids it saw (attributed by
-    :func:`echoloss.adapters.chat.render_attributed`) and the exact ids and logprobs it sampled.
+    model call is one [`echoloss.Step`][echoloss.data.interleave.Step]: the exact prompt ids it saw (attributed by
+    [`echoloss.adapters.chat.render_attributed`][echoloss.adapters.chat.render_attributed]) and the exact ids and logprobs it sampled.
     When the next prompt does not extend prompt + completion token for token (a reply cut off
-    before its end-of-turn token), :func:`echoloss.interleave` starts a new sample, as it would
+    before its end-of-turn token), [`echoloss.interleave`][echoloss.data.interleave] starts a new sample, as it would
     for any real rollout.
 
     With ``world_size > 1`` every rank must call this the same number of times; ranks keep
@@ -277,7 +277,7 @@ def heldout_conversations(env: GridWalk, *, seed: int, count: int) -> list[list[
 
 
 def read_rollout_groups(path: str, tokenizer: Any, *, default_env: str) -> list[list[Rollout]]:
-    """Rollouts from an echoloss rollout JSONL file (:mod:`echoloss.io.rollouts`), grouped by
+    """Rollouts from an echoloss rollout JSONL file ([`echoloss.io.rollouts`][echoloss.io.rollouts]), grouped by
     ``group_id`` in order of first appearance.
 
     Token-form records are used as they are; chat-form records are tokenized with the model's
@@ -312,7 +312,7 @@ def read_rollout_groups(path: str, tokenizer: Any, *, default_env: str) -> list[
 
 
 def rollout_record(rollout: Rollout) -> dict[str, Any]:
-    """A :class:`Rollout` as an echoloss rollout JSONL record (token form, with attribution)."""
+    """A `Rollout` as an echoloss rollout JSONL record (token form, with attribution)."""
     steps = []
     for s in rollout.steps:
         a = s.attribution

@@ -25,7 +25,7 @@ Why this environment:
   to compare.
 * **The reward is reachable by a tiny model.** The optimal policy is a comparison of two digits per
   axis; a short scripted warm-start on shortest-path demonstrations (see
-  :func:`demonstration`) teaches the format, RL does the rest.
+  `demonstration`) teaches the format, RL does the rest.
 * **Everything is text in chat messages.** Observations are ``tool`` messages rendered by the chat
   template, so attribution, echo weights, interleaving and packing are the library's own path.
 

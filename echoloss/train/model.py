@@ -9,7 +9,7 @@ replace both (``[model] path = "..."``).
 
 The packed forward pass runs one row of concatenated sequences. Without FlashAttention's varlen
 kernels, an HF model would let the sequences of a row attend to each other, so
-:func:`packed_attention_mask` builds the block-diagonal causal mask from ``cu_seqlens`` and passes it
+`packed_attention_mask` builds the block-diagonal causal mask from ``cu_seqlens`` and passes it
 as a custom 4D mask, with position ids restarting per sequence.
 """
 
@@ -76,12 +76,12 @@ ADDED_TOKENS = [
 
 def build_tokenizer() -> Any:
     """A small word + character tokenizer (printable ASCII, newline, the words of
-    :data:`ADDED_TOKENS`) with the ChatML chat template.
+    `ADDED_TOKENS`) with the ChatML chat template.
 
     No merges: a known word is one token, anything else one token per character. Decoded replies
     tokenize back to the ids the model sampled (unless it spells a known word letter by letter;
     then the next prompt does not extend the last one token for token and
-    :func:`echoloss.interleave` starts a new sample, as it does for any real retokenisation).
+    [`echoloss.interleave`][echoloss.data.interleave] starts a new sample, as it does for any real retokenisation).
 
     Returns:
         a ``transformers.PreTrainedTokenizerFast`` (eos ``<|im_end|>``, pad ``<|endoftext|>``).
@@ -223,11 +223,11 @@ def packed_attention_mask(
 
 
 def packed_logits(model: Any, batch: Any, *, attn_implementation: str) -> torch.Tensor:
-    """Logits ``[L, V]`` of one :class:`echoloss.PackedBatch` row, sequences kept apart.
+    """Logits ``[L, V]`` of one [`echoloss.PackedBatch`][echoloss.data.packing.PackedBatch] row, sequences kept apart.
 
     FlashAttention implementations separate the sequences from the restarting ``position_ids``
     alone; every other implementation gets the block-diagonal mask of
-    :func:`packed_attention_mask`.
+    `packed_attention_mask`.
     """
     ids = batch.input_ids[None]
     pos = batch.position_ids[None]

@@ -47,7 +47,7 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
 
 
 def plot_run(metrics: str | Path, out_dir: str | Path) -> list[Path]:
-    """Write ``training.png`` (every panel of :data:`PANELS`) to ``out_dir``; returns the files."""
+    """Write ``training.png`` (every panel of `PANELS`) to ``out_dir``; returns the files."""
     import matplotlib
 
     matplotlib.use("Agg")

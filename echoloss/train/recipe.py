@@ -503,7 +503,7 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log: Any = None
     when it returns, so it can be called from tests and notebooks.
 
     Args:
-        cfg: a validated :class:`echoloss.train.config.TrainConfig`.
+        cfg: a validated `echoloss.train.config.TrainConfig`.
         resume: a checkpoint directory, or an output directory whose ``checkpoints/latest`` names
             one, or None to start fresh.
         log: where the one-line-per-step summaries go (rank 0 only).

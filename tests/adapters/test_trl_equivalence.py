@@ -166,6 +166,49 @@ def test_k3_reference_kl_equals_trl(tmp_path, level):
              beta=0.04, use_bias_correction_kl=False)  # fmt: skip
 
 
+def _trl_vllm_is_ratio(args, old, sampling, mask):
+    """TRL 1.16's importance-sampling ratio, as ``_generate_and_score_completions`` computes it
+    inline (no function of TRL's to call); NaN sampling logprobs give a ratio of 1."""
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if args.vllm_importance_sampling_mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    lo, hi = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if args.vllm_importance_sampling_mode.endswith("truncate"):
+        return ratio.clamp(min=lo, max=hi)
+    bad = (ratio < (lo if lo is not None else -float("inf"))) | (ratio > hi)
+    return ratio.masked_fill(bad, 0.0)
+
+
+@pytest.mark.parametrize(
+    "mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+)
+def test_vllm_importance_sampling_correction_equals_trl(tmp_path, mode):
+    model = _model()
+    args = _args(tmp_path, loss_type="dapo", vllm_importance_sampling_mode=mode,
+                 vllm_importance_sampling_clip_max=1.5, vllm_importance_sampling_clip_min=0.5)  # fmt: skip
+    args.use_vllm = True  # set after construction: no vLLM server is needed for the loss
+    batches = _micro_batches(model, off_policy=True, beta=False)
+    g = torch.Generator().manual_seed(3)
+    for b in batches:
+        sampling = b["old_per_token_logps"] + 0.2 * torch.randn(B, C, generator=g)
+        sampling[3, 0] = float("nan")  # a token vLLM could not score
+        b["sampling_per_token_logps"] = sampling
+        mask = b["completion_mask"] * b["tool_mask"]
+        b["importance_sampling_ratio"] = _trl_vllm_is_ratio(
+            args, b["old_per_token_logps"], sampling, mask
+        )
+    tr = _trainer(args, model)
+    tr.use_vllm = True
+    assert tr.echo_mapping.config.mismatch == mode
+    ours, g_ours = _loss_and_grads(model, adapter.EchoGRPOTrainer._compute_loss, tr, batches)
+    theirs, g_trl = _loss_and_grads(model, trl.GRPOTrainer._compute_loss, tr, batches)
+    assert abs(ours - theirs) <= TOL, (ours, theirs)
+    scale = max(float(g.abs().max()) for g in g_trl.values())
+    worst = max(float((g_ours[n] - g_trl[n]).abs().max()) for n in g_trl)
+    assert worst <= TOL * scale, (worst, scale)
+
+
 def test_two_sided_clip_delta_equals_trl(tmp_path):
     _compare(tmp_path, loss_type="grpo", off_policy=True, delta=1.5)
 
@@ -176,7 +219,7 @@ def test_grpo_counts_masked_completions_like_trl(tmp_path):
     args = _args(tmp_path, loss_type="grpo")
     [b0, _] = _micro_batches(model, off_policy=False, beta=False)
     tr = _trainer(args, model)
-    cfg, norms = tr.echo_mapping.micro_batch(
+    _, norms = tr.echo_mapping.micro_batch(
         batch_size=B, max_completion_length=C, num_items_in_batch=None, num_processes=1,
         accumulation_steps=GA, steps_per_generation=GA)  # fmt: skip
     assert norms.rl_sequences == B * GA

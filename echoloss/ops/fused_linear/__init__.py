@@ -1,9 +1,9 @@
 """Fused-linear path: the loss from hidden states and the LM-head weight, never the full logits.
 
-:func:`linear_selective_logprobs` is the op (chunked over participating tokens; the two
+[`linear_selective_logprobs`][echoloss.ops.fused_linear.linear_selective_logprobs] is the op (chunked over participating tokens; the two
 selective-logprob phases of the chosen backend run on each chunk's logits);
-:func:`echo_loss_from_hidden` is :func:`echoloss.echo_loss` on top of it, with the same loss
-algebra (:func:`echoloss.loss.echo_loss_from_logprobs`). ``README.md`` has the design.
+`echo_loss_from_hidden` is [`echoloss.echo_loss`][echoloss.loss.echo_loss] on top of it, with the same loss
+algebra ([`echoloss.loss.echo_loss_from_logprobs`][echoloss.loss.echo_loss_from_logprobs]). ``README.md`` has the design.
 """
 
 from __future__ import annotations

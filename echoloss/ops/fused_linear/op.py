@@ -289,7 +289,7 @@ def linear_selective_logprobs(
     """Logprob of each label (and entropy) under ``softmax(hidden @ weight.T / T)``, chunked.
 
     Equivalent to ``selective_logprobs(hidden @ weight.T, labels, ...)`` (see
-    :func:`echoloss.ops.fused_linear.reference.naive_linear_selective_logprobs`), but the
+    `echoloss.ops.fused_linear.reference.naive_linear_selective_logprobs`), but the
     ``[N, V]`` logits never exist: only ``chunk_size`` participating rows at a time, in the
     input dtype, with their gradient written in place over them in backward. Differentiable
     w.r.t. ``hidden`` and ``weight``.
@@ -303,7 +303,7 @@ def linear_selective_logprobs(
         mask: optional ``[N]`` bool, True = compute this row. Other rows cost no matmul, read
             exactly 0 and get exactly zero gradient.
         chunk_size: participating rows per chunk; None = about ``2^26`` logits elements per
-            chunk (:func:`default_linear_chunk_size`).
+            chunk ([`default_linear_chunk_size`][echoloss.ops.fused_linear.default_linear_chunk_size]).
         backend: the selective-logprob phases on each chunk: ``"auto"`` (Triton on CUDA, the
             PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
 

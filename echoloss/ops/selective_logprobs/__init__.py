@@ -1,6 +1,6 @@
 """Selective logprobs and entropy from logits, chunked over tokens, fp32 results.
 
-The public entry is :func:`selective_logprobs`. The work happens in two phases behind a private
+The public entry is [`selective_logprobs`][echoloss.ops.selective_logprobs.selective_logprobs]. The work happens in two phases behind a private
 autograd Function: phase 1 (forward) computes the label's logprob, the log-sum-exp and optionally
 the entropy of each participating row; phase 2 (backward) writes ``dlogits`` from one coefficient
 per row. ``reference.py`` implements both phases in PyTorch; a fused kernel implements the same two
@@ -166,7 +166,7 @@ def selective_logprobs(
     """Logprob of each label (and entropy) under ``softmax(logits / T)``, chunked over tokens.
 
     Equivalent to ``log_softmax(logits.float() / T, -1).gather(-1, labels[..., None])`` (see
-    :func:`echoloss.ops.selective_logprobs.reference.naive_selective_logprobs`), but computed
+    [`echoloss.ops.selective_logprobs.reference.naive_selective_logprobs`][echoloss.ops.selective_logprobs.reference.naive_selective_logprobs]), but computed
     ``chunk_size`` rows at a time: the peak extra memory is a few ``[chunk_size, V]`` fp32 buffers,
     never a full fp32 copy of the logits, and backward re-reads the logits instead of keeping the
     softmax. Differentiable w.r.t. ``logits`` through both outputs.
@@ -184,7 +184,7 @@ def selective_logprobs(
             and read exactly 0 in both outputs, with zero gradient.
         backend: ``"auto"`` (the Triton kernels on CUDA, the reference elsewhere),
             ``"reference"`` or ``"triton"`` (CUDA, or cpu under ``TRITON_INTERPRET=1``); see
-            :func:`resolve_backend`.
+            [`resolve_backend`][echoloss.ops.selective_logprobs.resolve_backend].
 
     Returns:
         ``logprobs`` of shape ``labels.shape``, fp32 (fp64 for fp64 logits); with

@@ -1,8 +1,8 @@
 """Triton kernels for the two phases of the selective-logprob op (same contract as ``reference.py``).
 
-Phase 1 (:func:`forward`, ``_logprobs_fwd_kernel``) streams each participating row once: an
+Phase 1 ([`forward`][echoloss.ops.selective_logprobs.reference.forward], ``_logprobs_fwd_kernel``) streams each participating row once: an
 online log-sum-exp over ``V`` in fp32 (running max and rescaled sum, one ``BLOCK_V`` block at a
-time), the label's logprob and, optionally, the entropy. Phase 2 (:func:`backward`,
+time), the label's logprob and, optionally, the entropy. Phase 2 ([`backward`][echoloss.ops.selective_logprobs.reference.backward],
 ``_logprobs_bwd_kernel``) streams each live row again and writes
 ``dlogits = (a·(onehot(y) - p) - b·p·(log p + H)) / T``; every other row of the output is written
 with exact zeros, so the output can be an uninitialised buffer or the logits buffer itself (in
@@ -357,15 +357,15 @@ def backward(
     the logits are then gone, so only do that when nothing reads them afterwards.
 
     Args:
-        logits: ``[N, V]`` or ``[B, T, V]``, as given to :func:`forward`.
+        logits: ``[N, V]`` or ``[B, T, V]``, as given to [`forward`][echoloss.ops.selective_logprobs.reference.forward].
         labels: ``[N]`` int64.
         rows: ``[n]`` int64 distinct flat indices of the rows with a gradient.
-        inv_temperature: as in :func:`forward`.
+        inv_temperature: as in [`forward`][echoloss.ops.selective_logprobs.reference.forward].
         lse: ``[n]`` log-sum-exp of each row of ``rows``.
         grad_logprobs: ``[n]`` coefficient ``a`` per row.
         grad_entropy: ``[n]`` coefficient ``b`` per row, or None.
         entropy: ``[n]`` entropy per row; required with ``grad_entropy``.
-        chunk_size: unused (see :func:`forward`).
+        chunk_size: unused (see [`forward`][echoloss.ops.selective_logprobs.reference.forward]).
         out: optional tensor of the logits' shape and dtype to write into (any content), or
             ``logits`` itself. None allocates a contiguous one.
 

@@ -1,8 +1,8 @@
 """Pure-PyTorch reference of the selective-logprob op, in the two phases a fused kernel has.
 
-Phase 1 (:func:`forward`) reads the logits once per row and returns the label's logprob, the row's
+Phase 1 ([`forward`][echoloss.ops.selective_logprobs.reference.forward]) reads the logits once per row and returns the label's logprob, the row's
 log-sum-exp and, optionally, its entropy, all at the temperature ``T`` of the row. Phase 2
-(:func:`backward`) reads the logits again and writes ``dlogits`` from one coefficient per row (the
+([`backward`][echoloss.ops.selective_logprobs.reference.backward]) reads the logits again and writes ``dlogits`` from one coefficient per row (the
 derivative of the whole loss w.r.t. that row's logprob, and optionally w.r.t. its entropy). All the
 loss algebra in between happens elsewhere, on ``[N]``-sized tensors. The math is in ``README.md``.
 
@@ -209,11 +209,11 @@ def backward(
         dL/dz = (a·(onehot(y) - p) - b·p·(log p + H)) / T
 
     Args:
-        logits: ``[N, V]`` or ``[B, T, V]``, as given to :func:`forward`.
+        logits: ``[N, V]`` or ``[B, T, V]``, as given to [`forward`][echoloss.ops.selective_logprobs.reference.forward].
         labels: ``[N]`` int64.
         rows: ``[n]`` int64 flat indices of the rows to write (any subset of the forward rows).
-        inv_temperature: as in :func:`forward`.
-        lse: ``[n]`` log-sum-exp of each row of ``rows`` (from :func:`forward`).
+        inv_temperature: as in [`forward`][echoloss.ops.selective_logprobs.reference.forward].
+        lse: ``[n]`` log-sum-exp of each row of ``rows`` (from [`forward`][echoloss.ops.selective_logprobs.reference.forward]).
         grad_logprobs: ``[n]`` coefficient ``a`` per row.
         grad_entropy: ``[n]`` coefficient ``b`` per row, or None for no entropy gradient.
         entropy: ``[n]`` entropy per row; required when ``grad_entropy`` is given.
