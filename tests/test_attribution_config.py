@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from echoloss import EchoConfig, EchoFilter, RoleEcho, TokenAttribution
+from echoloss import (
+    EchoConfig,
+    EchoFilter,
+    RoleEcho,
+    TokenAttribution,
+    list_echo_filters,
+    register_echo_filter,
+)
 
 GOOD = {
     "message_indices": [-1, 0, 0, 1, 1],
@@ -146,8 +153,38 @@ def test_cap_must_be_positive():
 
 
 def test_filter_resolves_and_binds_kwargs():
-    fn = EchoFilter(import_path="builtins:max", kwargs={"default": 7}).resolve()
+    fn = EchoFilter(import_path="builtins:max", kwargs={"default": 7}).resolve(
+        allow_import_paths=True
+    )
     assert fn([]) == 7
+
+
+def test_filter_import_paths_need_an_opt_in():
+    # docs/spec.md F32: a config (or a file it came from) may not name arbitrary code.
+    with pytest.raises(ValueError, match=r"'os:system' is an import path.*allow_import_paths=True"):
+        EchoFilter(import_path="os:system").resolve()
+    with pytest.raises(
+        ValueError, match=r"'echoloss.io.rollouts:write_rollouts' is an import path"
+    ):
+        EchoFilter(import_path="echoloss.io.rollouts:write_rollouts").resolve()
+    with pytest.raises(ValueError, match="'no_such_filter' is not a registered echo filter"):
+        EchoFilter(import_path="no_such_filter").resolve()
+    with pytest.raises(TypeError, match="allow_import_paths must be a bool"):
+        EchoFilter(import_path="os:system").resolve(allow_import_paths="yes")
+
+
+def test_registered_filter_resolves_by_name_and_binds_kwargs():
+    @register_echo_filter("test_keep_none", overwrite=True)
+    def keep_none(steps, *, value):
+        return [[value] * (len(s.prompt_ids) + len(s.completion_ids)) for s in steps]
+
+    fn = EchoFilter(import_path="test_keep_none", kwargs={"value": False}).resolve()
+    assert fn.__name__ == "keep_none"
+    assert "test_keep_none" in list_echo_filters()
+    with pytest.raises(ValueError, match="already registered"):
+        register_echo_filter("test_keep_none")(lambda steps: steps)
+    with pytest.raises(ValueError, match=r"without ':' or '\.'"):
+        register_echo_filter("a.b")
 
 
 @pytest.mark.parametrize(
@@ -155,9 +192,27 @@ def test_filter_resolves_and_binds_kwargs():
     [
         ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
         ("os.path:no_such_fn", "has no attribute 'no_such_fn'"),
-        ("nodots", "must look like"),
+        ("nodots", "not a registered echo filter"),
     ],
 )
 def test_filter_import_errors_name_the_path(path, pattern):
     with pytest.raises((ImportError, ValueError), match=pattern):
-        EchoFilter(import_path=path).resolve()
+        EchoFilter(import_path=path).resolve(allow_import_paths=True)
+
+
+def test_alpha_must_be_representable_in_float32():
+    # docs/spec.md §2.3: a weight that float32 packing would turn into 0 or inf fails at the config.
+    for alpha in (1e-50, 1e39):
+        with pytest.raises(ValidationError, match="normal float32"):
+            RoleEcho(alpha=alpha)
+
+
+def test_ignored_roles_cannot_name_known_roles():
+    with pytest.raises(ValidationError, match="ignored_roles"):
+        EchoConfig(tool=RoleEcho(alpha=0.1), ignored_roles={"user"})
+    with pytest.raises(ValidationError, match="ignored_roles"):
+        EchoConfig(
+            tool=RoleEcho(alpha=0.1),
+            other_roles={"developer": RoleEcho(alpha=0.1)},
+            ignored_roles={"developer"},
+        )

@@ -366,7 +366,10 @@ def test_filter_only_narrows_and_echo_implies_observation(prompt, config, c, dat
         att, config, prompt_len=p, completion_len=c, keep=keep, initial_prompt_len=initial
     )
     assert len(kept.weights) == len(kept.observation) == p + c
-    assert kept.observation == free.observation  # Z does not depend on the filter
+    # Z does not depend on the filter on the prompt side; a completion token counts only while it
+    # is echoed (docs/spec.md §5.3).
+    assert kept.observation[:p] == free.observation[:p]
+    assert kept.observation[p:] == [w is not None for w in kept.weights[p:]]
     for k in range(p + c):
         if kept.weights[k] is not None:
             assert keep[k]
@@ -386,3 +389,40 @@ def test_filter_only_narrows_and_echo_implies_observation(prompt, config, c, dat
                     assert k >= (p if initial is None else initial)
             else:
                 assert config.assistant is not None
+
+
+def test_unknown_role_string_warns_once_naming_the_known_roles(caplog):
+    # docs/spec.md §4.2, F30: a misspelt role is not echoed, and that is said once.
+    att = {
+        "message_indices": [0, 1],
+        "is_content": [True, True],
+        "message_roles": ["user", "toool"],
+    }
+    c = cfg(tool=RoleEcho(alpha=0.5))
+    with caplog.at_level(logging.WARNING, logger="echoloss"):
+        assert echo_weights(att, c, prompt_len=2, completion_len=0) == [None, None]
+        echo_weights(att, c, prompt_len=2, completion_len=0)
+    hits = [r.message for r in caplog.records if "'toool'" in r.message]
+    assert len(hits) == 1
+    assert "known roles: ['assistant', 'system', 'tool', 'user']" in hits[0]
+    # A role declared as deliberately not echoed is silent.
+    caplog.clear()
+    quiet = cfg(tool=RoleEcho(alpha=0.5), ignored_roles={"developer"})
+    att["message_roles"] = ["user", "developer"]
+    with caplog.at_level(logging.WARNING, logger="echoloss"):
+        assert echo_weights(att, quiet, prompt_len=2, completion_len=0) == [None, None]
+    assert "developer" not in caplog.text
+
+
+def test_echo_weights_argument_errors_name_the_argument():
+    c = cfg(tool=RoleEcho(alpha=0.5))
+    with pytest.raises(TypeError, match=r"prompt_len must be an int >= 0, got float 2.5"):
+        echo_weights(None, c, prompt_len=2.5, completion_len=0)
+    with pytest.raises(ValueError, match=r"completion_len must be an int >= 0, got int -1"):
+        echo_weights(None, c, prompt_len=1, completion_len=-1)
+    with pytest.raises(TypeError, match=r"config must be an EchoConfig, got None"):
+        echo_weights(None, None, prompt_len=1, completion_len=0)
+    att = {"message_indices": [0], "is_content": [True], "message_roles": ["tool"]}
+    assert echo_weights(
+        att, {"tool": {"alpha": 0.5}, "skip_initial_prompt": False}, prompt_len=1, completion_len=0
+    ) == [0.5]

@@ -168,7 +168,7 @@ def test_initial_prompt_skipped_on_full_re_renders():
 
 def test_initial_prompt_skipped_with_bridged_attribution():
     cfg = EchoConfig(user=RoleEcho(alpha=1.0), tool=RoleEcho(alpha=0.5))
-    [sample] = interleave(worked_example_steps(), echo=cfg)
+    [sample] = interleave(worked_example_steps(), echo=cfg, allow_import_paths=True)
     assert sample.echo_weights == [None, None, None, None, None, 0.5, None]
 
 
@@ -246,7 +246,9 @@ def test_config_filter_by_import_path_narrows():
         tool=RoleEcho(alpha=0.5),
         filter=EchoFilter(import_path="test_interleave:keep_first_token_only"),
     )
-    [sample] = interleave(worked_example_steps(), echo=cfg)
+    with pytest.raises(ValueError, match="allow_import_paths=True"):
+        interleave(worked_example_steps(), echo=cfg)
+    [sample] = interleave(worked_example_steps(), echo=cfg, allow_import_paths=True)
     assert sample.echo_weights is None
     cfg = cfg.model_copy(
         update={
@@ -255,7 +257,7 @@ def test_config_filter_by_import_path_narrows():
             )
         }
     )
-    [sample] = interleave(worked_example_steps(), echo=cfg)
+    [sample] = interleave(worked_example_steps(), echo=cfg, allow_import_paths=True)
     assert sample.echo_weights == [None, None, None, None, None, 0.5, None]
 
 
@@ -267,7 +269,7 @@ def test_explicit_keep_and_filter_are_anded():
         ),
     )
     keep = [[True] * 4, [True] * 5 + [False, True]]
-    [sample] = interleave(worked_example_steps(), echo=cfg, keep=keep)
+    [sample] = interleave(worked_example_steps(), echo=cfg, keep=keep, allow_import_paths=True)
     assert sample.echo_weights is None
 
 
@@ -326,7 +328,7 @@ def test_bad_steps_rejected():
         step([1], [2, 3], lp=[-1.0])
     with pytest.raises(TypeError, match=r"Step.completion_mask\[0\] must be a bool, got int"):
         step([1], [2], mask=[1])
-    with pytest.raises(ValueError, match=r"Step\.temperature must be a finite float > 0"):
+    with pytest.raises(ValueError, match=r"Step\.temperature must be a positive finite float"):
         step([1], [2], temperature=0.0)
 
 
@@ -334,3 +336,94 @@ def test_empty_trajectory_yields_nothing_and_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="echoloss"):
         assert interleave([]) == []
     assert "empty trajectory" in caplog.text
+
+
+def test_prompt_equal_to_previous_sequence_extends():
+    # docs/spec.md §6.1, F16: a step whose prompt is exactly the previous prompt + completion (the
+    # environment wrote nothing in between) extends the sample with an empty tail.
+    steps = [step([1, 2], [3]), step([1, 2, 3], [4]), step([1, 2, 3, 4, 5], [6])]
+    [sample] = interleave(steps)
+    assert sample.prompt_ids == [1, 2]
+    assert sample.completion_ids == [3, 4, 5, 6]
+    assert sample.completion_mask == [True, True, False, True]
+
+
+def test_completion_tokens_returned_to_rl_do_not_count_in_z():
+    # docs/spec.md §5.3, F27: with assistant echo capped at one token per message, the second
+    # completion token goes back to RL and must not count in Z = |O|.
+    att = {"message_indices": [0], "is_content": [True], "message_roles": ["user"]}
+    cfg = EchoConfig(assistant=RoleEcho(alpha=0.5), max_tokens_per_message=1)
+    [sample] = interleave([step([7], [8, 9], att=att)], echo=cfg)
+    assert sample.echo_weights == [None, 0.5, None]
+    assert sample.completion_mask == [False, True]
+    assert sample.observation_mask == [False, True, False]
+    # The same with a filter instead of the cap.
+    cfg = EchoConfig(assistant=RoleEcho(alpha=0.5))
+    [sample] = interleave([step([7], [8, 9], att=att)], echo=cfg, keep=[[True, True, False]])
+    assert sample.completion_mask == [False, True]
+    assert sample.observation_mask == [False, True, False]
+
+
+def test_echo_filter_argument_is_called_without_a_config_filter():
+    # docs/spec.md F31: an echo_filter passed to interleave is used even when the config names none.
+    calls = []
+
+    def drop_everything(steps):
+        calls.append(len(steps))
+        return [[False] * (len(s.prompt_ids) + len(s.completion_ids)) for s in steps]
+
+    [sample] = interleave(worked_example_steps(), echo=TOOL, echo_filter=drop_everything)
+    assert calls == [2]
+    assert sample.echo_weights is None
+    with pytest.raises(ValueError, match="echo_filter is set but echo is None"):
+        interleave(worked_example_steps(), echo_filter=drop_everything)
+    with pytest.raises(TypeError, match="echo_filter must be a callable or None"):
+        interleave(worked_example_steps(), echo=TOOL, echo_filter="my_module:fn")
+
+
+def test_interleave_argument_errors_name_the_argument_and_the_fix():
+    steps = worked_example_steps()
+    with pytest.raises(TypeError, match=r"errored must be a bool, got str 'no'"):
+        interleave(steps, errored="no")
+    with pytest.raises(TypeError, match=r"steps must be a list of echoloss.Step.*wrap it"):
+        interleave(steps[0])
+    with pytest.raises(TypeError, match=r"echo must be an EchoConfig or None, got str"):
+        interleave(steps, echo="tool")
+    with pytest.raises(TypeError, match=r"env_name must be a str, got int 3"):
+        interleave(steps, env_name=3)
+    # The dict form of a config is validated into one (pydantic at the boundary).
+    [a] = interleave(steps, echo={"tool": {"alpha": 0.5}})
+    [b] = interleave(steps, echo=TOOL)
+    assert a == b
+    with pytest.raises(ValueError, match="toool"):
+        interleave(steps, echo={"toool": {"alpha": 0.5}})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"lp": [0.7]}, ValueError, r"completion_logprobs\[0\] must be a log-probability \(<= 0\)"),
+        ({"temperature": True}, TypeError, r"Step.temperature must be a positive float, got bool"),
+        ({"temperature": 1e-50}, ValueError, r"Step.temperature must be a positive finite float"),
+        (
+            {"prompt": [-1]},
+            ValueError,
+            r"Step.prompt_ids\[0\] must be a token id in \[0, 2\*\*63\)",
+        ),
+        ({"completion": [2**63]}, ValueError, r"Step.completion_ids\[0\] must be a token id"),
+    ],
+)
+def test_step_rejects_impossible_values(kwargs, error, pattern):
+    args = {"prompt": [1], "completion": [2], **kwargs}
+    with pytest.raises(error, match=pattern):
+        step(
+            args["prompt"],
+            args["completion"],
+            lp=args.get("lp"),
+            temperature=args.get("temperature", 1.0),
+        )
+
+
+def test_step_accepts_a_log_probability_rounded_just_above_zero():
+    # LOGPROB_SLACK: a near-certain token's log-softmax may land a few float32 ulps above 0.
+    assert step([1], [2], lp=[1e-7]).completion_logprobs == [1e-7]

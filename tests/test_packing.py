@@ -1,5 +1,6 @@
 """Packing, truncation, unpacking and the next-token view (docs/spec.md §7-§9, F5-F7)."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -46,7 +47,7 @@ def test_golden_a_overlay():
 
 def test_golden_a_zero_weight_is_an_error():
     with pytest.raises(
-        ValueError, match=r"echo_weights\[1\] = 0.0; an echo weight is a finite float > 0"
+        ValueError, match=r"echo_weights\[1\] must be a finite float > 0, or None .*got float 0.0"
     ):
         sample([1, 2], [3, 4], echo=[0.5, 0.0, 0.25, None])
 
@@ -151,9 +152,7 @@ def test_rl_tokens_need_an_advantage():
 
 
 def test_pad_multiple_must_divide_budget():
-    with pytest.raises(
-        ValueError, match="pad_to_multiple_of=3 must be >= 1 and divide max_tokens=8"
-    ):
+    with pytest.raises(ValueError, match="pad_to_multiple_of=3 must divide max_tokens=8"):
         pack([sample([1], [2])], max_tokens=8, pad_to_multiple_of=3)
 
 
@@ -248,3 +247,76 @@ def test_interleave_streams_aligned_and_rl_echo_disjoint(steps, skip_initial, as
         s.advantage = 0.5
     batches = pack(samples, max_tokens=64, truncate=True)
     assert sum(b.num_sequences for b in batches) == len(samples)
+
+
+def test_sample_rl_mask_clears_position_zero():
+    # docs/spec.md §7, F5: a sample without a prompt has its first completion token at position 0.
+    s = sample([], [5, 6, 7], mask=[True, True, True])
+    assert s.rl_mask() == [False, True, True]
+    assert s.num_rl_tokens == 2
+    [b] = pack([s], max_tokens=4)
+    assert b.rl_mask.tolist() == [False, True, True]
+    assert next_token_targets(b).rl_mask.tolist() == [True, True, False]
+
+
+def test_targets_reject_a_trained_segment_start():
+    # docs/spec.md §7: next_token_targets checks position 0 itself instead of trusting the batch.
+    [b] = pack([sample([1], [2, 3]), sample([4], [5])], max_tokens=8)
+    start = int(b.cu_seqlens[1])
+    for name, value in (("rl_mask", True), ("echo_weights", 0.5), ("observation_mask", True)):
+        stream = getattr(b, name).clone()
+        stream[start] = value
+        bad = dataclasses.replace(b, **{name: stream})
+        with pytest.raises(ValueError, match=rf"batch.{name}\[{start}\] marks the first token"):
+            next_token_targets(bad)
+    with pytest.raises(TypeError, match=r"batch must be an echoloss\.PackedBatch"):
+        next_token_targets([b])
+
+
+def test_zero_advantage_sample_keeps_its_echo():
+    # docs/spec.md §11.4, F11: an equal-reward group gives advantage 0; the echo is still trained.
+    s = sample([1, 2], [3, 4], echo=[None, 0.5, None, None], adv=0.0)
+    [b] = pack([s], max_tokens=4)
+    assert b.echo_weights.tolist() == [0.0, 0.5, 0.0, 0.0]
+    assert b.advantages.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_truncation_inside_the_prompt_keeps_the_temperature():
+    # docs/spec.md §8.4, F28: the remaining prompt tokens keep the sample's sampling temperature.
+    s = sample([1, 2, 3], [4, 5], temps=[0.5, 0.5])
+    [b] = pack([s], max_tokens=2, truncate=True)
+    assert b.input_ids.tolist() == [1, 2]
+    assert b.temperatures.tolist() == [0.5, 0.5]
+
+
+def test_weight_that_underflows_float32_is_rejected():
+    # docs/spec.md §2.3, F29: 1e-50 would be stored as 0.0 by float32 packing and train nothing.
+    with pytest.raises(ValueError, match=r"echo_weights\[1\] must be an echo weight in \[1.18e-38"):
+        sample([1, 2], [3], echo=[None, 1e-50, None])
+    with pytest.raises(ValueError, match="overflow to inf"):
+        sample([1, 2], [3], echo=[None, 1e39, None])
+    tiny = 2.0**-126  # the smallest normal float32 is kept exactly
+    [b] = pack([sample([1, 2], [3], echo=[None, tiny, None])], max_tokens=4)
+    assert b.echo_weights[1].item() == tiny
+
+
+def test_pack_argument_errors_name_the_argument():
+    s = sample([1], [2])
+    with pytest.raises(TypeError, match=r"pad_token_id must be an int >= 0, got float 1.7"):
+        pack([s], max_tokens=4, pad_to_multiple_of=4, pad_token_id=1.7)
+    with pytest.raises(TypeError, match=r"pad_to_multiple_of must be an int >= 1, got str '4'"):
+        pack([s], max_tokens=4, pad_to_multiple_of="4")
+    with pytest.raises(TypeError, match=r"samples must be a list of echoloss.Sample.*wrap it"):
+        pack(s, max_tokens=4)
+    with pytest.raises(TypeError, match=r"truncate must be a bool"):
+        pack([s], max_tokens=4, truncate="yes")
+    with pytest.raises(
+        ValueError, match=r"token_ids\[1\] must be a token id in \[0, vocab_size=2\)"
+    ):
+        pack([s], max_tokens=4, vocab_size=2)
+    with pytest.raises(ValueError, match=r"pad_token_id must be < vocab_size=3"):
+        pack([s], max_tokens=4, pad_token_id=3, vocab_size=3)
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] must be a token id"):
+        sample([-5], [2])
+    with pytest.raises(ValueError, match=r"completion_logprobs\[0\] must be a log-probability"):
+        sample([1], [2], lp=[2.3])

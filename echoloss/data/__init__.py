@@ -17,7 +17,14 @@ The semantics are specified in ``docs/spec.md``; the public names are re-exporte
 from __future__ import annotations
 
 from echoloss.data.attribution import TokenAttribution
-from echoloss.data.echo_config import STANDARD_ROLES, EchoConfig, EchoFilter, RoleEcho
+from echoloss.data.echo_config import (
+    STANDARD_ROLES,
+    EchoConfig,
+    EchoFilter,
+    RoleEcho,
+    list_echo_filters,
+    register_echo_filter,
+)
 from echoloss.data.echo_weights import StepEcho, echo_weights, select_step_echo, validate_keep_mask
 from echoloss.data.interleave import Sample, Step, interleave
 from echoloss.data.packing import PackedBatch, pack, truncate_sample, unpack
@@ -36,8 +43,10 @@ __all__ = [
     "TokenAttribution",
     "echo_weights",
     "interleave",
+    "list_echo_filters",
     "next_token_targets",
     "pack",
+    "register_echo_filter",
     "select_step_echo",
     "truncate_sample",
     "unpack",

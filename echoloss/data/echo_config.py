@@ -13,7 +13,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["STANDARD_ROLES", "EchoConfig", "EchoFilter", "RoleEcho"]
+from echoloss.data._checks import FLOAT32_MAX, FLOAT32_TINY
+
+__all__ = [
+    "STANDARD_ROLES",
+    "EchoConfig",
+    "EchoFilter",
+    "RoleEcho",
+    "list_echo_filters",
+    "register_echo_filter",
+]
 
 STANDARD_ROLES = ("system", "user", "assistant", "tool")
 
@@ -46,6 +55,11 @@ class RoleEcho(BaseModel):
     def _finite_alpha(cls, v: float) -> float:
         if not math.isfinite(v):
             raise ValueError(f"alpha must be finite, got {v}")
+        if not FLOAT32_TINY <= v <= FLOAT32_MAX:
+            raise ValueError(
+                f"alpha must be in [1.18e-38, 3.4e38] (a normal float32: packed batches store "
+                f"echo weights as float32), got {v}"
+            )
         return v
 
     @field_validator("tool_names")
@@ -57,38 +71,6 @@ class RoleEcho(BaseModel):
                 "allow-list would silently echo nothing"
             )
         return v
-
-
-class EchoFilter(BaseModel):
-    """A user filter that narrows echo: an import path to a callable plus keyword arguments.
-
-    The callable is called once per trajectory as ``fn(steps, **kwargs)`` with the list of
-    [`echoloss.Step`][echoloss.data.interleave.Step] and must return one ``list[bool]`` per step, each of length
-    ``len(prompt_ids) + len(completion_ids)`` of that step, exact ``bool`` values. ``False`` removes a
-    token from echo; ``True`` keeps whatever the roles selected (a filter never enables echo).
-
-    Args:
-        import_path: ``"package.module:function"`` or ``"package.module.function"``.
-        kwargs: bound to the callable by keyword.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    import_path: str = Field(min_length=1)
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    def resolve(self) -> Callable[..., Any]:
-        """Import the callable and bind ``kwargs``; raises ImportError/TypeError with the path."""
-        fn = import_object(self.import_path)
-        if not callable(fn):
-            raise TypeError(f"EchoFilter.import_path {self.import_path!r} is not callable")
-        kwargs = dict(self.kwargs)
-
-        def bound(steps: Any) -> Any:
-            return fn(steps, **kwargs)
-
-        bound.__name__ = getattr(fn, "__name__", "echo_filter")
-        return bound
 
 
 def import_object(path: str) -> Any:
@@ -119,6 +101,121 @@ def import_object(path: str) -> Any:
     return obj
 
 
+_FILTERS: dict[str, Callable[..., Any]] = {}
+
+
+def register_echo_filter(
+    name: str, *, overwrite: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register an echo filter under ``name`` (a decorator), for ``EchoFilter(import_path=name)``.
+
+    A configuration names filters by registry name; registering is how your own process vouches
+    for the code. The function is called as ``fn(steps, **kwargs)`` (see [`EchoFilter`][echoloss.data.echo_config.EchoFilter]).
+
+    Args:
+        name: the registry name; it may not contain ``":"`` or ``"."``, which mark import paths.
+        overwrite: replace an existing registration instead of raising.
+
+    Examples:
+        >>> @register_echo_filter("keep_all_doc_example")
+        ... def keep_all(steps):
+        ...     return [[True] * (len(s.prompt_ids) + len(s.completion_ids)) for s in steps]
+        >>> EchoFilter(import_path="keep_all_doc_example").resolve().__name__
+        'keep_all'
+    """
+    if not isinstance(name, str) or not name or ":" in name or "." in name:
+        raise ValueError(
+            f"echo filter name must be a non-empty str without ':' or '.', got {name!r}"
+        )
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):
+            raise TypeError(f"register_echo_filter({name!r}) needs a callable, got {fn!r}")
+        if name in _FILTERS and not overwrite and _FILTERS[name] is not fn:
+            raise ValueError(
+                f"echo filter {name!r} is already registered; pick another name or pass "
+                "overwrite=True"
+            )
+        _FILTERS[name] = fn
+        return fn
+
+    return decorator
+
+
+def list_echo_filters() -> list[str]:
+    """Registered echo filter names, sorted."""
+    return sorted(_FILTERS)
+
+
+class EchoFilter(BaseModel):
+    """A user filter that narrows echo: a registered name (or an import path) plus keyword arguments.
+
+    The callable is called once per trajectory as ``fn(steps, **kwargs)`` with the list of
+    [`echoloss.Step`][echoloss.data.interleave.Step] and must return one ``list[bool]`` per step, each of length
+    ``len(prompt_ids) + len(completion_ids)`` of that step, exact ``bool`` values. ``False`` removes a
+    token from echo; ``True`` keeps whatever the roles selected (a filter never enables echo).
+
+    Code named by a configuration runs only from the registry ([`register_echo_filter`][echoloss.data.echo_config.register_echo_filter])
+    unless the caller opts in to import paths with ``allow_import_paths=True``
+    (docs/spec.md §4.9): a configuration or rollout file copied from elsewhere could otherwise
+    name any importable callable.
+
+    Args:
+        import_path: a registered name, or ``"package.module:function"`` /
+            ``"package.module.function"`` (needs ``allow_import_paths=True`` to resolve).
+        kwargs: bound to the callable by keyword.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    import_path: str = Field(min_length=1)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def resolve(self, *, allow_import_paths: bool = False) -> Callable[..., Any]:
+        """The callable with ``kwargs`` bound.
+
+        Args:
+            allow_import_paths: also resolve an import path (runs the named module's code).
+
+        Raises:
+            ValueError: an unknown registry name, or an import path without the opt-in.
+            ImportError: the import path does not import.
+            TypeError: the target is not callable.
+        """
+        if not isinstance(allow_import_paths, bool):
+            raise TypeError(
+                f"allow_import_paths must be a bool, got {type(allow_import_paths).__name__}"
+            )
+        path = self.import_path
+        if ":" not in path and "." not in path:
+            if path not in _FILTERS:
+                raise ValueError(
+                    f"EchoFilter.import_path {path!r} is not a registered echo filter "
+                    f"(registered: {list_echo_filters()}); register it with "
+                    "echoloss.register_echo_filter, or give an import path 'pkg.mod:fn'"
+                )
+            fn: Any = _FILTERS[path]
+        elif not allow_import_paths:
+            raise ValueError(
+                f"EchoFilter.import_path {path!r} is an import path; a configuration runs code "
+                f"only from echoloss's echo filter registry (registered: {list_echo_filters()}). "
+                "If you trust this configuration, pass allow_import_paths=True (to interleave() "
+                "or EchoFilter.resolve()), or register the function with "
+                "echoloss.register_echo_filter and name it"
+            )
+        else:
+            fn = import_object(path)
+        if not callable(fn):
+            raise TypeError(f"EchoFilter.import_path {path!r} is not callable")
+        kwargs = dict(self.kwargs)
+
+        def bound(steps: Any) -> Any:
+            return fn(steps, **kwargs)
+
+        bound.__name__ = getattr(fn, "__name__", "echo_filter")
+        return bound
+
+
 class EchoConfig(BaseModel):
     """Which observation tokens are echoed, and with which weight.
 
@@ -129,6 +226,10 @@ class EchoConfig(BaseModel):
             with cross-entropy on the policy's own samples.
         other_roles: settings for non-standard roles (``"developer"``, ``"ipython"``, ...), keyed by
             the exact role string. Roles not named anywhere are never echoed.
+        ignored_roles: non-standard role strings your renderer emits that are deliberately not
+            echoed (``{"developer"}``). A role string that is neither standard, nor in
+            ``other_roles``, nor here is reported once (a misspelt ``"toool"`` would otherwise
+            silently echo nothing; docs/spec.md §4.2).
         skip_initial_prompt: the initial task prompt (every token before the trajectory's first
             sampled token: the system and task messages) is not echoed, as in the ECHO paper.
         target: ``"content"`` (default; the paper's ``env_only``) echoes only message body tokens
@@ -162,6 +263,7 @@ class EchoConfig(BaseModel):
     assistant: RoleEcho | None = None
     tool: RoleEcho | None = None
     other_roles: dict[str, RoleEcho] = Field(default_factory=dict)
+    ignored_roles: frozenset[str] = frozenset()
     skip_initial_prompt: bool = True
     target: Literal["content", "message"] = "content"
     echo_warnings: bool = False
@@ -182,6 +284,12 @@ class EchoConfig(BaseModel):
                 raise ValueError(
                     f"other_roles[{name!r}]: {name!r} is a standard role; set EchoConfig.{name} instead"
                 )
+        for name in self.ignored_roles:
+            if name in STANDARD_ROLES or name in self.other_roles:
+                raise ValueError(
+                    f"ignored_roles[{name!r}]: {name!r} is a standard role or named in "
+                    "other_roles; ignored_roles lists only non-standard roles that are not echoed"
+                )
         for name, rc in self.role_settings().items():
             if name != "tool" and rc.tool_names is not None:
                 raise ValueError(
@@ -197,6 +305,10 @@ class EchoConfig(BaseModel):
         }
         out.update(self.other_roles)
         return out
+
+    def known_roles(self) -> frozenset[str]:
+        """Every role string this config knows: standard, ``other_roles`` and ``ignored_roles``."""
+        return frozenset(STANDARD_ROLES) | frozenset(self.other_roles) | self.ignored_roles
 
     def enabled_roles(self) -> dict[str, float]:
         """``{role: alpha}`` for every enabled role."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from echoloss._logging import warn_once
 from echoloss._validate import bool_list, type_name
+from echoloss.data._checks import check_echo_config, exact_int
 from echoloss.data.attribution import TokenAttribution
 from echoloss.data.echo_config import EchoConfig
 
@@ -33,8 +34,9 @@ class StepEcho:
     Attributes:
         weights: ``[P + C]`` echo weight of each token, ``None`` = not echoed.
         observation: ``[P + C]`` True on the tokens that count in the paper's per-sequence
-            normaliser ``Z = |O|``: every token the roles select *before* the warning exclusion, the
-            per-message cap and the filter narrow it. ``weights[k] is not None`` implies
+            normaliser ``Z = |O|``: every prompt token the roles select *before* the warning
+            exclusion, the per-message cap and the filter narrow it, and the completion tokens
+            that are echoed (docs/spec.md §5.3). ``weights[k] is not None`` implies
             ``observation[k]``.
     """
 
@@ -122,7 +124,7 @@ def _usable_attribution(att: TokenAttribution | None, config: EchoConfig, prompt
 
 def select_step_echo(
     attribution: TokenAttribution | Mapping[str, Any] | None,
-    config: EchoConfig,
+    config: EchoConfig | Mapping[str, Any],
     *,
     prompt_len: int,
     completion_len: int,
@@ -145,10 +147,13 @@ def select_step_echo(
         >>> s.weights, s.observation
         ([None, None, None], [False, False, True])
     """
-    if prompt_len < 0 or completion_len < 0:
-        raise ValueError(
-            f"prompt_len and completion_len must be >= 0, got {prompt_len} and {completion_len}"
-        )
+    config = check_echo_config("config", config, optional=False)
+    exact_int("prompt_len", prompt_len, minimum=0)
+    exact_int("completion_len", completion_len, minimum=0)
+    exact_int("seen_prefix_len", seen_prefix_len, minimum=0)
+    exact_int("step_index", step_index, minimum=0)
+    if initial_prompt_len is not None:
+        exact_int("initial_prompt_len", initial_prompt_len, minimum=0)
     n = prompt_len + completion_len
     if keep is not None:
         keep = validate_keep_mask(
@@ -172,6 +177,8 @@ def select_step_echo(
             taken[message] = taken.get(message, 0) + 1
         weights[k] = alpha
 
+    known = config.known_roles()
+
     if initial_prompt_len is None:
         initial_prompt_len = prompt_len  # the trajectory's first step: its whole prompt
     first_eligible = max(seen_prefix_len if not config.reecho_restarted_prompts else 0, 0)
@@ -189,6 +196,14 @@ def select_step_echo(
             role = att.message_roles[mi]
             settings = roles.get(role)
             if settings is None:
+                if role not in known:
+                    warn_once(
+                        f"unknown-role:{role}",
+                        f"echoloss: prompt attribution has a message with role {role!r}, which "
+                        f"the echo config does not know (known roles: {sorted(known)}); it is "
+                        "not echoed. Fix the spelling, echo it with EchoConfig.other_roles, or "
+                        "declare it in EchoConfig.ignored_roles",
+                    )
                 continue  # unknown or disabled role: never echoed
             if role == "tool" and settings.tool_names is not None:
                 name = att.tool_name_of(mi)
@@ -210,13 +225,17 @@ def select_step_echo(
     if assistant is not None:
         for k in range(prompt_len, n):
             mark(k, assistant.alpha, -2, False)
+            # A completion token is the policy's action; it counts in Z = |O| only while it is
+            # echoed. One that the filter or the cap hands back to RL is an action again
+            # (docs/spec.md §5.3), so it must not grow the observation count.
+            observation[k] = weights[k] is not None
 
     return StepEcho(weights=weights, observation=observation)
 
 
 def echo_weights(
     attribution: TokenAttribution | Mapping[str, Any] | None,
-    config: EchoConfig,
+    config: EchoConfig | Mapping[str, Any],
     *,
     prompt_len: int,
     completion_len: int,
@@ -230,7 +249,7 @@ def echo_weights(
     Args:
         attribution: the prompt's [`TokenAttribution`][echoloss.data.attribution.TokenAttribution], its plain-dict form, or ``None``.
             Missing or inconsistent attribution disables prompt-side echo (one warning per cause).
-        config: the [`EchoConfig`][echoloss.data.echo_config.EchoConfig].
+        config: the [`EchoConfig`][echoloss.data.echo_config.EchoConfig] (or its dict form).
         prompt_len: ``P``, number of prompt tokens of the step.
         completion_len: ``C``, number of completion tokens of the step.
         keep: optional filter mask ``[P + C]`` of exact bools; ``False`` removes echo, ``True``

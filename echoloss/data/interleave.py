@@ -9,12 +9,20 @@ step's prompt extends an earlier step's prompt + completion, the two are one seq
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from echoloss._logging import warn_once
-from echoloss._validate import bool_list, check_len, finite_float_list, int_list
+from echoloss._validate import bool_list, check_len, describe, finite_float_list, problem
+from echoloss.data._checks import (
+    check_echo_config,
+    exact_bool,
+    float32_weight,
+    logprob_list,
+    positive_float32,
+    token_id_list,
+)
 from echoloss.data.attribution import TokenAttribution
 from echoloss.data.echo_config import EchoConfig
 from echoloss.data.echo_weights import select_step_echo, validate_keep_mask
@@ -26,8 +34,12 @@ __all__ = ["Sample", "Step", "interleave"]
 ENV_TOKEN_LOGPROB = 0.0
 
 
-def _int_list(owner: str, name: str, values: Any) -> list[int]:
-    return int_list(f"{owner}.{name}", values)
+def _token_ids(owner: str, name: str, values: Any) -> list[int]:
+    return token_id_list(f"{owner}.{name}", values)
+
+
+def _logprobs(owner: str, name: str, values: Any) -> list[float]:
+    return logprob_list(f"{owner}.{name}", values)
 
 
 def _bool_list(owner: str, name: str, values: Any) -> list[bool]:
@@ -69,10 +81,10 @@ class Step:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.prompt_ids = _int_list("Step", "prompt_ids", self.prompt_ids)
-        self.completion_ids = _int_list("Step", "completion_ids", self.completion_ids)
+        self.prompt_ids = _token_ids("Step", "prompt_ids", self.prompt_ids)
+        self.completion_ids = _token_ids("Step", "completion_ids", self.completion_ids)
         c = len(self.completion_ids)
-        self.completion_logprobs = _float_list(
+        self.completion_logprobs = _logprobs(
             "Step", "completion_logprobs", self.completion_logprobs
         )
         _check_len(
@@ -82,15 +94,11 @@ class Step:
             self.completion_mask = [True] * c
         self.completion_mask = _bool_list("Step", "completion_mask", self.completion_mask)
         _check_len("Step", "completion_mask", self.completion_mask, c, "one per completion token")
-        if not (
-            isinstance(self.temperature, (int, float))
-            and math.isfinite(self.temperature)
-            and self.temperature > 0
-        ):
-            raise ValueError(
-                f"Step.temperature must be a finite float > 0, got {self.temperature!r}"
-            )
-        self.temperature = float(self.temperature)
+        self.temperature = positive_float32(
+            "Step.temperature", self.temperature, "pass the sampling temperature, e.g. 0.7"
+        )
+        if not isinstance(self.metadata, dict):
+            raise TypeError(problem("Step.metadata", "a dict", describe(self.metadata)))
 
     @property
     def token_ids(self) -> list[int]:
@@ -190,45 +198,36 @@ class Sample:
 
     def validate(self, *, where: str = "Sample") -> None:
         """Check every stream's type and length; raises with the field, both lengths and a fix."""
-        self.prompt_ids = _int_list(where, "prompt_ids", self.prompt_ids)
-        self.completion_ids = _int_list(where, "completion_ids", self.completion_ids)
+        self.prompt_ids = _token_ids(where, "prompt_ids", self.prompt_ids)
+        self.completion_ids = _token_ids(where, "completion_ids", self.completion_ids)
         p, c = len(self.prompt_ids), len(self.completion_ids)
         n = p + c
         if n == 0:
             raise ValueError(f"{where} has no tokens (empty prompt_ids and completion_ids)")
         self.completion_mask = _bool_list(where, "completion_mask", self.completion_mask)
         _check_len(where, "completion_mask", self.completion_mask, c, "len(completion_ids)")
-        self.completion_logprobs = _float_list(
-            where, "completion_logprobs", self.completion_logprobs
-        )
+        self.completion_logprobs = _logprobs(where, "completion_logprobs", self.completion_logprobs)
         _check_len(where, "completion_logprobs", self.completion_logprobs, c, "len(completion_ids)")
         if self.completion_temperatures is not None:
             temps = _float_list(where, "completion_temperatures", self.completion_temperatures)
             _check_len(where, "completion_temperatures", temps, c, "len(completion_ids)")
             for i, t in enumerate(temps):
-                if t <= 0:
-                    raise ValueError(
-                        f"{where}.completion_temperatures[{i}] = {t}; temperatures must be > 0"
-                    )
+                positive_float32(f"{where}.completion_temperatures[{i}]", t)
             self.completion_temperatures = temps
         if self.echo_weights is not None:
+            if not isinstance(self.echo_weights, (list, tuple)):
+                raise TypeError(
+                    problem(
+                        f"{where}.echo_weights",
+                        "None or a list of float | None",
+                        describe(self.echo_weights),
+                    )
+                )
             echo = list(self.echo_weights)
             _check_len(where, "echo_weights", echo, n, "len(prompt_ids) + len(completion_ids)")
             for i, w in enumerate(echo):
-                if w is None:
-                    continue
-                if (
-                    isinstance(w, bool)
-                    or not isinstance(w, (int, float))
-                    or not math.isfinite(w)
-                    or w <= 0
-                ):
-                    raise ValueError(
-                        f"{where}.echo_weights[{i}] = {w!r}; an echo weight is a finite float > 0, or "
-                        "None for 'not echoed' (a weight of 0 would remove the token from RL and train "
-                        "nothing)"
-                    )
-                echo[i] = float(w)
+                if w is not None:
+                    echo[i] = float32_weight(f"{where}.echo_weights[{i}]", w)
             self.echo_weights = echo if any(w is not None for w in echo) else None
         if self.observation_mask is not None:
             obs = _bool_list(where, "observation_mask", self.observation_mask)
@@ -272,12 +271,16 @@ def _resolve_keep_masks(
     echo: EchoConfig | None,
     keep: Sequence[Sequence[bool]] | None,
     echo_filter: Callable[[list[Step]], Any] | None,
+    allow_import_paths: bool,
 ) -> list[list[bool] | None]:
-    """Run the configured filter once and AND it with an explicit ``keep``; validate both."""
+    """Run the filter once and AND it with an explicit ``keep``; validate both."""
     masks: list[list[bool] | None] = [None] * len(steps)
     sources: list[tuple[str, Any]] = []
-    if echo is not None and echo.filter is not None:
-        fn = echo_filter if echo_filter is not None else echo.filter.resolve()
+    if echo_filter is not None:
+        label = getattr(echo_filter, "__name__", "echo_filter")
+        sources.append((f"echo filter {label!r}", echo_filter(steps)))
+    elif echo is not None and echo.filter is not None:
+        fn = echo.filter.resolve(allow_import_paths=allow_import_paths)
         sources.append((f"echo filter {echo.filter.import_path!r}", fn(steps)))
     if keep is not None:
         sources.append(("keep", keep))
@@ -310,6 +313,7 @@ def interleave(
     keep: Sequence[Sequence[bool]] | None = None,
     env_name: str = "",
     echo_filter: Callable[[list[Step]], Any] | None = None,
+    allow_import_paths: bool = False,
 ) -> list[Sample]:
     """Merge a trajectory's steps into training samples, with echo weights.
 
@@ -322,13 +326,16 @@ def interleave(
 
     Args:
         steps: the trajectory's steps in order.
-        echo: the [`EchoConfig`][echoloss.data.echo_config.EchoConfig], or ``None`` for no echo.
+        echo: the [`EchoConfig`][echoloss.data.echo_config.EchoConfig] (or its dict form), or ``None`` for no echo.
         errored: the rollout errored; it trains nothing, so no samples are returned.
         keep: optional explicit filter masks, one ``list[bool]`` of length ``P + C`` per step,
             AND-ed with ``echo.filter``'s output. Both can only narrow echo.
         env_name: stamped on every sample (``"all"`` is reserved).
-        echo_filter: an already-resolved ``echo.filter`` callable (resolve once per run with
-            ``echo.filter.resolve()`` and pass it here to avoid re-importing per trajectory).
+        echo_filter: a filter callable ``fn(steps) -> list[list[bool]]``, used instead of
+            ``echo.filter`` (e.g. ``echo.filter.resolve()`` resolved once per run). It needs an
+            ``echo`` config: a filter can only narrow what the roles select.
+        allow_import_paths: let ``echo.filter`` name an import path (it runs that module's
+            code); by default only registered filter names resolve (docs/spec.md §4.9).
 
     Returns:
         The samples, in the order their first step appears. Tokens selected for echo are out of
@@ -352,11 +359,38 @@ def interleave(
         >>> sample.echo_weights
         [None, None, None, None, None, 0.5, None]
     """
+    if isinstance(steps, Step):
+        raise TypeError(
+            problem(
+                "interleave: steps",
+                "a list of echoloss.Step (one trajectory)",
+                "a single Step",
+                "wrap it: interleave([step])",
+            )
+        )
+    if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Iterable):
+        raise TypeError(problem("interleave: steps", "a list of echoloss.Step", describe(steps)))
     steps = list(steps)
     for i, s in enumerate(steps):
         if not isinstance(s, Step):
             raise TypeError(
                 f"interleave: steps[{i}] must be an echoloss.Step, got {type(s).__name__}"
+            )
+    echo = check_echo_config("interleave: echo", echo, optional=True)
+    exact_bool("interleave: errored", errored, "True marks a rollout that failed")
+    exact_bool("interleave: allow_import_paths", allow_import_paths)
+    if not isinstance(env_name, str):
+        raise TypeError(problem("interleave: env_name", "a str", describe(env_name)))
+    if echo_filter is not None:
+        if not callable(echo_filter):
+            raise TypeError(
+                problem("interleave: echo_filter", "a callable or None", describe(echo_filter))
+            )
+        if echo is None:
+            raise ValueError(
+                "interleave: echo_filter is set but echo is None; a filter only narrows what the "
+                "echo roles select, so with no echo config it would never apply. Pass "
+                "echo=EchoConfig(...), or drop echo_filter"
             )
     if not steps:
         warn_once(
@@ -365,7 +399,7 @@ def interleave(
         return []
     if errored:
         return []
-    keep_masks = _resolve_keep_masks(steps, echo, keep, echo_filter)
+    keep_masks = _resolve_keep_masks(steps, echo, keep, echo_filter, allow_import_paths)
 
     samples: list[Sample] = []
     # One entry per sample: the prompt + completion of the last step merged into it.

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from echoloss._logging import warn_once
+from echoloss._validate import describe, problem
 from echoloss.advantages import broadcast_packed_advantages
+from echoloss.data._checks import MAX_TOKEN_ID, exact_bool, exact_int, token_id_list
 from echoloss.data.interleave import Sample
 
 __all__ = ["PackedBatch", "pack", "truncate_sample", "unpack"]
@@ -104,8 +106,7 @@ def truncate_sample(sample: Sample, max_tokens: int) -> Sample:
         >>> t.completion_ids, t.completion_mask, t.echo_weights
         ([3], [True], [None, 0.5, None])
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    exact_int("max_tokens", max_tokens, minimum=1)
     if len(sample) <= max_tokens:
         return sample
     p = min(len(sample.prompt_ids), max_tokens)
@@ -150,6 +151,7 @@ def pack(
     pad_to_multiple_of: int | None = None,
     pad_token_id: int = 0,
     truncate: bool = False,
+    vocab_size: int | None = None,
 ) -> list[PackedBatch]:
     """Pack samples into micro-batches of at most ``max_tokens`` tokens (first-fit-decreasing).
 
@@ -160,8 +162,11 @@ def pack(
         pad_to_multiple_of: pad each micro-batch's length up to a multiple of this with one padding
             segment (positions restart at 0, every mask False). ``max_tokens`` must be a multiple.
         pad_token_id: token id written on padding.
-        truncate: cut samples longer than ``max_tokens`` (every stream in lockstep); otherwise
-            such a sample is an error.
+        truncate: cut samples longer than ``max_tokens`` (every stream in lockstep; a cut inside
+            the prompt keeps the sample's sampling temperature on the remaining prompt tokens);
+            otherwise such a sample is an error.
+        vocab_size: the model's vocabulary size, if known: every token id (``pad_token_id``
+            included) must be below it.
 
     Returns:
         ``list[PackedBatch]``, fullest first.
@@ -179,22 +184,50 @@ def pack(
         >>> batch.rl_mask.tolist(), batch.echo_weights.tolist()
         ([False, False, True, False, True, False, False, False], [0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0])
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"pack: max_tokens must be an int >= 1, got {max_tokens!r}")
-    if pad_to_multiple_of is not None and (
-        pad_to_multiple_of < 1 or max_tokens % pad_to_multiple_of
-    ):
+    exact_int("pack: max_tokens", max_tokens, minimum=1)
+    if pad_to_multiple_of is not None:
+        exact_int("pack: pad_to_multiple_of", pad_to_multiple_of, minimum=1, fix="or None")
+        if max_tokens % pad_to_multiple_of:
+            raise ValueError(
+                f"pack: pad_to_multiple_of={pad_to_multiple_of} must divide "
+                f"max_tokens={max_tokens}, so that a padded micro-batch still fits the budget"
+            )
+    exact_bool("pack: truncate", truncate)
+    if vocab_size is not None:
+        exact_int("pack: vocab_size", vocab_size, minimum=1)
+    exact_int("pack: pad_token_id", pad_token_id, minimum=0)
+    upper = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
+    if pad_token_id >= upper:
         raise ValueError(
-            f"pack: pad_to_multiple_of={pad_to_multiple_of} must be >= 1 and divide "
-            f"max_tokens={max_tokens}, so that a padded micro-batch still fits the budget"
+            problem(
+                "pack: pad_token_id",
+                "a token id in [0, 2**63)" if vocab_size is None else f"< vocab_size={vocab_size}",
+                describe(pad_token_id),
+            )
         )
+    if isinstance(samples, Sample):
+        raise TypeError(
+            problem(
+                "pack: samples", "a list of echoloss.Sample", "a single Sample", "wrap it: [sample]"
+            )
+        )
+    if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence):
+        raise TypeError(problem("pack: samples", "a list of echoloss.Sample", describe(samples)))
     prepared: list[Sample] = []
+    prompt_temperatures: list[float] = []
     for i, s in enumerate(samples):
         if not isinstance(s, Sample):
             raise TypeError(
                 f"pack: samples[{i}] must be an echoloss.Sample, got {type(s).__name__}"
             )
         s.validate(where=f"samples[{i}]")
+        if vocab_size is not None:
+            token_id_list(f"samples[{i}].token_ids", s.token_ids, vocab_size=vocab_size)
+        # The prompt's temperature is the sample's first sampling temperature; read it before a
+        # truncation that may cut every completion token away (docs/spec.md §8.4).
+        prompt_temperatures.append(
+            s.completion_temperatures[0] if s.completion_temperatures else 1.0
+        )
         if len(s) > max_tokens:
             if not truncate:
                 raise ValueError(
@@ -217,11 +250,17 @@ def pack(
             )
         prepared.append(s)
     bins = _first_fit_decreasing([len(s) for s in prepared], max_tokens)
-    return [_build(prepared, idx, pad_to_multiple_of, pad_token_id) for idx in bins]
+    return [
+        _build(prepared, prompt_temperatures, idx, pad_to_multiple_of, pad_token_id) for idx in bins
+    ]
 
 
 def _build(
-    samples: list[Sample], indices: list[int], pad_to: int | None, pad_id: int
+    samples: list[Sample],
+    prompt_temperatures: list[float],
+    indices: list[int],
+    pad_to: int | None,
+    pad_id: int,
 ) -> PackedBatch:
     ids: list[int] = []
     pos: list[int] = []
@@ -241,8 +280,9 @@ def _build(
         obs += s.token_observation_mask()
         lq += [0.0] * p + s.completion_logprobs
         ct = s.completion_temperatures
-        prompt_t = ct[0] if ct else 1.0
-        temps += [prompt_t] * p + (list(ct) if ct is not None else [1.0] * len(s.completion_ids))
+        temps += [prompt_temperatures[i]] * p + (
+            list(ct) if ct is not None else [1.0] * len(s.completion_ids)
+        )
         lengths.append(n)
     num_padding = 0
     if pad_to is not None and len(ids) % pad_to:
@@ -301,6 +341,8 @@ def unpack(batch: PackedBatch) -> list[tuple[int, Sample]]:
         >>> index, back == s
         (0, True)
     """
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(problem("unpack: batch", "an echoloss.PackedBatch", describe(batch)))
     out: list[tuple[int, Sample]] = []
     cu = batch.cu_seqlens.tolist()
     for k, idx in enumerate(batch.sample_indices):

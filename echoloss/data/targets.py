@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from echoloss._validate import describe, problem
 from echoloss.data.packing import PackedBatch
 
 __all__ = ["NextTokenTargets", "next_token_targets"]
@@ -46,15 +47,21 @@ class NextTokenTargets(NamedTuple):
 def next_token_targets(batch: PackedBatch) -> NextTokenTargets:
     """Shift a packed batch so that row ``j`` holds the streams of token ``j + 1``.
 
-    Position 0 of every segment is never RL, echo or observation, so shifting the whole packed row
-    by one already masks the row that would predict across a boundary; the last row predicts
-    nothing.
+    Position 0 of every segment has no prediction (docs/spec.md §7): the row before it belongs to
+    the previous segment, so it must predict nothing. This function checks that every segment's
+    first token is neither RL, echo nor observation (``pack`` guarantees it; a hand-built batch may
+    not) and raises otherwise, so that shifting the whole packed row by one cannot train a
+    cross-sequence prediction. The last row of the batch predicts nothing.
 
     Args:
         batch: a [`PackedBatch`][echoloss.data.packing.PackedBatch] of length ``L``.
 
     Returns:
         [`NextTokenTargets`][echoloss.data.targets.NextTokenTargets] with every field of length ``L``.
+
+    Raises:
+        TypeError: ``batch`` is not a [`PackedBatch`][echoloss.data.packing.PackedBatch].
+        ValueError: a segment's first token is marked RL, echo or observation.
 
     Examples:
         >>> from echoloss import Sample, pack
@@ -66,12 +73,18 @@ def next_token_targets(batch: PackedBatch) -> NextTokenTargets:
         ([6, 7, 0], [True, True, False], [1.0, 1.0, 0.0])
     """
 
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(
+            problem("next_token_targets: batch", "an echoloss.PackedBatch", describe(batch))
+        )
+    _check_segment_starts_untrained(batch)
+
     def shift(x: torch.Tensor, fill: float | bool | int) -> torch.Tensor:
-        return torch.cat([x[1:], x.new_full((1,), fill)])
+        return torch.cat([x[1:], x.new_full((1,), fill)])  # [L]
 
     # A segment's first token is never a target, so the row before it must predict nothing.
-    starts = batch.cu_seqlens[1:-1].long()
-    labels = shift(batch.input_ids, 0)
+    starts = batch.cu_seqlens[1:-1].long()  # [S - 1] first token of every segment but the first
+    labels = shift(batch.input_ids, 0)  # [L]
     labels[starts - 1] = 0
     seq = batch.sequence_ids()
     return NextTokenTargets(
@@ -84,3 +97,24 @@ def next_token_targets(batch: PackedBatch) -> NextTokenTargets:
         temperatures=shift(batch.temperatures, 1.0),
         sequence_ids=seq,
     )
+
+
+def _check_segment_starts_untrained(batch: PackedBatch) -> None:
+    """Raise if the first token of any segment is RL, echo or observation (docs/spec.md §7)."""
+    starts = batch.cu_seqlens[:-1].long()  # [S] first token of every segment
+    starts = starts[starts < len(batch)]  # an empty segment has no first token
+    streams = {
+        "rl_mask": batch.rl_mask[starts],  # [S]
+        "echo_weights": batch.echo_weights[starts] != 0,  # [S]
+        "observation_mask": batch.observation_mask[starts],  # [S]
+    }
+    for name, marked in streams.items():
+        if bool(marked.any()):
+            k = int(marked.nonzero()[0, 0])
+            t = int(starts[k])
+            raise ValueError(
+                f"next_token_targets: batch.{name}[{t}] marks the first token of segment {k} "
+                "for training, but position 0 of a sequence has no prediction (the row before "
+                "it belongs to the previous sequence); build batches with echoloss.pack, which "
+                "clears it, or clear that entry"
+            )
