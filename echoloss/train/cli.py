@@ -7,6 +7,7 @@
     echoloss-train --max-steps 20 --output-dir runs/a --seed 1
     echoloss-train --output-dir runs/a --resume      # continue from runs/a/checkpoints/latest
     echoloss-train --set echo.alpha=0 --set optim.lr=1e-3
+    echoloss-train --report-to tensorboard wandb     # besides metrics.jsonl
     echoloss-train experiment --output-dir runs/echo # GRPO-only vs RL+echo, same seeds
     torchrun --nproc_per_node=2 -m echoloss.train.cli --config ...   # data parallel (FSDP2)
 """
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
@@ -53,6 +55,20 @@ def _parser() -> argparse.ArgumentParser:
         help="resume from a checkpoint directory, or (no value) from OUTPUT_DIR/checkpoints/latest",
     )
     p.add_argument(
+        "--allow-import-paths",
+        action="store_true",
+        default=None,
+        help="train.allow_import_paths: let the config name code by import path "
+        "(advantages.fn = 'pkg.mod:fn'); only for configs you trust",
+    )
+    p.add_argument(
+        "--report-to",
+        nargs="+",
+        choices=["tensorboard", "wandb"],
+        metavar="{tensorboard,wandb}",
+        help="train.report_to: also log metrics to TensorBoard and/or Weights & Biases",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -73,6 +89,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("train.max_steps", args.max_steps),
         ("train.output_dir", args.output_dir),
         ("train.seed", args.seed),
+        ("train.allow_import_paths", args.allow_import_paths),
+        ("train.report_to", args.report_to),
     ):
         if val is not None:
             out[key] = val
@@ -103,21 +121,34 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"echoloss-train: {err}", file=sys.stderr)
         return 2
+    from echoloss.io import RolloutFileError
+    from echoloss.train.checkpoint import CheckpointError, final_model_complete
     from echoloss.train.recipe import train
 
     resume = None
     if args.resume is not None:
         resume = args.resume or cfg.train.output_dir
-    from echoloss.io import RolloutFileError
-
+    out_dir = Path(cfg.train.output_dir)
+    existed = out_dir.exists()
     try:
         out = train(cfg, resume=resume)
-    except (FileNotFoundError, RolloutFileError) as err:  # bad input: say what, no traceback
+    except (FileNotFoundError, RolloutFileError, CheckpointError, ConfigError) as err:
+        # Bad input: say what, no traceback, and leave no directory this run created.
+        _remove_if_created(out_dir, existed)
         print(f"echoloss-train: {err}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
+        if not final_model_complete(out / "final-model"):  # never "done" without the model
+            print(f"echoloss-train: no complete model in {out}/final-model/", file=sys.stderr)
+            return 1
         print(f"done: {out}/metrics.jsonl, {out}/plots/, {out}/final-model/")
     return 0
+
+
+def _remove_if_created(out: Path, existed: bool) -> None:
+    """Remove ``out`` if this run created it and it is still empty (a start that failed)."""
+    if not existed and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
 
 
 if __name__ == "__main__":

@@ -17,12 +17,25 @@ Examples:
 
 from __future__ import annotations
 
+import math
 import sys
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from echoloss.advantages import list_advantage_fns, resolve_advantage_fn
 from echoloss.loss import LossConfig
 
 if sys.version_info >= (3, 11):
@@ -30,15 +43,55 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["DEFAULT_TOML", "ConfigError", "TrainConfig", "load_config", "parse_config"]
+__all__ = [
+    "DEFAULT_TOML",
+    "ConfigError",
+    "ConfigWarning",
+    "TrainConfig",
+    "advantage_fn",
+    "load_config",
+    "parse_config",
+    "turns_needed",
+]
+
+#: The largest ``train.seed``: seeds are combined with the rank (``seed * 1000 + rank``) and fed
+#: to torch, NumPy and Python generators; 2**32 - 1 keeps every derived seed inside torch's range.
+MAX_SEED = 2**32 - 1
+#: The opt-in that lets a configuration name code by import path (key and command-line flag).
+OPT_IN = "[train] allow_import_paths = true (or --allow-import-paths)"
+
+
+def _is_import_path(spec: str) -> bool:
+    return ":" in spec or "." in spec
+
+
+def _import_path_refused(spec: str) -> str:
+    return (
+        f"advantages.fn: {spec!r} is an import path; a config runs code only from echoloss's "
+        f"registry ({', '.join(list_advantage_fns())}) unless you opt in. If you trust this "
+        f"config, set {OPT_IN}"
+    )
+
+
+def _resolve(spec: str, kwargs: Mapping[str, Any]) -> None:
+    """Resolve ``spec`` and bind ``kwargs`` (imports an import path: call only when allowed)."""
+    try:
+        resolve_advantage_fn(spec, **kwargs)
+    except (ValueError, TypeError) as err:
+        raise ValueError(str(err)) from None
 
 
 class ConfigError(ValueError):
     """A configuration file or override that does not validate; the message names every key."""
 
 
+class ConfigWarning(UserWarning):
+    """A configuration that validates but is almost surely a mistake."""
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `gt=0` alone admits +inf (an infinite learning rate validates).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -55,6 +108,18 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attn_implementation: str = "sdpa"  # "eager", "sdpa", or "flash_attention_2" (packed varlen)
+
+    @field_validator("device")
+    @classmethod
+    def _cuda_available(cls, v: str) -> str:
+        if v == "cuda" and not torch.cuda.is_available():
+            why = (
+                f"this torch ({torch.__version__}) is a CPU-only build"
+                if torch.version.cuda is None
+                else "no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+            )
+            raise ValueError(f"'cuda' but {why}; use 'auto' (a GPU when there is one) or 'cpu'")
+        return v
 
     @field_validator("path")
     @classmethod
@@ -86,6 +151,42 @@ class EnvConfig(_Section):
     name: Literal["gridwalk"] = "gridwalk"
     size: int = Field(4, ge=2, le=10)
     max_turns: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _turns(self) -> EnvConfig:
+        need = turns_needed(self.name, self.size)
+        if self.max_turns is not None and self.max_turns < 2:
+            raise ValueError(
+                f"max_turns: {self.max_turns} turn cannot solve any task (the nearest goal is one "
+                f"move, then 'done'); set max_turns >= {need} to make every task solvable, or "
+                "leave it unset"
+            )
+        if self.max_turns is not None and self.max_turns < need:
+            warnings.warn(
+                f"env.max_turns = {self.max_turns}: some {self.name} tasks on a "
+                f"{self.size}x{self.size} grid cannot be solved (the scripted demonstration of "
+                f"the farthest goal takes {need} turns, 'done' included); they reward 0 for every "
+                f"policy and their warm-start demonstrations stop unsolved. Set max_turns >= "
+                f"{need}, or leave it unset",
+                ConfigWarning,
+                stacklevel=2,
+            )
+        return self
+
+
+def turns_needed(env: str, size: int) -> int:
+    """The fewest assistant turns in which every task of ``env`` on a ``size``-grid is solved by
+    its scripted demonstration: the farthest goal (``2·(size−1)`` moves) and ``done``, plus, where
+    the controls are secretly mirrored, a probing move and a move back per axis.
+
+    With fewer, some tasks can never be solved and their warm-start demonstrations are cut short.
+
+    Examples:
+        >>> turns_needed("gridwalk", 3), turns_needed("mirrorgrid", 3)
+        (5, 9)
+    """
+    probes = 4 if env in ("mirrorgrid", "mirrorgrid-noise") else 0
+    return 2 * (size - 1) + 1 + probes
 
 
 class DataConfig(_Section):
@@ -130,9 +231,44 @@ class EchoSection(_Section):
 class AdvantageConfig(_Section):
     """``[advantages]``: the per-group estimator, or RAE (an EMA baseline per env)."""
 
-    fn: str = "grpo"
+    fn: str = "grpo"  # a registered name; an import path "pkg.mod:fn" needs allow_import_paths
     kwargs: dict[str, Any] = Field(default_factory=dict)
     rae_decay: float | None = Field(None, ge=0, lt=1)  # set to use RAE instead of ``fn``
+
+    # The opt-in lives in [train]: parse_config passes it as the validation context. Without one
+    # (a TrainConfig built in Python) nothing is imported here and TrainConfig checks the opt-in.
+    @field_validator("fn")
+    @classmethod
+    def _known_fn(cls, v: str, info: ValidationInfo) -> str:
+        allowed = (info.context or {}).get("allow_import_paths")
+        if _is_import_path(v):
+            if allowed is False:
+                raise ValueError(_import_path_refused(v).removeprefix("advantages.fn: "))
+            if allowed:
+                _resolve(v, {})  # imports it now: a bad path is reported before any work
+        elif v not in list_advantage_fns():
+            raise ValueError(
+                f"unknown advantage fn {v!r}; registered names: {', '.join(list_advantage_fns())}"
+            )
+        return v
+
+    @field_validator("kwargs")
+    @classmethod
+    def _bind_kwargs(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        fn = info.data.get("fn")  # absent when fn itself failed
+        allowed = (info.context or {}).get("allow_import_paths")
+        if v and fn is not None and (not _is_import_path(fn) or allowed):
+            _resolve(fn, v)
+        return v
+
+    @model_validator(mode="after")
+    def _rae(self) -> AdvantageConfig:
+        if self.rae_decay is not None and {"fn", "kwargs"} & self.model_fields_set:
+            raise ValueError(
+                "advantages.fn/kwargs are not used when advantages.rae_decay is set (RAE replaces "
+                "the per-group estimator); remove one of them"
+            )
+        return self
 
 
 class OptimConfig(_Section):
@@ -150,7 +286,7 @@ class TrainSection(_Section):
     """``[train]``: the run."""
 
     max_steps: int = Field(150, ge=1)  # optimiser steps, warm-up included
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     output_dir: str = "runs/echoloss-train"
     eval_every: int = Field(10, ge=1)  # held-out observation CE every N steps (and at the end)
     checkpoint_every: int = Field(50, ge=1)
@@ -161,6 +297,9 @@ class TrainSection(_Section):
     progress: bool = True  # the progress bar (off when stderr is not a terminal)
     save_rollouts: bool = False  # append each step's rollouts to rollouts.rank<R>.jsonl
     threads: int | None = Field(None, ge=1)  # torch CPU threads (None = torch's default)
+    # Code named by import path in this config (advantages.fn = "pkg.mod:fn") runs only if true:
+    # a config copied from elsewhere must not run code unreviewed (docs/reliability.md).
+    allow_import_paths: bool = False
 
 
 # The ECHO paper's recipe: clipped PPO ratio, per-sequence means for both terms (Z_i = |O_i|).
@@ -193,13 +332,48 @@ class TrainConfig(_Section):
             data = {**data, "loss": {**_LOSS_DEFAULTS, **data["loss"]}}
         return data
 
+    @field_validator("loss")
+    @classmethod
+    def _trainer_loss(cls, v: LossConfig) -> LossConfig:
+        problems = [
+            f"{k} = {x!r} is not finite"
+            for k, x in v.model_dump().items()
+            if isinstance(x, float) and not math.isfinite(x)
+        ]
+        if v.policy == "custom":
+            problems.append(
+                "policy = 'custom' needs a policy function passed to echo_loss in Python, which "
+                "a config cannot name; choose a built-in policy (dppo, ppo_clip, cispo, gspo, "
+                "reinforce)"
+            )
+        if v.mode != "rl":
+            problems.append("mode must be 'rl' (the warm-start uses SFT by itself)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         if self.data.source == "jsonl" and self.warmup.steps:
             raise ValueError("warmup.steps must be 0 with data.source = 'jsonl' (no env to script)")
-        if self.loss.mode != "rl":
-            raise ValueError("loss.mode must be 'rl' (the warm-start uses SFT by itself)")
+        if _is_import_path(self.advantages.fn) and not self.train.allow_import_paths:
+            raise ValueError(_import_path_refused(self.advantages.fn))
         return self
+
+
+def advantage_fn(cfg: TrainConfig) -> str | Callable[..., Any]:
+    """``cfg.advantages.fn`` as ``compute_advantages(fn=...)`` should get it: the registered
+    name, or (only with ``train.allow_import_paths``) the imported function.
+
+    Raises:
+        ConfigError: an import path without the opt-in.
+    """
+    spec = cfg.advantages.fn
+    if not _is_import_path(spec):
+        return spec
+    if not cfg.train.allow_import_paths:
+        raise ConfigError("invalid trainer config:\n  " + _import_path_refused(spec))
+    return resolve_advantage_fn(spec)
 
 
 # The embedded default: what `echoloss-train` runs with no --config (mirrors configs/default.toml).
@@ -218,7 +392,7 @@ threads = 1   # a tiny model runs fastest on one thread (two leave a core to the
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -230,14 +404,24 @@ def _format(err: ValidationError) -> str:
             if e["type"] in ("extra_forbidden", "missing") or isinstance(got, dict)
             else f" (got {got!r})"
         )
-        lines.append(f"  {key}: {msg}{suffix}")
+        # A check across sections names its keys itself (its location is the whole config).
+        lines.append(f"  {key}: {msg}{suffix}" if key else f"  {msg}{suffix}")
     return "invalid trainer config:\n" + "\n".join(lines)
 
 
-def parse_config(data: dict[str, Any]) -> TrainConfig:
+def parse_config(data: Mapping[str, Any]) -> TrainConfig:
     """Validate a dict (a parsed TOML file); raises `ConfigError` naming every bad key."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"invalid trainer config: expected a table of sections (a dict, or a TOML file via "
+            f"load_config), got {type(data).__name__}"
+        )
+    train = data.get("train")
+    allowed = train.get("allow_import_paths") if isinstance(train, Mapping) else False
     try:
-        return TrainConfig.model_validate(data)
+        return TrainConfig.model_validate(
+            dict(data), context={"allow_import_paths": allowed is True}
+        )
     except ValidationError as err:
         raise ConfigError(_format(err)) from None
 

@@ -191,12 +191,15 @@ def hint(pos: tuple[int, int], goal: tuple[int, int]) -> str:
 def demonstration(env: GridWalk, task: Task, rng: random.Random) -> list[dict[str, Any]]:
     """A scripted shortest-path conversation for ``task`` (for the warm-start): the x moves,
     then the y moves (what the hint says), then ``done``. ``rng`` is unused (kept for scripted
-    policies that randomise)."""
+    policies that randomise). A goal farther than ``env.turn_limit`` allows gives the
+    conversation up to the last turn (the episode ends there, unsolved)."""
     (sx, sy), (gx, gy) = task.start, task.goal
     moves = ["right" if gx > sx else "left"] * abs(gx - sx)
     moves += ["down" if gy > sy else "up"] * abs(gy - sy)
     episode = env.start(task)
     for m in [*moves, "done"]:
+        if episode.done:  # out of turns: acting again would be an error
+            break
         env.act(episode, m)
     return episode.messages
 

@@ -37,6 +37,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from collections import defaultdict
 from contextlib import ExitStack
 from pathlib import Path
@@ -56,7 +57,7 @@ from echoloss.loss import (
     undo_data_parallel_averaging,
 )
 from echoloss.train import checkpoint as ckpt
-from echoloss.train.config import TrainConfig
+from echoloss.train.config import TrainConfig, advantage_fn, parse_config
 from echoloss.train.data import (
     Rollout,
     demo_rollouts,
@@ -141,23 +142,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _rng_state() -> dict[str, Any]:
-    return {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,7 +233,7 @@ def _advantages(
         adv = rae.advantages([env for *_, env in everything], rewards, errored=errored)
     else:
         adv = echoloss.compute_advantages(
-            rewards, groups, fn=cfg.advantages.fn, errored=errored, fn_kwargs=cfg.advantages.kwargs
+            rewards, groups, fn=advantage_fn(cfg), errored=errored, fn_kwargs=cfg.advantages.kwargs
         )
     return adv[start : start + len(mine)]
 
@@ -280,12 +264,15 @@ def _dummy_batch(pad_id: int) -> echoloss.PackedBatch:
 
 def _micro_batches(
     samples: list[echoloss.Sample], cfg: TrainConfig, pad_id: int, world: int
-) -> list[echoloss.PackedBatch]:
+) -> tuple[list[echoloss.PackedBatch], int]:
+    """This rank's micro-batches, padded with dummies to the ranks' largest count, and how many
+    of them are real (the dummies come last; they count in no metric and no export)."""
     batches = echoloss.pack(samples, max_tokens=cfg.optim.micro_batch_tokens) if samples else []
+    real = len(batches)
     if world > 1:  # same count of forwards on every rank
         most = max(_gather(len(batches), world))
         batches += [_dummy_batch(pad_id) for _ in range(most - len(batches))]
-    return batches
+    return batches, real
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,7 +420,8 @@ def _save(
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=full)  # collective under FSDP
     opt_sd = get_optimizer_state_dict(model, opt, options=full)
-    rngs = _gather(_rng_state(), world)
+    rngs = _gather(ckpt.capture_rng(), world)  # tensors and numbers: loads with weights_only
+    sizes = _gather(ckpt.output_sizes(out, _appended_outputs(cfg, rank)), world)
     if rank != 0:
         return
 
@@ -447,10 +435,17 @@ def _save(
             "world_size": world,
             "rae": rae.state_dict() if rae is not None else None,
             "config": cfg.model_dump(mode="json"),
+            "outputs": {k: v for part in sizes for k, v in part.items()},  # cut back on resume
         }
         (d / "state.json").write_text(json.dumps(state, indent=1))
 
     ckpt.save_checkpoint(out / "checkpoints", step, write, keep=cfg.train.keep_checkpoints)
+
+
+def _appended_outputs(cfg: TrainConfig, rank: int) -> list[str]:
+    """This rank's append-only output files (relative to the output directory)."""
+    names = ["metrics.jsonl", "eval.jsonl"] if rank == 0 else []
+    return [*names, f"rollouts.rank{rank}.jsonl"] if cfg.train.save_rollouts else names
 
 
 def _load(path: Path, model: Any, opt: Any, rank: int, world: int) -> dict[str, Any]:
@@ -462,13 +457,14 @@ def _load(path: Path, model: Any, opt: Any, rank: int, world: int) -> dict[str, 
 
     state = ckpt.read_state(path)
     full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, torch.load(path / "model.pt", weights_only=True), options=full)
-    set_optimizer_state_dict(
-        model, opt, torch.load(path / "optimizer.pt", weights_only=False), options=full
+    # weights_only: a checkpoint file never runs code (ckpt.load_tensors refuses what it would)
+    model_sd, opt_sd, rngs = (
+        ckpt.load_tensors(path / f) for f in ("model.pt", "optimizer.pt", "rng.pt")
     )
-    rngs = torch.load(path / "rng.pt", weights_only=False)
+    set_model_state_dict(model, model_sd, options=full)
+    set_optimizer_state_dict(model, opt, opt_sd, options=full)
     if len(rngs) == world:
-        _set_rng_state(rngs[rank])
+        ckpt.restore_rng(rngs[rank])
     else:
         print(
             f"echoloss-train: checkpoint written by {len(rngs)} rank(s), resuming on {world}: "
@@ -487,23 +483,32 @@ def _export_model(out: Path, model: Any, tok: Any, rank: int) -> None:
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     if rank == 0:
-        unwrapped = model
-        unwrapped.save_pretrained(out / "final-model", state_dict=sd)
-        tok.save_pretrained(out / "final-model")
+
+        def write(d: Path) -> None:
+            model.save_pretrained(d, state_dict=sd)
+            tok.save_pretrained(d)
+
+        ckpt.export_atomically(out / "final-model", write)  # a crash leaves no half model
 
 
 # ------------------------------------------------------------------------------------------------
 # The loop
 
 
-def train(cfg: TrainConfig, *, resume: str | Path | None = None, log: Any = None) -> Path:
+def train(
+    cfg: TrainConfig | dict[str, Any],
+    *,
+    resume: str | Path | None = None,
+    log: Any = None,
+) -> Path:
     """Run the configured training; returns the output directory.
 
     Process-wide torch settings it changes (deterministic algorithms, CPU threads) are restored
     when it returns, so it can be called from tests and notebooks.
 
     Args:
-        cfg: a validated `echoloss.train.config.TrainConfig`.
+        cfg: a validated `echoloss.train.config.TrainConfig`, or a dict of sections
+            (validated here; `ConfigError` names every bad key).
         resume: a checkpoint directory, or an output directory whose ``checkpoints/latest`` names
             one, or None to start fresh.
         log: where the one-line-per-step summaries go (rank 0 only).
@@ -513,6 +518,8 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log: Any = None
         def log(line: str) -> None:
             print(line, flush=True)
 
+    if not isinstance(cfg, TrainConfig):  # a plain dict (a parsed TOML table): validate it
+        cfg = parse_config(cfg)
     deterministic = torch.are_deterministic_algorithms_enabled()
     threads = torch.get_num_threads()
     try:
@@ -560,27 +567,36 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
     heldout = _heldout_batches(cfg, env, tok, device)
     pad_id = tok.pad_token_id
 
-    # Everything that can fail on bad input (config, model, data) has run: now write files.
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-
     # -- resume ----------------------------------------------------------------------------------
     start = 0
     if resume is not None:
-        path = Path(resume)
-        if not (path / "state.json").is_file():
-            found = ckpt.latest_checkpoint(path / "checkpoints")
-            if found is None:
-                raise FileNotFoundError(
-                    f"--resume: no checkpoint in {str(path)!r} (no state.json, no checkpoints/latest)"
-                )
-            path = found
+        path = ckpt.find_checkpoint(resume)  # verified (checksums); before anything is written
         state = _load(path, model, opt, rank, world)
         start = int(state["step"])
         if rae is not None and state.get("rae") is not None:
             rae.load_state_dict(state["rae"])
+        changed = ckpt.config_changes(state.get("config", {}), cfg.model_dump(mode="json"))
+        if rank == 0 and changed:
+            warnings.warn(
+                f"--resume: the configuration differs from the checkpoint's ({path}): "
+                + "; ".join(changed),
+                ckpt.ResumeWarning,
+                stacklevel=2,
+            )
+        # Outputs written after this run's checkpoint are cut back: the resumed run rewrites them.
+        if path.resolve().is_relative_to(out.resolve()):
+            ckpt.truncate_outputs(
+                out,
+                state.get("outputs", {}),
+                step=start,
+                rank=rank,
+                names=_appended_outputs(cfg, rank),
+            )
         if rank == 0:
             log(f"resumed from {path} at step {start}")
+    # Everything that can fail on bad input (config, model, data, checkpoint) has run: now write.
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
 
     metrics_file = rollout_file = export = bar = None
     if rank == 0:
@@ -632,7 +648,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
             )
 
         # 3. Micro-batches and the global normalisers (counted once, all-reduced once).
-        batches = [b.to(device) for b in _micro_batches(samples, cfg, pad_id, world)]
+        packed, real = _micro_batches(samples, cfg, pad_id, world)
+        batches = [b.to(device) for b in packed]
         targets = [echoloss.next_token_targets(b) for b in batches]
         local = sum(
             (
@@ -672,6 +689,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
                 env_names=list(b.env_names),
             )
             res.loss.backward()
+            if i >= real:
+                continue  # a dummy batch: trains nothing, counts in no metric and no export
             agg.add(res.metrics)
             tokens += len(b) - b.num_padding
             if export is not None and not warm:
@@ -735,7 +754,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
 
     # -- the end: final weights as an HF directory, plots ------------------------------------------
     files.close()
-    if start < cfg.train.max_steps:
+    exported = _gather(ckpt.final_model_complete(out / "final-model"), world)[0]
+    if start < cfg.train.max_steps or not exported:  # (re-)export after a crash during export
         _export_model(out, model, tok, rank)
     if rank == 0 and cfg.train.plots:
         from echoloss.train.plots import plot_run
