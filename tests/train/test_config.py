@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,18 @@ def test_embedded_default_and_every_shipped_config_validate(tmp_path):
         ({"loss": {"eps_lo": 0.2}}, "loss.eps_lo", "unknown key"),
         ({"data": {"source": "jsonl"}}, "data", "path: required"),
         ({"echo": {"alpha": -1}}, "echo.alpha", "greater than or equal to 0"),
+        # `gt=0` alone admits +inf: every float is finite
+        ({"optim": {"lr": math.inf}}, "optim.lr", "finite number"),
+        ({"optim": {"eps": "inf"}}, "optim.eps", "finite number"),
+        ({"data": {"temperature": math.inf}}, "data.temperature", "finite number"),
+        ({"echo": {"alpha": math.inf}}, "echo.alpha", "finite number"),
+        ({"warmup": {"lr": math.nan}}, "warmup.lr", "finite number"),
+        ({"train": {"seed": 10**30}}, "train.seed", "less than or equal to 4294967295"),
+        ({"loss": {"policy": "custom"}}, "loss", "policy = 'custom' needs a policy function"),
+        ({"advantages": {"fn": "grop"}}, "advantages.fn", "unknown advantage fn 'grop'"),
+        ({"advantages": {"kwargs": {"scal": "x"}}}, "advantages.kwargs", "does not accept"),
+        ({"advantages": {"fn": "rloo", "rae_decay": 0.9}}, "advantages", "not used when"),
+        ({"env": {"max_turns": 1}}, "env", "cannot solve any task"),
     ],
 )
 def test_bad_config_names_the_key(data, key, what):
@@ -98,3 +111,102 @@ def test_cli_set_parses_json_values(tmp_path, capsys):
     assert main(["--set", "optim.betas=[0.9]", "--output-dir", str(out)]) == 2
     assert "optim.betas" in capsys.readouterr().err
     assert not Path(out).exists()
+
+
+def test_every_problem_is_reported_in_one_message():
+    data = {
+        "optim": {"lr": math.inf},
+        "advantages": {"fn": "grop"},
+        "train": {"seed": 10**30},
+        "loss": {"policy": "custom"},
+    }
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    lines = str(err.value).splitlines()[1:]
+    keys = [line.split(":")[0].strip() for line in lines]
+    assert keys == ["advantages.fn", "loss", "optim.lr", "train.seed"], lines
+
+
+def test_a_turn_limit_that_leaves_tasks_unsolvable_warns(recwarn):
+    from echoloss.train.config import ConfigWarning, turns_needed
+
+    need = turns_needed("gridwalk", 4)
+    assert need == 7  # the farthest goal on 4x4 is 6 moves, then "done"
+    with pytest.warns(ConfigWarning, match=rf"max_turns >= {need}"):
+        parse_config({"env": {"name": "gridwalk", "size": 4, "max_turns": need - 1}})
+    recwarn.clear()
+    parse_config({"env": {"name": "gridwalk", "size": 4, "max_turns": need}})
+    assert not [w for w in recwarn if issubclass(w.category, ConfigWarning)]
+
+
+def test_gridwalk_demonstrations_stop_at_the_turn_limit():
+    """The scripted demonstration of a goal farther than the turn limit ends with the episode
+    (formerly: "act() on a finished episode" in the warm-up, e.g. the fast config with seed 5
+    and three warm-up steps)."""
+    import random
+
+    from echoloss.train.env import GridWalk, Task, demonstration
+
+    env = GridWalk(size=3, max_turns=3)
+    messages = demonstration(env, Task(start=(0, 0), goal=(2, 2)), random.Random(0))
+    assert [m["content"] for m in messages if m["role"] == "assistant"] == ["right"] * 2 + ["down"]
+    full = demonstration(GridWalk(size=3), Task(start=(0, 0), goal=(2, 2)), random.Random(0))
+    assert full[-1] == {"role": "assistant", "content": "done"}
+
+
+def test_every_demonstration_fits_the_turns_the_config_asks_for():
+    """turns_needed matches the environments' own scripted demonstrations: at that limit every
+    task's demonstration ends with "done" on the goal, and one turn fewer cuts one short."""
+    import random
+
+    from echoloss.train.config import turns_needed
+    from echoloss.train.env import GridWalk, Task, demonstration
+
+    for size in (2, 3, 5):
+        cells = [(x, y) for x in range(size) for y in range(size)]
+        tasks = [Task(start=s, goal=g) for s in cells for g in cells if s != g]
+
+        def solved(limit: int, tasks: list[Task] = tasks, size: int = size) -> bool:
+            env = GridWalk(size=size, max_turns=limit)
+            return all(
+                demonstration(env, t, random.Random(0))[-1]["content"] == "done" for t in tasks
+            )
+
+        need = turns_needed("gridwalk", size)
+        assert solved(need) and not solved(need - 1), size
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_cpu_machine_is_a_clear_error_before_any_work(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["--set", "model.device=cuda", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "model.device: 'cuda' but" in err and "'cpu'" in err, err
+    assert not out.exists()
+
+
+def test_a_dict_is_validated_like_a_file_and_anything_else_is_named(tmp_path):
+    from echoloss.train.recipe import train
+
+    with pytest.raises(ConfigError, match=r"optim\.lr: .*finite"):
+        train({"optim": {"lr": math.inf}, "train": {"output_dir": str(tmp_path / "x")}})
+    with pytest.raises(ConfigError, match=r"expected a table of sections .* got list"):
+        parse_config([("optim", {})])  # type: ignore[arg-type]
+    assert not (tmp_path / "x").exists()
+
+
+def test_report_to_and_the_opt_in_have_command_line_flags():
+    from echoloss.train.cli import _overrides, _parser
+
+    args = _parser().parse_args(["--report-to", "tensorboard", "wandb", "--allow-import-paths"])
+    assert _overrides(args) == {
+        "train.allow_import_paths": True,
+        "train.report_to": ["tensorboard", "wandb"],
+    }
+    assert _overrides(_parser().parse_args([])) == {}
+
+
+def test_summarize_only_on_an_empty_directory_is_a_clear_error(tmp_path, capsys):
+    assert main(["experiment", "--summarize-only", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "echoloss-train experiment:" in err and "run the experiment first" in err, err
