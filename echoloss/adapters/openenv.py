@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from echoloss._logging import warn_once
+from echoloss.data._checks import logprob_list, positive_float32
 from echoloss.data.interleave import Sample
 
 __all__ = ["sample_from_record", "sample_from_tags"]
@@ -122,7 +123,7 @@ def sample_from_tags(
                 f"token {i} is in both action_mask and {which}; an action is never an observation "
                 "(the RFC 010 masks are disjoint)"
             )
-    if world_loss_target not in ("env_only", "all"):
+    if not isinstance(world_loss_target, str) or world_loss_target not in ("env_only", "all"):
         raise ValueError(f"world_loss_target = {world_loss_target!r}; expected 'env_only' or 'all'")
     coeff = world_model_coeff
     if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not math.isfinite(coeff):
@@ -140,7 +141,7 @@ def sample_from_tags(
             )
         lp_full = [0.0] * n
     else:
-        lp = [float(v) for v in _as_list("logprobs", logprobs)]
+        lp = _as_list("logprobs", logprobs)
         if len(lp) == n:
             lp_full = [v if a else 0.0 for v, a in zip(lp, action, strict=True)]
         elif len(lp) == n_action:
@@ -151,6 +152,8 @@ def sample_from_tags(
                 f"logprobs has length {len(lp)}; expected {n} (aligned to input_ids) or "
                 f"{n_action} (one per action token)"
             )
+        # Only the action tokens' values are read (the others are ignored placeholders).
+        lp_full = logprob_list("logprobs (on action tokens)", lp_full)
 
     echo_weights = observation = None
     if coeff > 0:
@@ -166,16 +169,31 @@ def sample_from_tags(
             )
         echo_weights = [float(coeff) if t and i > 0 else None for i, t in enumerate(target)]
         observation = [(o or w) and i > 0 for i, (o, w) in enumerate(zip(obs, warn, strict=True))]
+    temp = positive_float32("temperature", temperature, "pass the sampling temperature, e.g. 0.7")
     return Sample(
         prompt_ids=ids[:p],
         completion_ids=ids[p:],
         completion_mask=action[p:],
         completion_logprobs=lp_full[p:],
-        completion_temperatures=[float(temperature)] * (n - p),
+        completion_temperatures=[temp] * (n - p),
         echo_weights=echo_weights,
         observation_mask=observation,
         env_name=env_name,
     )
+
+
+_RECORD_KEYS = frozenset(
+    {
+        "input_ids",
+        "token_ids",
+        "action_mask",
+        "obs_mask",
+        "warning_mask",
+        "logprobs",
+        "world_model_coeff",
+        "world_loss_target",
+    }
+)
 
 
 def sample_from_record(
@@ -188,7 +206,8 @@ def sample_from_record(
 ) -> Sample:
     """[`sample_from_tags`][echoloss.adapters.openenv.sample_from_tags] on a dict: ``input_ids`` (or ``token_ids``), ``action_mask``,
     ``obs_mask``, optional ``warning_mask``, ``logprobs``, ``world_model_coeff``,
-    ``world_loss_target``. Keyword arguments override the record's values.
+    ``world_loss_target``. Keyword arguments override the record's values. Any other key is an
+    error (a misspelt ``warnings_mask`` must not be ignored).
 
     Examples:
         >>> s = sample_from_record({"input_ids": [1, 2, 3], "action_mask": [0, 1, 0],
@@ -198,6 +217,17 @@ def sample_from_record(
     """
     if not isinstance(record, Mapping):
         raise TypeError(f"sample_from_record expects a dict, got {type(record).__name__}")
+    unknown = sorted(str(k) for k in record if k not in _RECORD_KEYS)
+    if unknown:
+        raise ValueError(
+            f"sample_from_record: unknown key(s) {unknown}; a record holds "
+            f"{sorted(_RECORD_KEYS)} (a misspelt mask would otherwise be ignored). Remove or "
+            "rename them"
+        )
+    if "input_ids" in record and "token_ids" in record:
+        raise ValueError(
+            "sample_from_record: the record has both 'input_ids' and 'token_ids'; keep one"
+        )
     ids = record.get("input_ids", record.get("token_ids"))
     if ids is None:
         raise ValueError("record has no 'input_ids' (or 'token_ids')")

@@ -106,7 +106,7 @@ class _Trace(_In):
     nodes: list[_Node] = Field(default_factory=list)
     calls: list[_Call] = Field(default_factory=list)
     agent: _Agent | None = None
-    ok: StrictBool = False
+    ok: StrictBool | None = None
 
 
 def _parse_trace(trace: Any) -> _Trace:
@@ -242,7 +242,8 @@ def samples_from_trace(
         temperature: sampling temperature of every call. None: each call's recorded
             ``calls[i].sampling.temperature``, else the agent config's, else 1.0.
         errored: the rollout errored, so it trains nothing. None: ``not trace.ok`` (verifiers
-            sets ``ok`` when a rollout finishes without error).
+            sets ``ok`` when a rollout finishes without error); a record without ``ok`` then is
+            an error rather than a silently dropped rollout.
 
     Returns:
         ``list[Sample]`` in branch (leaf) order; empty for an errored trace or an agent marked
@@ -254,8 +255,8 @@ def samples_from_trace(
     Raises:
         pydantic.ValidationError: a field has the wrong type (the error names its path).
         ValueError: inconsistent lengths (mask, is_content, logprobs vs token_ids), a parent
-            that is not an earlier node, a ``tool_call_id`` that matches nothing, or an
-            unsupported trace version.
+            that is not an earlier node, a ``tool_call_id`` that matches nothing, an
+            unsupported trace version, or no ``ok`` field while ``errored`` is None.
 
     Examples:
         >>> from echoloss import EchoConfig, RoleEcho
@@ -282,7 +283,14 @@ def samples_from_trace(
     """
     t = _parse_trace(trace)
     if errored is None:
+        if t.ok is None:
+            raise ValueError(
+                "the verifiers trace has no 'ok' field, so whether the rollout errored is "
+                "unknown; pass errored=False (or errored=True) to samples_from_trace"
+            )
         errored = not t.ok
+    elif not isinstance(errored, bool):
+        raise TypeError(f"errored must be a bool or None, got {type(errored).__name__} {errored!r}")
     if errored:
         return []
     if t.agent is not None and not t.agent.trainable:
@@ -487,7 +495,8 @@ def samples_from_rollout(
         temperature: None = ``rollout["sampling_args"]["temperature"]`` or 1.0.
 
     Returns:
-        ``list[Sample]``; empty when ``rollout["error"]`` is set.
+        ``list[Sample]``; empty when ``rollout["error"]`` marks an error (an error dict, a
+        message or True; None, False and ``""`` mean no error).
 
     Raises:
         pydantic.ValidationError: a field has the wrong type (the error names its path).
@@ -511,6 +520,7 @@ def samples_from_rollout(
     if not isinstance(rollout, Mapping):
         raise TypeError(f"samples_from_rollout expects a dict, got {type(rollout).__name__}")
     r = _Rollout.model_validate(dict(rollout))
+    errored = _rollout_errored(r.error)
     if temperature is None:
         temperature = (r.sampling_args or {}).get("temperature")
         if temperature is None:
@@ -545,4 +555,17 @@ def samples_from_rollout(
         except (TypeError, ValueError) as e:
             raise type(e)(f"{where}: {e}") from e
     name = env_name if env_name is not None else (r.env_name or "")
-    return interleave(steps, echo=echo, errored=r.error is not None, env_name=name)
+    return interleave(steps, echo=echo, errored=errored, env_name=name)
+
+
+def _rollout_errored(error: Any) -> bool:
+    """``rollout["error"]``: None, False, ``""`` or ``{}`` mean no error; an error dict, a message or
+    True mean the rollout errored. Anything else is ambiguous and an error."""
+    if error is None or error is False or error == "" or (isinstance(error, Mapping) and not error):
+        return False
+    if error is True or isinstance(error, (str, Mapping)):
+        return True
+    raise TypeError(
+        f"rollout['error'] must be None/False/'' (no error) or an error dict, message or True, "
+        f"got {type(error).__name__} {error!r}"
+    )

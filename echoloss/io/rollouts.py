@@ -37,6 +37,7 @@ from pydantic import (
     model_validator,
 )
 
+from echoloss.data._checks import FLOAT32_MAX, FLOAT32_TINY, LOGPROB_SLACK, MAX_TOKEN_ID
 from echoloss.data.attribution import TokenAttribution
 from echoloss.data.echo_config import EchoConfig
 from echoloss.data.interleave import Sample, Step, interleave
@@ -67,13 +68,28 @@ def _finite(v: float) -> float:
 
 
 def _positive(v: float) -> float:
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"must be a finite number > 0, got {v}")
+    if not (math.isfinite(v) and FLOAT32_TINY <= v <= FLOAT32_MAX):
+        raise ValueError(
+            f"must be a finite number > 0 (in [1.18e-38, 3.4e38], a normal float32), got {v}"
+        )
+    return v
+
+
+def _logprob(v: float) -> float:
+    if not math.isfinite(v) or v < -FLOAT32_MAX:
+        raise ValueError(f"a log-probability must be finite (>= -3.4e38), got {v}")
+    if v > LOGPROB_SLACK:
+        raise ValueError(
+            f"a log-probability is <= 0, got {v}; write log p (sampling log-probabilities), not "
+            "-log p"
+        )
     return v
 
 
 Finite = Annotated[float, AfterValidator(_finite)]
 Positive = Annotated[float, AfterValidator(_positive)]
+LogProb = Annotated[float, AfterValidator(_logprob)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 class AttributionRecord(BaseModel):
@@ -107,9 +123,9 @@ class StepRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt_ids: list[StrictInt]
-    completion_ids: list[StrictInt]
-    completion_logprobs: list[Finite]
+    prompt_ids: list[TokenId]
+    completion_ids: list[TokenId]
+    completion_logprobs: list[LogProb]
     completion_mask: list[StrictBool] | None = None
     attribution: AttributionRecord | None = None
     temperature: Positive | None = Field(
@@ -148,7 +164,7 @@ class MessageRecord(BaseModel):
 
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
-    completion_logprobs: list[Finite] | None = None
+    completion_logprobs: list[LogProb] | None = None
 
 
 class RolloutRecord(BaseModel):
@@ -162,7 +178,8 @@ class RolloutRecord(BaseModel):
         env_name: environment name (``"all"`` is reserved).
         temperature: sampling temperature (> 0) of every call without its own.
         id: optional rollout id.
-        error: an error message if the rollout errored (it then trains nothing), else None.
+        error: an error message if the rollout errored (it then trains nothing), else None. An
+            empty message is rejected: it would read as "errored" and drop the rollout.
         steps: token form: one [`StepRecord`][echoloss.io.rollouts.StepRecord] per model call.
         messages: chat form: the conversation; ``tools`` are its tool schemas.
         metrics: named finite floats for logging.
@@ -177,7 +194,7 @@ class RolloutRecord(BaseModel):
     env_name: StrictStr = ""
     temperature: Positive = 1.0
     id: StrictStr | None = None
-    error: StrictStr | None = None
+    error: StrictStr | None = Field(default=None, min_length=1)
     steps: list[StepRecord] | None = None
     messages: list[MessageRecord] | None = None
     tools: list[dict[str, Any]] | None = None

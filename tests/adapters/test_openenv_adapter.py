@@ -109,3 +109,30 @@ def test_record_without_required_fields_is_an_error():
         sample_from_record({"input_ids": IDS, "action_mask": ACTION})
     with pytest.raises(ValueError, match="no world_model_coeff"):
         sample_from_record({"input_ids": IDS, "action_mask": ACTION, "obs_mask": OBS})
+
+
+def test_record_with_an_unknown_key_is_an_error():
+    record = {"input_ids": [1, 2, 3], "action_mask": [0, 1, 0], "obs_mask": [0, 0, 1],
+              "warnings_mask": [0, 0, 1], "world_model_coeff": 0.1}  # fmt: skip
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['warnings_mask'\]"):
+        sample_from_record(record)
+    with pytest.raises(ValueError, match="both 'input_ids' and 'token_ids'"):
+        sample_from_record({"input_ids": [1], "token_ids": [1], "action_mask": [1], "obs_mask": [0]})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"logprobs": [-0.1, 0.4, -0.3]}, ValueError, r"must be a log-probability \(<= 0\)"),
+        ({"temperature": True}, TypeError, "temperature must be a positive float, got bool"),
+        ({"world_loss_target": ["all"]}, ValueError, "world_loss_target"),
+    ],
+)
+def test_impossible_values_are_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        sample_from_tags(IDS, action_mask=ACTION, obs_mask=OBS, world_model_coeff=0.1, **kwargs)
+
+
+def test_negative_token_id_is_an_error():
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] must be a token id"):
+        sample_from_tags([-1, 2], action_mask=[0, 1], obs_mask=[0, 0], world_model_coeff=0.0)

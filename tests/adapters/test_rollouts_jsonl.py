@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -267,3 +268,26 @@ def test_token_export_files_per_step_and_rank(tmp_path):
         token_records(batch, step=0, token_stats={"rl_mask": [0.0] * len(batch)})
     with pytest.raises(ValueError, match="has length 3, expected 16"):
         token_records(batch, step=0, token_stats={"x": [0.0] * 3})
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "match"),
+    [
+        (lambda r: r["steps"][0].update(completion_logprobs=[-0.1, 0.2]),
+         "steps.0.completion_logprobs.1", "a log-probability is <= 0"),
+        (lambda r: r["steps"][0].update(prompt_ids=[-1, 2]),
+         "steps.0.prompt_ids.0", "greater than or equal to 0"),
+        (lambda r: r["steps"][0].update(completion_ids=[3, 2**63]),
+         "steps.0.completion_ids.1", "less than or equal to"),
+        (lambda r: r.update(error=""), "error", "at least 1 character"),
+        (lambda r: r.update(temperature=1e-50), "temperature", "normal float32"),
+    ],
+)  # fmt: skip
+def test_impossible_values_are_reported_with_their_field(edit, field, match):
+    record = json.loads(json.dumps(STEPS_ROLLOUT))
+    edit(record)
+    with pytest.raises(RolloutFileError) as info:
+        read_rollouts([json.dumps(record)])
+    [err] = info.value.errors
+    assert err.field == field
+    assert re.search(match, err.message), err.message

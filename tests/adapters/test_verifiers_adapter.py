@@ -327,3 +327,64 @@ def test_rollout_dict_bad_steps_are_errors_naming_the_step():
         samples_from_rollout(r, echo=TOOL)
     with pytest.raises(ValueError, match="trajectory"):
         samples_from_rollout({"error": None}, echo=TOOL)
+
+
+@pytest.mark.parametrize("no_error", [None, False, "", {}])
+def test_rollout_dict_without_an_error_is_kept(no_error):
+    # "error": False / "" / {} say "no error"; reading them as errors dropped every rollout.
+    [s] = samples_from_rollout(_rollout(error=no_error), echo=TOOL)
+    assert s.completion_ids == [3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("error", [True, "timeout", {"type": "Timeout"}])
+def test_rollout_dict_with_an_error_trains_nothing(error):
+    assert samples_from_rollout(_rollout(error=error), echo=TOOL) == []
+
+
+def test_rollout_dict_ambiguous_error_value_is_an_error():
+    with pytest.raises(TypeError, match=r"rollout\['error'\] must be None/False/''"):
+        samples_from_rollout(_rollout(error=0), echo=TOOL)
+
+
+def test_trace_record_without_ok_is_an_error_not_an_empty_result():
+    record = {
+        "version": 1,
+        "nodes": [
+            {"message": {"role": "user"}, "token_ids": [1, 2], "mask": [False, False]},
+            {
+                "parent": 0,
+                "sampled": True,
+                "message": {"role": "assistant"},
+                "token_ids": [3],
+                "mask": [True],
+                "logprobs": [-0.5],
+            },
+        ],
+    }
+    with pytest.raises(ValueError, match=r"no 'ok' field.*pass errored=False"):
+        samples_from_trace(record, echo=None)
+    [s] = samples_from_trace(record, echo=None, errored=False)
+    assert s.token_ids == [1, 2, 3]
+    assert samples_from_trace({**record, "ok": False}, echo=None) == []
+    with pytest.raises(TypeError, match="errored must be a bool or None"):
+        samples_from_trace(record, echo=None, errored="no")
+
+
+def test_trace_with_a_positive_log_probability_is_an_error():
+    record = {
+        "version": 1,
+        "ok": True,
+        "nodes": [
+            {"message": {"role": "user"}, "token_ids": [1], "mask": [False]},
+            {
+                "parent": 0,
+                "sampled": True,
+                "message": {"role": "assistant"},
+                "token_ids": [3],
+                "mask": [True],
+                "logprobs": [1.5],
+            },
+        ],
+    }
+    with pytest.raises(ValueError, match=r"must be a log-probability \(<= 0\), got float 1.5"):
+        samples_from_trace(record, echo=None)
