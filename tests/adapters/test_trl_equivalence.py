@@ -26,6 +26,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from echoloss.adapters import trl as adapter  # noqa: E402
+from echoloss.nn import grpo as mapping  # noqa: E402
 
 V, B, P, C, GA = 32, 4, 3, 6, 2
 TEMPERATURE = 0.7
@@ -247,7 +248,7 @@ def test_settings_without_an_exact_mapping_are_rejected(tmp_path, kw, match):
 def test_unknown_loss_type_is_an_error():
     args = types.SimpleNamespace(loss_type="xyz")
     with pytest.raises(ValueError, match="loss_type='xyz'"):
-        adapter.trl_loss_mapping(args, epsilon_low=0.2, epsilon_high=0.2)
+        mapping.grpo_loss_mapping(args, epsilon_low=0.2, epsilon_high=0.2)
 
 
 def test_echo_term_is_added_with_its_normaliser(tmp_path):

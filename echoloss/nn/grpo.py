@@ -1,0 +1,386 @@
+"""GRPO-family options (TRL's ``GRPOConfig`` / Liger's ``LigerFusedLinearGRPOLoss``) → echoloss.
+
+TRL and Liger name one family of losses by ``loss_type`` and ``importance_sampling_level``; each
+is a policy loss on the RL tokens plus a normaliser of the micro-batch. :func:`grpo_loss_mapping`
+maps those options onto a :class:`echoloss.LossConfig` exactly, or raises naming the option and
+the fix; :meth:`GRPOLossMapping.micro_batch` gives the per-call normaliser; the echo term's
+normaliser is folded into the echo weights by :func:`scale_echo_weights`. Pure PyTorch: used by
+:mod:`echoloss.adapters.trl` and the modules of :mod:`echoloss.nn`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from echoloss import LossConfig, Normalizers, PolicyInputs, PolicyOutput
+
+__all__ = [
+    "ECHO_NORMALIZATIONS",
+    "ECHO_TEMPERATURES",
+    "GRPO_LOSS_TYPES",
+    "GRPOLossMapping",
+    "grpo_loss_mapping",
+    "row_temperature",
+    "scale_echo_weights",
+]
+
+# ---------------------------------------------------------------------------------------------
+# TRL's loss_type / importance_sampling_level → echoloss, exactly or not at all.
+# ---------------------------------------------------------------------------------------------
+
+#: Every ``GRPOConfig.loss_type`` of TRL 1.16 and what happens to it (``docs/guides/trl.md``).
+GRPO_LOSS_TYPES: dict[str, str] = {
+    "grpo": "mapped",
+    "bnpo": "mapped",
+    "dr_grpo": "mapped",
+    "dapo": "mapped",
+    "cispo": "mapped",
+    "sapo": "mapped",
+    "luspo": "mapped",
+    "vespo": "rejected",
+}
+
+#: Echo normalisers an :class:`EchoGRPOConfig` offers, per micro-batch of ``B`` completions.
+ECHO_NORMALIZATIONS = ("token_mean", "sequence_mean", "batch_token_mean")
+ECHO_TEMPERATURES = ("one", "sampling")
+
+
+@dataclass(frozen=True)
+class GRPOLossMapping:
+    """How one ``GRPOConfig`` maps onto echoloss; built by [`grpo_loss_mapping`][echoloss.adapters.trl.grpo_loss_mapping].
+
+    Attributes:
+        loss_type: TRL's ``loss_type``.
+        config: the [`echoloss.LossConfig`][echoloss.loss.config.LossConfig] of every micro-batch except its RL normaliser
+            constant, which [`micro_batch`][echoloss.adapters.trl.GRPOLossMapping.micro_batch] fills in (the echo term always uses
+            ``echo_normalization="sum"`` on pre-scaled weights, see [`scale_echo_weights`][echoloss.adapters.trl.scale_echo_weights]).
+        policy_fn: the custom policy of ``sapo`` and sequence-level ``cispo`` (TRL's formula on
+            the RL rows), else None.
+    """
+
+    loss_type: str
+    config: LossConfig
+    policy_fn: Any = None
+
+    def micro_batch(
+        self,
+        *,
+        batch_size: int,
+        max_completion_length: int,
+        num_items_in_batch: float | None,
+        num_processes: int,
+        accumulation_steps: int,
+        steps_per_generation: int,
+    ) -> tuple[LossConfig, Normalizers | None]:
+        """The config and normalisers whose RL term equals TRL's loss of one micro-batch.
+
+        TRL divides each micro-batch's loss so that the accumulated gradients give its objective:
+
+        ============  ===============================================================
+        loss_type     RL divisor of ``Σ_t loss_t`` (train; eval sets ``accumulation_steps=1``)
+        ============  ===============================================================
+        grpo, sapo    per-sequence token mean, summed, over ``B · accumulation_steps``
+                      (every completion counts, masked ones too)
+        bnpo          this micro-batch's RL tokens ``· accumulation_steps``
+        dr_grpo       ``B · max_completion_length · accumulation_steps``
+        dapo, cispo   ``num_items_in_batch / num_processes · accumulation_steps /
+                      steps_per_generation`` (RL tokens of the generation batch)
+        luspo         ``B · accumulation_steps``
+        ============  ===============================================================
+
+        ``bnpo`` takes its divisor from the RL rows in the loss itself (``token_mean`` with
+        ``rl_tokens`` scaled), every other type from the arguments.
+        """
+        cfg, lt = self.config, self.loss_type
+        ga = accumulation_steps
+        if lt in ("grpo", "sapo"):
+            return cfg, _sequence_normalizers(batch_size * ga)
+        if lt == "dr_grpo":
+            constant = float(batch_size * max_completion_length * ga)
+        elif lt in ("dapo", "cispo"):
+            if num_items_in_batch is None:
+                raise ValueError(
+                    f"num_items_in_batch: loss_type={lt!r} divides by the RL tokens of the whole "
+                    "generation batch (TRL's inputs['num_items_in_batch']); it is missing"
+                )
+            constant = max(float(num_items_in_batch), 1.0) / num_processes
+            constant = constant * ga / steps_per_generation
+        elif lt == "luspo":
+            constant = float(batch_size * ga)
+        else:  # bnpo: filled in by the caller from its RL-token count
+            return cfg, None
+        return cfg.model_copy(update={"rl_normalization_constant": constant}), None
+
+
+def _sequence_normalizers(count: int) -> Normalizers:
+    """Normalizers whose RL ``sequence_mean*`` denominator is ``count``.
+
+    Every count the RL term divides by in the ``sequence_mean*`` modes is set (``rl_sequences``;
+    ``sequences`` where that is the denominator), the others stay 0 (unused by these modes).
+    """
+    names = {f.name for f in dataclasses.fields(Normalizers)}
+    return Normalizers(**{k: count for k in ("sequences", "rl_sequences") if k in names})
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> GRPOLossMapping:
+    """Map a ``GRPOConfig`` onto echoloss exactly, or raise naming the setting and the fix.
+
+    Mapped: every ``loss_type`` but ``vespo`` (see [`GRPO_LOSS_TYPES`][echoloss.adapters.trl.GRPO_LOSS_TYPES]), both
+    ``importance_sampling_level`` values, ``epsilon``/``epsilon_high``, ``delta`` (as
+    ``dual_clip``, which equals it whenever ``delta > 1 + epsilon_high``), ``beta`` (k3 reference
+    KL, with ``use_bias_correction_kl=False``) and the vLLM importance-sampling correction (as
+    ``LossConfig.mismatch``). Rejected with an error: ``vespo``, ``top_entropy_quantile < 1``,
+    ``off_policy_mask_threshold``, an entropy bonus, ``use_bias_correction_kl=True`` with
+    ``beta > 0``, ``delta`` with sequence-level ratios, and any unknown value.
+
+    Args:
+        args: a ``trl.GRPOConfig`` (or any object with its fields).
+        epsilon_low, epsilon_high: the clip range the trainer resolved (TRL's
+            ``trainer.epsilon_low`` / ``epsilon_high``).
+
+    Returns:
+        [`GRPOLossMapping`][echoloss.adapters.trl.GRPOLossMapping].
+
+    Examples:
+        >>> from types import SimpleNamespace as NS
+        >>> args = NS(loss_type="grpo", importance_sampling_level="sequence", beta=0.0,
+        ...           delta=None, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        ...           entropy_coef=0.0, use_adaptive_entropy=False, use_vllm=False,
+        ...           use_bias_correction_kl=True, echo_temperature="one")
+        >>> m = grpo_loss_mapping(args, epsilon_low=3e-4, epsilon_high=4e-4)
+        >>> m.config.policy, m.config.resolved_eps, m.config.rl_normalization
+        ('gspo', (0.0003, 0.0004), 'sequence_mean_token_mean')
+        >>> grpo_loss_mapping(NS(**{**vars(args), "loss_type": "xyz"}), epsilon_low=0.2,
+        ...                  epsilon_high=0.2)
+        Traceback (most recent call last):
+        ...
+        ValueError: loss_type='xyz' is not a TRL 1.16 loss type; expected one of bnpo, cispo, dapo, dr_grpo, grpo, luspo, sapo, vespo
+    """
+    lt = getattr(args, "loss_type", None)
+    if lt not in GRPO_LOSS_TYPES:
+        raise ValueError(
+            f"loss_type={lt!r} is not a TRL 1.16 loss type; expected one of "
+            f"{', '.join(sorted(GRPO_LOSS_TYPES))}"
+        )
+    _require(
+        lt != "vespo",
+        "loss_type='vespo' is not supported by EchoGRPOTrainer: its Gamma weight folds TRL's "
+        "vLLM importance ratio into a sequence-level coefficient that echoloss has no exact "
+        "equivalent for; use GRPOTrainer for vespo, or another loss_type",
+    )
+    level = getattr(args, "importance_sampling_level", "token")
+    _require(
+        level in ("token", "sequence"),
+        f"importance_sampling_level={level!r}: expected 'token' or 'sequence'",
+    )
+    sequence = level == "sequence"
+    _require(
+        float(getattr(args, "top_entropy_quantile", 1.0)) >= 1.0,
+        f"top_entropy_quantile={args.top_entropy_quantile} is not supported by EchoGRPOTrainer "
+        "(echoloss has no high-entropy token mask); set top_entropy_quantile=1.0",
+    )
+    _require(
+        getattr(args, "off_policy_mask_threshold", None) is None,
+        "off_policy_mask_threshold is not supported by EchoGRPOTrainer (echoloss has no "
+        "off-policy sequence mask); set it to None",
+    )
+    _require(
+        float(getattr(args, "entropy_coef", 0.0)) == 0.0
+        and not getattr(args, "use_adaptive_entropy", False),
+        "entropy_coef / use_adaptive_entropy: TRL's entropy bonus is a per-micro-batch token "
+        "mean independent of loss_type, which echoloss's entropy_coef (normalised with the RL "
+        "term) does not reproduce; set entropy_coef=0 and use_adaptive_entropy=False",
+    )
+    beta = float(getattr(args, "beta", 0.0))
+    _require(
+        beta == 0.0 or not getattr(args, "use_bias_correction_kl", False),
+        f"beta={beta} with use_bias_correction_kl=True: TRL multiplies the KL by the "
+        "differentiable importance ratio, which echoloss's k3 KL does not; set "
+        "use_bias_correction_kl=False (then kl_coef=beta, kl_estimator='k3' exactly)",
+    )
+    delta = getattr(args, "delta", None)
+    if delta is not None:
+        _require(
+            lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo") and not sequence,
+            f"delta={delta} is mapped for token-level PPO-clip loss types only "
+            f"(loss_type={lt!r}, importance_sampling_level={level!r}); set delta=None",
+        )
+        _require(
+            float(delta) > 1.0 + epsilon_high,
+            f"delta={delta} must be > 1 + epsilon_high = {1.0 + epsilon_high} for an exact "
+            "mapping (it is then LossConfig.dual_clip); raise delta or set it to None",
+        )
+    mismatch: dict[str, Any] = {}
+    if getattr(args, "use_vllm", False) and getattr(
+        args, "vllm_importance_sampling_correction", False
+    ):
+        mode = args.vllm_importance_sampling_mode
+        hi = args.vllm_importance_sampling_clip_max
+        _require(
+            hi is not None,
+            "vllm_importance_sampling_clip_max=None: echoloss's mismatch correction needs an "
+            "upper bound (LossConfig.mismatch_max); set vllm_importance_sampling_clip_max",
+        )
+        mismatch = {
+            "mismatch": mode,
+            "mismatch_max": float(hi),
+            "mismatch_min": args.vllm_importance_sampling_clip_min,
+        }
+    policy_fn = None
+    fields: dict[str, Any] = {
+        "kl_tau": 0.0,
+        "kl_coef": beta,
+        "kl_estimator": "k3",
+        "log_ratio_clamp": None,  # TRL exponentiates the raw log ratio
+        "echo_normalization": "sum",  # the echo weights arrive pre-scaled
+        "echo_temperature": getattr(args, "echo_temperature", "one"),
+        "compute_entropy": True,
+        **mismatch,
+    }
+    if lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        fields.update(
+            policy="gspo" if sequence else "ppo_clip",
+            eps_low=epsilon_low,
+            eps_high=epsilon_high,
+            dual_clip=None if delta is None else float(delta),
+        )
+    elif lt == "cispo" and not sequence:
+        fields.update(policy="cispo", cispo_max=epsilon_high, cispo_min=None)
+    elif lt == "cispo":
+        fields.update(policy="custom", allow_echo_with_custom_policy=True)
+        policy_fn = _SequenceCispo(epsilon_high)
+    else:  # sapo
+        fields.update(policy="custom", allow_echo_with_custom_policy=True)
+        policy_fn = _Sapo(
+            float(args.sapo_temperature_pos), float(args.sapo_temperature_neg), sequence
+        )
+    fields["rl_normalization"] = {
+        "grpo": "sequence_mean_token_mean",
+        "sapo": "sequence_mean_token_mean",
+        "bnpo": "token_mean",
+    }.get(lt, "token_sum_constant")
+    if fields["rl_normalization"] == "token_sum_constant":
+        fields["rl_normalization_constant"] = 1.0  # replaced per micro-batch
+    return GRPOLossMapping(lt, LossConfig(**fields), policy_fn)
+
+
+def _log_ratio(inputs: PolicyInputs, sequence: bool) -> torch.Tensor:
+    log_ratio = inputs.logprobs - inputs.old_logprobs
+    if not sequence:
+        return log_ratio
+    if inputs.sequence_index is None:  # pragma: no cover - the adapter always passes them
+        raise ValueError("a sequence-level ratio needs sequence_ids")
+    idx, num = inputs.sequence_index, inputs.num_sequences
+    sums = log_ratio.new_zeros(num).index_add(0, idx, log_ratio)
+    per_seq = sums / torch.bincount(idx, minlength=num).to(log_ratio.dtype).clamp(min=1)
+    return per_seq[inputs.sequence_index]
+
+
+@dataclass(frozen=True)
+class _Sapo:
+    """TRL's ``sapo``: ``-σ(τ (r - 1)) · 4/τ · A`` with ``τ`` by the sign of ``A``."""
+
+    temperature_pos: float
+    temperature_neg: float
+    sequence: bool
+
+    def __call__(self, inputs: PolicyInputs, config: LossConfig) -> PolicyOutput:
+        ratio = torch.exp(_log_ratio(inputs, self.sequence))
+        adv = inputs.advantages
+        tau = torch.where(
+            adv > 0,
+            torch.full_like(adv, self.temperature_pos),
+            torch.full_like(adv, self.temperature_neg),
+        )
+        return PolicyOutput(-(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * adv, {})
+
+
+@dataclass(frozen=True)
+class _SequenceCispo:
+    """TRL's ``cispo`` with sequence-level ratios: ``-sg(min(s, ε_high)) · A · log p``."""
+
+    epsilon_high: float
+
+    def __call__(self, inputs: PolicyInputs, config: LossConfig) -> PolicyOutput:
+        with torch.no_grad():
+            ratio = torch.exp(_log_ratio(inputs, True))
+            clipped = ratio > self.epsilon_high
+            weight = ratio.clamp(max=self.epsilon_high)
+        return PolicyOutput(-weight * inputs.advantages * inputs.logprobs, {"clipped": clipped})
+
+
+def scale_echo_weights(
+    echo_weights: torch.Tensor,
+    observation_mask: torch.Tensor,
+    *,
+    normalization: str,
+    num_echo_items_in_batch: float | None,
+    num_processes: int,
+    accumulation_steps: int,
+    steps_per_generation: int,
+) -> torch.Tensor:
+    """``[B, T]`` echo weights pre-divided by the echo normaliser of one TRL micro-batch.
+
+    The loss then sums ``w'_t · (-log p_t)`` (``echo_normalization="sum"``), so the echo term
+    gets TRL's accumulation scaling exactly as the RL term does:
+
+    - ``"token_mean"``: ``w / (num_echo_items_in_batch / num_processes · accumulation_steps /
+      steps_per_generation)``: the mean over the echo tokens of the generation batch, like
+      ``dapo`` for RL tokens.
+    - ``"sequence_mean"`` (the ECHO paper): ``w / (|O_i| · B · accumulation_steps)`` with
+      ``|O_i|`` the observation tokens of completion ``i`` (echoed or not); every completion
+      counts in ``B``, like ``grpo``.
+    - ``"batch_token_mean"``: ``w / (echo tokens of this micro-batch · accumulation_steps)``.
+
+    Args:
+        echo_weights: ``[B, T]`` float ≥ 0 (0 = not echoed).
+        observation_mask: ``[B, T]`` bool, the rows counted in ``|O_i|``.
+        normalization: one of [`ECHO_NORMALIZATIONS`][echoloss.adapters.trl.ECHO_NORMALIZATIONS].
+        num_echo_items_in_batch: echo tokens in the generation batch over every process
+            (``"token_mean"`` only).
+        num_processes, accumulation_steps, steps_per_generation: as in TRL (eval: 1, 1, 1 for the
+            last two factors' ratio).
+
+    Examples:
+        >>> w = torch.tensor([[0.0, 0.5, 0.5], [0.5, 0.0, 0.0]])
+        >>> obs = torch.tensor([[False, True, True], [True, True, False]])
+        >>> scale_echo_weights(w, obs, normalization="sequence_mean", num_echo_items_in_batch=None,
+        ...                    num_processes=1, accumulation_steps=1, steps_per_generation=1)
+        tensor([[0.0000, 0.1250, 0.1250],
+                [0.1250, 0.0000, 0.0000]])
+    """
+    echoed = echo_weights > 0
+    if normalization == "token_mean":
+        if num_echo_items_in_batch is None:
+            raise ValueError(
+                "num_echo_items_in_batch: required by echo normalization 'token_mean' (echo "
+                "tokens of the generation batch over every process)"
+            )
+        divisor = max(float(num_echo_items_in_batch), 1.0) / num_processes
+        return echo_weights / (divisor * accumulation_steps / steps_per_generation)
+    if normalization == "batch_token_mean":
+        return echo_weights / (max(int(echoed.sum()), 1) * accumulation_steps)
+    if normalization == "sequence_mean":
+        z = (observation_mask | echoed).sum(dim=1, keepdim=True).clamp(min=1)
+        return echo_weights / (z * echo_weights.shape[0] * accumulation_steps)
+    raise ValueError(
+        f"echo normalization={normalization!r}: expected one of {', '.join(ECHO_NORMALIZATIONS)}"
+    )
+
+
+def row_temperature(
+    rl: torch.Tensor, echo: torch.Tensor, temperature: float, echo_temperature: str
+) -> torch.Tensor:
+    temp = torch.full(rl.shape, float(temperature), device=rl.device)
+    if echo_temperature == "one":
+        temp = temp.masked_fill(echo, 1.0)
+    return temp

@@ -1,0 +1,467 @@
+"""``torch.nn.Module`` losses in the shape of Liger's ``LigerFusedLinearGRPOLoss``, with echo.
+
+A Liger user changes one line: ``LigerFusedLinearGRPOLoss(...)`` becomes
+``EchoFusedLinearGRPOLoss(...)`` with the same constructor options and the same call
+``loss_fn(_input [B, T, H], lin_weight [V, H], selected_token_ids [B, T], attention_mask [B, T],
+advantages [B], bias=..., ref_per_token_logps=..., old_per_token_logps=...)``, returning
+``(loss, metrics)``. The echo inputs are extra keywords: ``echo_weights [B, T]`` (λ per token,
+0 = not echoed) and ``observation_mask [B, T]``. :class:`EchoGRPOLoss` is the same loss on
+logits ``[B, T, V]``.
+
+The options map onto an [`echoloss.LossConfig`][echoloss.LossConfig] through
+[`grpo_loss_mapping`][echoloss.nn.grpo.grpo_loss_mapping] (an option without an exact
+equivalent is an error); or pass ``config=LossConfig(...)`` instead of the options to use any
+echoloss loss (then the RL and echo terms are normalised by the config over this call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from echoloss import (
+    LossConfig,
+    LossOutput,
+    Normalizers,
+    echo_loss_from_logprobs,
+    linear_selective_logprobs,
+    selective_logprobs,
+)
+from echoloss._logging import warn_once
+from echoloss.nn.grpo import (
+    ECHO_NORMALIZATIONS,
+    ECHO_TEMPERATURES,
+    GRPOLossMapping,
+    grpo_loss_mapping,
+    row_temperature,
+    scale_echo_weights,
+)
+
+__all__ = ["EchoFusedLinearGRPOLoss", "EchoGRPOLoss"]
+
+# Liger's constructor defaults (liger-kernel 0.8.5), used where an option is left as None.
+_LIGER_DEFAULTS: dict[str, Any] = {
+    "beta": 0.04,
+    "epsilon_low": 0.2,
+    "epsilon_high": 0.2,
+    "loss_type": "dapo",
+    "max_completion_length": None,
+    "importance_sampling_level": "token",
+    "sapo_temperature_pos": 1.0,
+    "sapo_temperature_neg": 1.05,
+    "temperature": 1.0,
+    "delta": None,
+    "use_bias_correction_kl": False,
+}
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_reduced(count: torch.Tensor) -> float:
+    """The sum of a per-rank count over the data-parallel group (the count itself alone)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        count = count.clone()
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    return float(count)
+
+
+class EchoGRPOLoss(nn.Module):
+    """GRPO-family loss plus echo, on logits ``[B, T, V]`` (Liger's options, TRL's formulas).
+
+    Args:
+        beta, epsilon_low, epsilon_high, loss_type, max_completion_length,
+            importance_sampling_level, sapo_temperature_pos, sapo_temperature_neg, temperature,
+            delta, use_bias_correction_kl: ``LigerFusedLinearGRPOLoss``'s options (None = its
+            default; ``beta`` defaults to 0.04 as in Liger). Mapped by
+            [`grpo_loss_mapping`][echoloss.nn.grpo.grpo_loss_mapping].
+        compiled, use_ref_model, chunk_size: accepted for Liger compatibility. ``compiled`` has
+            no effect; ``use_ref_model=True`` with ``beta > 0`` requires
+            ``ref_per_token_logps``; a Liger ``chunk_size`` other than 1 warns (echoloss chunks
+            by tokens, see ``row_chunk_size``).
+        config: an [`echoloss.LossConfig`][echoloss.LossConfig] instead of the options above
+            (not both); the terms are then normalised by the config over this call.
+        echo_normalization: ``"token_mean"``, ``"sequence_mean"`` or ``"batch_token_mean"``
+            ([`scale_echo_weights`][echoloss.nn.grpo.scale_echo_weights]; with one call per
+            step ``token_mean`` and ``batch_token_mean`` agree).
+        echo_temperature: ``"one"`` (echo rows at ``T = 1``) or ``"sampling"``.
+        row_chunk_size: rows per chunk of the logprob computation (None = automatic).
+
+    Examples:
+        >>> import torch
+        >>> loss_fn = EchoGRPOLoss(beta=0.0, loss_type="grpo")
+        >>> logits = torch.zeros(1, 2, 4, requires_grad=True)
+        >>> out = loss_fn(logits, torch.tensor([[0, 1]]), torch.ones(1, 2), torch.tensor([1.0]),
+        ...               echo_weights=torch.tensor([[0.0, 0.5]]))
+        >>> round(out.loss.item(), 4)  # RL: -A·r = -1 on token 0; echo: 0.5·log 4 on token 1
+        -0.3069
+    """
+
+    def __init__(
+        self,
+        beta: float | None = None,
+        compiled: bool = True,
+        use_ref_model: bool = True,
+        chunk_size: int = 1,
+        epsilon_low: float | None = None,
+        epsilon_high: float | None = None,
+        loss_type: str | None = None,
+        max_completion_length: int | None = None,
+        importance_sampling_level: str | None = None,
+        sapo_temperature_pos: float | None = None,
+        sapo_temperature_neg: float | None = None,
+        temperature: float | None = None,
+        delta: float | None = None,
+        use_bias_correction_kl: bool | None = None,
+        *,
+        config: LossConfig | None = None,
+        echo_normalization: str = "token_mean",
+        echo_temperature: str = "one",
+        row_chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        given = {
+            k: v
+            for k, v in {
+                "beta": beta,
+                "epsilon_low": epsilon_low,
+                "epsilon_high": epsilon_high,
+                "loss_type": loss_type,
+                "max_completion_length": max_completion_length,
+                "importance_sampling_level": importance_sampling_level,
+                "sapo_temperature_pos": sapo_temperature_pos,
+                "sapo_temperature_neg": sapo_temperature_neg,
+                "temperature": temperature,
+                "delta": delta,
+                "use_bias_correction_kl": use_bias_correction_kl,
+            }.items()
+            if v is not None
+        }
+        if echo_normalization not in ECHO_NORMALIZATIONS:
+            raise ValueError(
+                f"echo_normalization={echo_normalization!r}: expected one of "
+                f"{', '.join(ECHO_NORMALIZATIONS)}"
+            )
+        if echo_temperature not in ECHO_TEMPERATURES:
+            raise ValueError(
+                f"echo_temperature={echo_temperature!r}: expected one of "
+                f"{', '.join(ECHO_TEMPERATURES)}"
+            )
+        if chunk_size != 1:
+            warn_once(
+                "module-liger-chunk-size",
+                f"echoloss: chunk_size={chunk_size} (Liger's sequences per chunk) is not used: "
+                "echoloss chunks the participating tokens itself (row_chunk_size)",
+            )
+        self.echo_normalization = echo_normalization
+        self.row_chunk_size = row_chunk_size
+        self.use_ref_model = use_ref_model
+        self.mapping: GRPOLossMapping | None
+        if config is not None:
+            if given:
+                raise ValueError(
+                    f"config= and the GRPO options {sorted(given)} were both given: use one"
+                )
+            if not isinstance(config, LossConfig):
+                raise TypeError(f"config: expected an echoloss.LossConfig, got {type(config)}")
+            self.mapping = None
+            self.config = config
+            self.temperature = 1.0
+            self.max_completion_length = None
+            return
+        opts = {**_LIGER_DEFAULTS, **given, "echo_temperature": echo_temperature}
+        if opts["loss_type"] == "dr_grpo" and opts["max_completion_length"] is None:
+            raise ValueError(
+                "max_completion_length: required by loss_type='dr_grpo' (its normaliser is "
+                "B · max_completion_length)"
+            )
+        opts["top_entropy_quantile"] = 1.0
+        from types import SimpleNamespace
+
+        self.mapping = grpo_loss_mapping(
+            SimpleNamespace(**opts),
+            epsilon_low=float(opts["epsilon_low"]),
+            epsilon_high=float(opts["epsilon_high"]),
+        )
+        self.config = self.mapping.config
+        self.temperature = float(opts["temperature"])
+        self.max_completion_length = opts["max_completion_length"]
+
+    def _rows(
+        self,
+        attention_mask: torch.Tensor,
+        echo_weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        valid = attention_mask.bool()
+        w = torch.zeros(valid.shape, device=valid.device) if echo_weights is None else echo_weights
+        w = w.float() * valid
+        echo = w > 0
+        return valid & ~echo, echo, w
+
+    def _loss(
+        self,
+        lp: torch.Tensor,
+        entropy: torch.Tensor,
+        rl: torch.Tensor,
+        echo: torch.Tensor,
+        echo_w: torch.Tensor,
+        advantages: torch.Tensor,
+        *,
+        ref_per_token_logps: torch.Tensor | None,
+        old_per_token_logps: torch.Tensor | None,
+        inference_logprobs: torch.Tensor | None,
+        observation_mask: torch.Tensor | None,
+        num_items_in_batch: float | torch.Tensor | None,
+        num_echo_items_in_batch: float | torch.Tensor | None,
+        normalizers: Normalizers | None,
+        env_names: Sequence[str] | None,
+    ) -> LossOutput:
+        b, t = rl.shape
+        adv = advantages.float()
+        adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, t)
+        obs = echo if observation_mask is None else (observation_mask.bool() | echo)
+        cfg, norms = self.config, normalizers
+        if self.mapping is not None:
+            if normalizers is not None:
+                raise ValueError(
+                    "normalizers: the GRPO options fix the normaliser per call (loss_type); "
+                    "pass num_items_in_batch instead, or use config=LossConfig(...)"
+                )
+            world = _world_size()
+            items = num_items_in_batch
+            if items is None and self.mapping.loss_type in ("dapo", "cispo"):
+                items = _all_reduced(rl.sum().float())  # Liger: the batch's RL tokens, all ranks
+            cfg, norms = self.mapping.micro_batch(
+                batch_size=b,
+                max_completion_length=self.max_completion_length or 0,
+                num_items_in_batch=None if items is None else float(items),
+                num_processes=world,
+                accumulation_steps=1,
+                steps_per_generation=1,
+            )
+            if self.mapping.loss_type == "bnpo":
+                norms = Normalizers(rl_tokens=max(int(rl.sum()), 1))
+            echo_items = num_echo_items_in_batch
+            if echo_items is None and self.echo_normalization == "token_mean":
+                echo_items = _all_reduced(echo.sum().float())
+            echo_w = scale_echo_weights(
+                echo_w,
+                obs,
+                normalization=self.echo_normalization,
+                num_echo_items_in_batch=None if echo_items is None else float(echo_items),
+                num_processes=world,
+                accumulation_steps=1,
+                steps_per_generation=1,
+            )
+        if cfg.kl_coef > 0 and ref_per_token_logps is None:
+            raise ValueError(
+                f"ref_per_token_logps: required by beta={cfg.kl_coef} ([B, T] reference-model "
+                "logprobs); or set beta=0.0"
+            )
+        old = lp.detach() if old_per_token_logps is None else old_per_token_logps.float()
+        return echo_loss_from_logprobs(
+            lp,
+            rl_mask=rl,
+            echo_weights=echo_w,
+            advantages=adv,
+            inference_logprobs=inference_logprobs,
+            entropy=entropy.detach(),
+            config=cfg,
+            normalizers=norms,
+            old_logprobs=old,
+            ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
+            sequence_ids=torch.arange(b, device=lp.device).unsqueeze(1).expand(b, t),
+            observation_mask=obs,
+            env_names=env_names,
+            policy_fn=None if self.mapping is None else self.mapping.policy_fn,
+        )
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        selected_token_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        ref_per_token_logps: torch.Tensor | None = None,
+        old_per_token_logps: torch.Tensor | None = None,
+        *,
+        echo_weights: torch.Tensor | None = None,
+        observation_mask: torch.Tensor | None = None,
+        inference_logprobs: torch.Tensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
+        num_echo_items_in_batch: float | torch.Tensor | None = None,
+        normalizers: Normalizers | None = None,
+        env_names: Sequence[str] | None = None,
+    ) -> LossOutput:
+        """The loss of one batch from its logits.
+
+        Args:
+            logits: ``[B, T, V]``, row ``t`` predicting ``selected_token_ids[:, t]``.
+            selected_token_ids: ``[B, T]`` int64 sampled (or observed) tokens.
+            attention_mask: ``[B, T]`` 1 = the token takes part (RL, or echo where echoed).
+            advantages: ``[B]`` or ``[B, T]``.
+            ref_per_token_logps, old_per_token_logps: ``[B, T]`` (None = on-policy: the ratio's
+                denominator is this pass's logprobs, detached).
+            echo_weights: ``[B, T]`` λ per token (0 = not echoed; echoed tokens leave RL).
+            observation_mask: ``[B, T]`` tokens counted in ``|O_i|`` (``sequence_mean``).
+            inference_logprobs: ``[B, T]`` sampling logprobs, for ``LossConfig.mismatch``.
+            num_items_in_batch: RL tokens of the whole batch (``dapo``/``cispo``; None = this
+                call's, summed over ranks).
+            num_echo_items_in_batch: echo tokens of the whole batch (``token_mean``).
+            normalizers: with ``config=`` only, as in [`echoloss.echo_loss`][echoloss.echo_loss].
+            env_names: per-sequence env names for ``<name>/<env>`` metrics.
+
+        Returns:
+            [`echoloss.LossOutput`][echoloss.LossOutput] ``(loss, metrics)``.
+        """
+        rl, echo, w = self._rows(attention_mask, echo_weights)
+        temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
+        lp, ent = selective_logprobs(
+            logits,
+            selected_token_ids,
+            temperature=temp,
+            return_entropy=True,
+            mask=rl | echo,
+            chunk_size=self.row_chunk_size,
+        )
+        return self._loss(
+            lp,
+            ent,
+            rl,
+            echo,
+            w,
+            advantages,
+            ref_per_token_logps=ref_per_token_logps,
+            old_per_token_logps=old_per_token_logps,
+            inference_logprobs=inference_logprobs,
+            observation_mask=observation_mask,
+            num_items_in_batch=num_items_in_batch,
+            num_echo_items_in_batch=num_echo_items_in_batch,
+            normalizers=normalizers,
+            env_names=env_names,
+        )
+
+
+class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
+    """:class:`EchoGRPOLoss` from hidden states and the LM head, never the ``[B, T, V]`` logits.
+
+    Same constructor as :class:`EchoGRPOLoss` (Liger's options); the call is Liger's:
+    ``loss_fn(_input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
+    ref_per_token_logps=None, old_per_token_logps=None, ...)`` plus the echo keywords.
+
+    Weight dtype: ``lin_weight`` (and ``bias``) are cast to ``_input``'s dtype, as Liger does,
+    so an fp32 master weight with bf16 hidden states computes bf16 logits (accumulated in
+    fp32); the cast is differentiable, so ``lin_weight.grad`` arrives in the weight's own dtype.
+    The cast copies the weight once per call when the dtypes differ.
+
+    Bias: ``logits = _input @ lin_weight.T + bias`` is computed as ``[_input, 1] @ [lin_weight,
+    bias].T`` (one extra column), so the bias gets its exact gradient ``Σ_rows ∂L/∂logits``
+    through the same fused op. It costs a copy of ``_input``'s participating rows and of the
+    weight.
+
+    Examples:
+        >>> import torch
+        >>> loss_fn = EchoFusedLinearGRPOLoss(beta=0.0, loss_type="grpo")
+        >>> hidden = torch.zeros(1, 2, 3, requires_grad=True)
+        >>> head = torch.nn.Linear(3, 4)
+        >>> out = loss_fn(hidden, head.weight, torch.tensor([[0, 1]]), torch.ones(1, 2),
+        ...               torch.tensor([1.0]), bias=head.bias,
+        ...               echo_weights=torch.tensor([[0.0, 0.5]]))
+        >>> out.loss.backward()
+        >>> head.bias.grad.shape
+        torch.Size([4])
+    """
+
+    def forward(  # type: ignore[override]
+        self,
+        _input: torch.Tensor,
+        lin_weight: torch.Tensor,
+        selected_token_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        ref_per_token_logps: torch.Tensor | None = None,
+        old_per_token_logps: torch.Tensor | None = None,
+        ref_input: torch.Tensor | None = None,
+        ref_weight: torch.Tensor | None = None,
+        ref_bias: torch.Tensor | None = None,
+        vllm_is_ratio: torch.Tensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
+        *,
+        echo_weights: torch.Tensor | None = None,
+        observation_mask: torch.Tensor | None = None,
+        inference_logprobs: torch.Tensor | None = None,
+        num_echo_items_in_batch: float | torch.Tensor | None = None,
+        normalizers: Normalizers | None = None,
+        env_names: Sequence[str] | None = None,
+    ) -> LossOutput:
+        """The loss of one batch from hidden states ``_input [B, T, H]`` and ``lin_weight
+        [V, H]`` (and ``bias [V]``); other arguments as :meth:`EchoGRPOLoss.forward`.
+
+        ``ref_input``/``ref_weight``/``ref_bias`` (the reference model's head) and
+        ``vllm_is_ratio`` are Liger arguments without an equivalent here: pass
+        ``ref_per_token_logps``, and ``inference_logprobs`` with ``LossConfig.mismatch``
+        (TRL's ``vllm_importance_sampling_*``), instead; giving them is an error.
+        """
+        for name, value in (
+            ("ref_input", ref_input),
+            ("ref_weight", ref_weight),
+            ("ref_bias", ref_bias),
+            ("vllm_is_ratio", vllm_is_ratio),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{name}: not supported by EchoFusedLinearGRPOLoss; pass "
+                    "ref_per_token_logps (reference logprobs) instead of the reference head, and "
+                    "inference_logprobs with LossConfig(mismatch=...) instead of vllm_is_ratio"
+                )
+        if _input.dim() != 3 or lin_weight.dim() != 2:
+            raise ValueError(
+                f"_input: expected [B, T, H] and lin_weight [V, H], got {list(_input.shape)} and "
+                f"{list(lin_weight.shape)}"
+            )
+        b, t, h = _input.shape
+        rl, echo, w = self._rows(attention_mask, echo_weights)
+        hidden = _input.reshape(b * t, h)
+        weight = lin_weight.to(_input.dtype)
+        if bias is not None:
+            if bias.shape != (lin_weight.shape[0],):
+                raise ValueError(
+                    f"bias: expected [V] = [{lin_weight.shape[0]}], got {list(bias.shape)}"
+                )
+            hidden = torch.cat([hidden, hidden.new_ones(b * t, 1)], dim=1)
+            weight = torch.cat([weight, bias.to(_input.dtype).unsqueeze(1)], dim=1)
+        temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
+        lp, ent = linear_selective_logprobs(
+            hidden,
+            weight,
+            selected_token_ids.reshape(-1),
+            temperature=temp.reshape(-1),
+            return_entropy=True,
+            mask=(rl | echo).reshape(-1),
+            chunk_size=self.row_chunk_size,
+        )
+        return self._loss(
+            lp.view(b, t),
+            ent.view(b, t),
+            rl,
+            echo,
+            w,
+            advantages,
+            ref_per_token_logps=ref_per_token_logps,
+            old_per_token_logps=old_per_token_logps,
+            inference_logprobs=inference_logprobs,
+            observation_mask=observation_mask,
+            num_items_in_batch=num_items_in_batch,
+            num_echo_items_in_batch=num_echo_items_in_batch,
+            normalizers=normalizers,
+            env_names=env_names,
+        )
