@@ -405,7 +405,8 @@ def _linear_echoloss(wl: Workload, mode: str, ctx: Context) -> Callable[[], Outp
 
 
 def _fused_linear(wl: Workload, mode: str, ctx: Context) -> Callable[[], Outputs]:
-    from echoloss.ops.fused_linear import echo_loss_from_hidden, linear_selective_logprobs
+    from echoloss import echo_loss_from_hidden
+    from echoloss.ops.fused_linear import linear_selective_logprobs
 
     backend, kw = _linear_backend(ctx), wl.loss_kwargs()
     return _linear_step(
@@ -487,7 +488,7 @@ for _p in (
     Provider(
         "fused-linear",
         "linear",
-        "echoloss.ops.fused_linear.echo_loss_from_hidden (chunked LM head; triton phases on "
+        "echoloss.echo_loss_from_hidden (chunked LM head; triton phases on "
         "CUDA, reference on CPU)",
         _fused_linear,
         _linear_triton_check,

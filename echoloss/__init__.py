@@ -35,6 +35,7 @@ from echoloss.data import (
 )
 from echoloss.loss import (
     LossConfig,
+    LossInputs,
     LossOutput,
     Normalizers,
     PolicyInputs,
@@ -42,11 +43,13 @@ from echoloss.loss import (
     all_reduce_normalizers,
     count_normalizers,
     echo_loss,
+    echo_loss_from_hidden,
     echo_loss_from_logprobs,
+    register_policy,
     undo_data_parallel_averaging,
 )
 from echoloss.ops import selective_logprobs
-from echoloss.ops.fused_linear import echo_loss_from_hidden, linear_selective_logprobs
+from echoloss.ops.fused_linear import linear_selective_logprobs
 
 __version__ = "0.1.0.dev0"
 
@@ -55,6 +58,7 @@ __all__ = [
     "EchoConfig",
     "EchoFilter",
     "LossConfig",
+    "LossInputs",
     "LossOutput",
     "NextTokenTargets",
     "Normalizers",
@@ -83,6 +87,7 @@ __all__ = [
     "pack",
     "register_advantage_fn",
     "register_echo_filter",
+    "register_policy",
     "resolve_advantage_fn",
     "select_step_echo",
     "selective_logprobs",

@@ -1,55 +1,331 @@
-"""Shared checks for untrusted per-token lists; every error names the field, index and fix."""
+"""The one check module: argument checks for untrusted input, shared by every part of echoloss.
+
+One message style everywhere: the message starts with the argument's name (with its index or row
+when one entry is wrong), says what was expected and what was given, then how to fix the call::
+
+    <name> must be <expected>, got <actual>; <fix>
+    <name> has length <n>, expected <m> (<what>)
+
+Two families of helpers:
+
+- lists of Python values (untrusted per-token lists of the data path): `bool_list`,
+  `int_list`, `finite_float_list`, `check_len`;
+- tensors (the ops and the loss): `check_tensor`, `check_per_token`,
+  [`check_finite`][echoloss.loss.config.LossConfig.check_finite], `check_temperature`, `check_chunk_size`, `check_bool`.
+
+This module imports nothing from echoloss, so every layer may use it.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "bool_list",
+    "check_bool",
+    "check_chunk_size",
+    "check_finite",
+    "check_len",
+    "check_per_token",
+    "check_temperature",
+    "check_tensor",
+    "describe",
+    "finite_float_list",
+    "int_list",
+    "problem",
+    "type_name",
+]
+
+TokenKind = Literal["bool", "int", "float"]
 
 
 def type_name(v: Any) -> str:
-    """``int``, ``str`` for builtins; ``numpy.bool`` etc. for everything else."""
+    """``int``, ``str`` for builtins; ``numpy.bool`` etc. for everything else.
+
+    Examples:
+        >>> type_name(1), type_name(torch.zeros(1))
+        ('int', 'torch.Tensor')
+    """
     t = type(v)
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
+def describe(v: Any) -> str:
+    """``float32 [4, 8] on cpu`` for a tensor, the type name (and a short repr) otherwise.
+
+    Examples:
+        >>> describe(torch.zeros(2, 3)), describe("abc"), describe(None)
+        ('float32 [2, 3] on cpu', "str 'abc'", 'None')
+    """
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).removeprefix('torch.')} {list(v.shape)} on {v.device}"
+    if v is None:
+        return "None"
+    if isinstance(v, (bool, int, float, str)):
+        r = repr(v)
+        return f"{type_name(v)} {r if len(r) <= 40 else r[:37] + '...'}"
+    return type_name(v)
+
+
+def problem(name: str, expected: str, got: str, fix: str = "") -> str:
+    """The message of every check: ``<name> must be <expected>, got <got>; <fix>``.
+
+    Examples:
+        >>> problem("chunk_size", "an int ≥ 1", "int 0", "pass None for automatic")
+        'chunk_size must be an int ≥ 1, got int 0; pass None for automatic'
+    """
+    return f"{name} must be {expected}, got {got}" + (f"; {fix}" if fix else "")
+
+
+# ---- lists of Python values ----
+
+
 def _sequence(field: str, values: Any, what: str) -> list[Any]:
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
-        raise TypeError(f"{field} must be a list of {what}, got {type_name(values)}")
+        raise TypeError(problem(field, f"a list of {what}", type_name(values)))
     return list(values)
 
 
 def bool_list(field: str, values: Any) -> list[bool]:
-    """Exact ``bool`` elements only: 0/1, numpy bools and strings are mis-built masks."""
+    """Exact ``bool`` elements only: 0/1, numpy bools and strings are mis-built masks.
+
+    Examples:
+        >>> bool_list("keep", [True, 1])
+        Traceback (most recent call last):
+        ...
+        TypeError: keep[1] must be a bool, got int 1; masks are exact True/False (True = this token participates): convert with [bool(x) for x in ...]
+    """
     out = _sequence(field, values, "bool")
     for i, v in enumerate(out):
         if type(v) is not bool:
             raise TypeError(
-                f"{field}[{i}] must be a bool, got {type_name(v)} {v!r}; masks are exact "
-                "True/False (True = this token participates): convert with [bool(x) for x in ...]"
+                problem(
+                    f"{field}[{i}]",
+                    "a bool",
+                    describe(v),
+                    "masks are exact True/False (True = this token participates): convert with "
+                    "[bool(x) for x in ...]",
+                )
             )
     return out
 
 
 def int_list(field: str, values: Any) -> list[int]:
+    """Exact ``int`` elements (``bool`` is refused).
+
+    Examples:
+        >>> int_list("ids", [1, 2])
+        [1, 2]
+    """
     out = _sequence(field, values, "int")
     for i, v in enumerate(out):
         if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{field}[{i}] must be an int, got {type_name(v)} {v!r}")
+            raise TypeError(problem(f"{field}[{i}]", "an int", describe(v)))
     return out
 
 
 def finite_float_list(field: str, values: Any) -> list[float]:
+    """Finite real numbers (``bool`` is refused), returned as floats.
+
+    Examples:
+        >>> finite_float_list("lp", [-1, -0.5])
+        [-1.0, -0.5]
+    """
     out = _sequence(field, values, "float")
     for i, v in enumerate(out):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{field}[{i}] must be a float, got {type_name(v)} {v!r}")
+            raise TypeError(problem(f"{field}[{i}]", "a float", describe(v)))
         if not math.isfinite(v):
-            raise ValueError(f"{field}[{i}] = {v} is not finite")
+            raise ValueError(problem(f"{field}[{i}]", "a finite float", repr(v)))
         out[i] = float(v)
     return out
 
 
 def check_len(field: str, values: Sequence[Any], expected: int, what: str) -> None:
+    """``<field> has length <n>, expected <m> (<what>)`` unless ``len(values) == expected``.
+
+    Examples:
+        >>> check_len("mask", [True], 2, "one per token")
+        Traceback (most recent call last):
+        ...
+        ValueError: mask has length 1, expected 2 (one per token)
+    """
     if len(values) != expected:
         raise ValueError(f"{field} has length {len(values)}, expected {expected} ({what})")
+
+
+# ---- tensors ----
+
+
+def check_tensor(name: str, t: Any) -> torch.Tensor:
+    """``t`` itself when it is a tensor.
+
+    Examples:
+        >>> check_tensor("logits", [1.0])
+        Traceback (most recent call last):
+        ...
+        TypeError: logits must be a torch.Tensor, got list
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(problem(name, "a torch.Tensor", describe(t)))
+    return t
+
+
+def check_bool(name: str, v: Any) -> bool:
+    """An exact ``bool`` (not 0/1, not a string).
+
+    Examples:
+        >>> check_bool("return_entropy", 1)
+        Traceback (most recent call last):
+        ...
+        TypeError: return_entropy must be a bool, got int 1
+    """
+    if not isinstance(v, bool):
+        raise TypeError(problem(name, "a bool", describe(v)))
+    return v
+
+
+_KIND_OK = {
+    "bool": lambda d: d == torch.bool,
+    "int": lambda d: not d.is_floating_point and not d.is_complex and d != torch.bool,
+    "float": lambda d: d.is_floating_point,
+}
+_KIND_HINT = {
+    "bool": ("a bool mask (True = this token participates)", "pass mask.bool()"),
+    "int": ("an integer tensor", "pass x.long()"),
+    "float": ("a floating tensor", "pass x.float()"),
+}
+
+
+def check_per_token(
+    name: str,
+    t: Any,
+    shape: torch.Size,
+    device: torch.device,
+    kind: TokenKind,
+    fix: str = "",
+    what: str = "one entry per logits row",
+) -> torch.Tensor:
+    """A per-token tensor of exactly ``shape`` on ``device``, of ``kind`` ``bool/int/float``.
+
+    Examples:
+        >>> check_per_token("rl_mask", torch.ones(2), torch.Size([2]), torch.device("cpu"), "bool")
+        Traceback (most recent call last):
+        ...
+        TypeError: rl_mask must be a bool mask (True = this token participates), got float32 [2] on cpu; pass mask.bool()
+    """
+    t = check_tensor(name, t)
+    if not _KIND_OK[kind](t.dtype):
+        expected, hint = _KIND_HINT[kind]
+        raise TypeError(problem(name, expected, describe(t), hint))
+    if t.shape != shape:
+        raise ValueError(problem(name, f"of shape {list(shape)} ({what})", describe(t), fix))
+    if t.device != device:
+        raise ValueError(
+            problem(
+                name, f"on {device}", f"a tensor on {t.device}", f"move it with .to('{device}')"
+            )
+        )
+    return t
+
+
+def check_finite(
+    name: str, t: torch.Tensor, where: torch.Tensor | None = None, fix: str = ""
+) -> None:
+    """Raise naming the first non-finite entry of ``t`` (restricted to the rows ``where``).
+
+    Examples:
+        >>> check_finite("advantages", torch.tensor([0.0, float("nan")]))
+        Traceback (most recent call last):
+        ...
+        ValueError: advantages must be finite on the rows that participate, got 1 non-finite value(s), the first at row 1: nan
+    """
+    flat = t.reshape(-1)
+    vals = flat if where is None else flat[where.reshape(-1)]
+    bad = ~torch.isfinite(vals)
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        row = k if where is None else int(where.reshape(-1).nonzero()[k, 0])
+        raise ValueError(
+            problem(
+                name,
+                "finite on the rows that participate",
+                f"{int(bad.sum())} non-finite value(s), the first at row {row}: {float(flat[row])}",
+                fix,
+            )
+        )
+
+
+def check_temperature(
+    temperature: Any, shape: torch.Size, device: torch.device
+) -> float | torch.Tensor:
+    """A positive finite temperature: a Python float, or a per-token float tensor of ``shape``.
+
+    A 0-dim tensor is a scalar and comes back as a Python float (fp64: an fp64 temperature keeps
+    every digit). Strings, bools and other types are refused.
+
+    Examples:
+        >>> check_temperature(torch.tensor(0.7, dtype=torch.float64), torch.Size([2]), torch.device("cpu"))
+        0.7
+        >>> check_temperature("abc", torch.Size([2]), torch.device("cpu"))
+        Traceback (most recent call last):
+        ...
+        TypeError: temperature must be a positive float or a float tensor of shape [2], got str 'abc'; pass temperature=0.7 (not a string), or a tensor of per-token temperatures
+    """
+    expected = f"a positive float or a float tensor of shape {list(shape)}"
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, torch.Tensor)):
+        raise TypeError(
+            problem(
+                "temperature",
+                expected,
+                describe(temperature),
+                "pass temperature=0.7 (not a string), or a tensor of per-token temperatures",
+            )
+        )
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.dtype.is_floating_point:
+            raise TypeError(
+                problem("temperature", expected, describe(temperature), "pass t.float()")
+            )
+        if temperature.dim() == 0:
+            temperature = float(temperature)
+        else:
+            check_per_token("temperature", temperature, shape, device, "float")
+            bad = ~(torch.isfinite(temperature) & (temperature > 0))
+            if bool(bad.any()):
+                i = int(bad.reshape(-1).nonzero()[0, 0])
+                raise ValueError(
+                    problem(
+                        f"temperature[{i}]",
+                        "a positive finite number",
+                        repr(float(temperature.reshape(-1)[i])),
+                        "padding rows take 1.0",
+                    )
+                )
+            return temperature
+    t = float(temperature)
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(problem("temperature", "a positive finite number", repr(temperature)))
+    return t
+
+
+def check_chunk_size(chunk_size: Any) -> int | None:
+    """None (automatic) or an int ≥ 1.
+
+    Examples:
+        >>> check_chunk_size(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: chunk_size must be None or an int ≥ 1 (rows per chunk), got int 0
+    """
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(
+            problem("chunk_size", "None or an int ≥ 1 (rows per chunk)", describe(chunk_size))
+        )
+    return chunk_size

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from echoloss.loss.policy import POLICIES, POLICY_PARAMETERS, get_policy
+
 __all__ = [
     "EchoNormalization",
     "EchoTemperature",
@@ -17,6 +19,8 @@ __all__ = [
     "RLNormalization",
 ]
 
+#: The built-in policies (``LossConfig.policy`` also accepts any name given to
+#: :func:`echoloss.loss.register_policy`).
 Policy = Literal["dppo", "ppo_clip", "cispo", "gspo", "reinforce", "custom"]
 RLNormalization = Literal[
     "token_mean", "sequence_mean_token_mean", "sequence_mean_token_sum", "token_sum_constant"
@@ -25,10 +29,6 @@ EchoNormalization = Literal["token_mean", "sequence_mean", "batch_token_mean", "
 MismatchMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 KLEstimator = Literal["k1", "k2", "k3"]
 EchoTemperature = Literal["one", "sampling"]
-
-# Per-policy defaults of the fields left as None (see LossConfig.resolved_*).
-_KL_TAU_DEFAULT = {"dppo": 1e-3}
-_EPS_DEFAULT = {"gspo": (3e-4, 4e-4)}
 
 
 class LossConfig(BaseModel):
@@ -43,7 +43,9 @@ class LossConfig(BaseModel):
             ``rl_mask``, no advantages; echo rows are rejected in this mode).
         policy: the RL loss on each RL token: ``"dppo"`` (prime-rl's default), ``"ppo_clip"``,
             ``"cispo"``, ``"gspo"`` (sequence-level ratio), ``"reinforce"`` (no ratio), or
-            ``"custom"`` (a ``policy_fn`` given to ``echo_loss``).
+            ``"custom"`` (a ``policy_fn`` given to ``echo_loss``), or a name registered with
+            [`echoloss.loss.register_policy`][echoloss.loss.policy.register_policy]. A policy parameter the chosen policy does not
+            read (e.g. ``eps_high`` with ``"dppo"``) is rejected unless it keeps its default.
         adv_tau: scale of the advantages of RL tokens (never of echo weights). ≥ 0.
         kl_tau: coefficient of ``(log ratio)^2`` added on every RL token, dropped or not. None =
             the policy's default: 1e-3 for dppo (prime-rl), 0 for the others. ≥ 0.
@@ -83,8 +85,13 @@ class LossConfig(BaseModel):
         echo_temperature: temperature of the echo rows: ``"one"`` (default: the model's own
             distribution, ``logits / 1``) or ``"sampling"`` (the rows' given temperature, as
             prime-rl and echo-rl's code do). RL rows always use the sampling temperature.
-        compute_entropy: compute the entropy of RL rows for the ``entropy`` metric (no gradient
-            unless ``entropy_coef != 0``).
+        compute_entropy: compute the entropy of RL rows for the ``entropy`` metric even when
+            ``entropy_coef == 0`` (no gradient then). With ``entropy_coef != 0`` the entropy is
+            always computed (the bonus needs it) and reported.
+        check_finite: check in ``O(N)`` that every participating row's logprob (hence its logits
+            or hidden state), the policy's per-token loss and the entropy used by the bonus are
+            finite, and raise naming the first bad row. Costs a few ``[N]`` reductions and one
+            host sync; ``False`` skips them.
         allow_echo_with_custom_policy: a custom ``policy_fn`` only ever sees the RL rows; set
             this to confirm that it does not need the echo rows (e.g. for its own normaliser).
 
@@ -94,6 +101,11 @@ class LossConfig(BaseModel):
         ('dppo', 0.001, 'token_mean')
         >>> LossConfig(policy="ppo_clip").resolved_eps
         (0.2, 0.2)
+        >>> LossConfig(policy="dppo", eps_high=0.3)
+        Traceback (most recent call last):
+        ...
+        pydantic_core._pydantic_core.ValidationError: 1 validation error for LossConfig
+          Value error, eps_high=0.3 is ignored by policy='dppo' (it reads dppo_low, dppo_high); remove eps_high, or choose a policy that reads it: gspo, ppo_clip ...
         >>> LossConfig(dppo_low=-1)
         Traceback (most recent call last):
         ...
@@ -106,7 +118,7 @@ class LossConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: Literal["rl", "sft"] = "rl"
-    policy: Policy = "dppo"
+    policy: str = "dppo"
     adv_tau: float = Field(1.0, ge=0)
     kl_tau: float | None = Field(None, ge=0)
     dppo_low: float = Field(0.2, ge=0)
@@ -130,6 +142,7 @@ class LossConfig(BaseModel):
     echo_temperature: EchoTemperature = "one"
     compute_entropy: bool = True
     allow_echo_with_custom_policy: bool = False
+    check_finite: bool = True
 
     @field_validator("*")
     @classmethod
@@ -138,8 +151,15 @@ class LossConfig(BaseModel):
             raise ValueError("must be finite")
         return v
 
+    @field_validator("policy")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        get_policy(v)
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> LossConfig:
+        self._reject_ignored_policy_parameters()
         if self.rl_normalization == "token_sum_constant" and self.rl_normalization_constant is None:
             raise ValueError(
                 "rl_normalization='token_sum_constant' needs rl_normalization_constant (> 0): "
@@ -158,18 +178,37 @@ class LossConfig(BaseModel):
             )
         return self
 
+    def _reject_ignored_policy_parameters(self) -> None:
+        """A policy parameter set away from its default but not read by the policy is an error
+        (the value would be silently ignored); derived from the registry's declarations."""
+        reads = get_policy(self.policy).reads
+        if reads is None or self.mode != "rl":
+            return
+        for name in POLICY_PARAMETERS:
+            value = getattr(self, name)
+            if name in reads or value == type(self).model_fields[name].default:
+                continue
+            readers = sorted(
+                p for p, s in POLICIES.items() if s.reads is not None and name in s.reads
+            )
+            raise ValueError(
+                f"{name}={value} is ignored by policy={self.policy!r} (it reads "
+                f"{', '.join(reads) or 'no policy parameter'}); remove {name}, or choose a "
+                f"policy that reads it: {', '.join(readers)}"
+            )
+
     @property
     def resolved_kl_tau(self) -> float:
         """``kl_tau``, or the policy's default when it is None."""
         if self.kl_tau is not None:
             return self.kl_tau
-        return _KL_TAU_DEFAULT.get(self.policy, 0.0)
+        return float(get_policy(self.policy).defaults.get("kl_tau", 0.0))
 
     @property
     def resolved_eps(self) -> tuple[float, float]:
-        """``(eps_low, eps_high)``, each defaulting per policy when None."""
-        lo, hi = _EPS_DEFAULT.get(self.policy, (0.2, 0.2))
+        """``(eps_low, eps_high)``, each defaulting per policy when None (0.2 otherwise)."""
+        d = get_policy(self.policy).defaults
         return (
-            self.eps_low if self.eps_low is not None else lo,
-            self.eps_high if self.eps_high is not None else hi,
+            self.eps_low if self.eps_low is not None else float(d.get("eps_low", 0.2)),
+            self.eps_high if self.eps_high is not None else float(d.get("eps_high", 0.2)),
         )

@@ -1,9 +1,22 @@
 """The split RL + echo loss: ``L = L_RL(RL rows) + L_echo(echo rows)``, sharing one log-softmax.
 
-[`echo_loss`][echoloss.loss.echo_loss] takes logits; [`echo_loss_from_logprobs`][echoloss.loss.echo_loss_from_logprobs] takes per-token logprobs (the same
-loss algebra, for callers that computed logprobs elsewhere, and for the gradient tests). The
-logits path computes logprobs with [`echoloss.ops.selective_logprobs`][echoloss.ops.selective_logprobs] for the rows that
-participate only; everything after that is ``[N]``-sized PyTorch.
+Every entry point takes one `LossInputs` record and differs only in
+how it gets the log-probabilities: [`echo_loss`][echoloss.loss.echo_loss] from logits (through
+[`echoloss.ops.selective_logprobs`][echoloss.ops.selective_logprobs], participating rows only),
+[`echo_loss_from_logprobs`][echoloss.loss.echo_loss_from_logprobs] from logprobs computed elsewhere, and
+`echoloss.echo_loss_from_hidden` from hidden states and the LM head. Everything after the
+logprobs is ``[N]``-sized PyTorch in `loss_from_logprobs`, in small steps:
+
+1. `_check_requirements`: what the config and policy need from the record;
+2. `_check_scored`: the ``O(N)`` non-finite check of the logprobs (names the first bad row);
+3. `_local_sequences`: local sequence numbering and per-term sequence counts;
+4. `_resolve_normalizers`: the counts each term divides by;
+5. `_rl_per_token`: policy loss, mismatch weight, ``kl_tau``, reference KL, entropy bonus;
+6. `_rl_term` / `_echo_term`: the two normalised sums;
+7. `_metrics`.
+
+The keyword form (``echo_loss(logits, labels, rl_mask=..., ...)``) is a thin shim that builds the
+record (`_record_from_keywords`).
 """
 
 from __future__ import annotations
@@ -15,26 +28,30 @@ from typing import Any, NamedTuple
 import torch
 
 from echoloss._compile import compiler_disable
+from echoloss._validate import check_per_token, check_tensor, describe, problem
 from echoloss.loss.config import LossConfig
-from echoloss.loss.metrics import RESERVED_ENV, loss_metrics
-from echoloss.loss.normalization import Normalizers, split_rows
+from echoloss.loss.inputs import LossInputs
+from echoloss.loss.metrics import loss_metrics
+from echoloss.loss.normalization import Normalizers
 from echoloss.loss.policy import (
     PolicyFn,
     PolicyInputs,
-    PolicyOutput,
-    cispo_loss,
-    dppo_loss,
-    gspo_loss,
+    PolicySpec,
+    get_policy,
     k3,
     kl_penalty,
     mismatch_weights,
-    ppo_clip_loss,
-    reinforce_loss,
 )
-from echoloss.ops._checks import check_finite, check_per_token, check_tensor, describe
 from echoloss.ops.selective_logprobs import selective_logprobs
 
-__all__ = ["LossOutput", "echo_loss", "echo_loss_from_logprobs"]
+__all__ = [
+    "LossOutput",
+    "echo_loss",
+    "echo_loss_from_logprobs",
+    "loss_from_logprobs",
+    "resolve_inputs",
+    "row_temperature_and_entropy",
+]
 
 
 class LossOutput(NamedTuple):
@@ -51,196 +68,277 @@ class LossOutput(NamedTuple):
     metrics: dict[str, torch.Tensor]
 
 
-_RATIO_POLICIES = ("dppo", "ppo_clip", "cispo", "gspo")
+# ---------------------------------------------------------------- the keyword shim
+
+#: The per-token keywords of the keyword form, in the order of the historical signature.
+_KEYWORD_FIELDS = (
+    "labels",
+    "rl_mask",
+    "echo_weights",
+    "advantages",
+    "inference_logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+    "sequence_ids",
+    "observation_mask",
+    "temperature",
+    "env_names",
+)
 
 
-@dataclass
-class _Rows:
-    """Validated, flattened per-token inputs."""
+def _record_from_keywords(inputs: Any, keywords: dict[str, Any]) -> LossInputs:
+    """The record of one call: ``inputs`` itself, or built from the keyword form.
 
-    rl: torch.Tensor  # [N] bool, RL rows (echoed rows removed)
-    echo: torch.Tensor  # [N] bool, echo rows (weight > 0)
-    echo_weights: torch.Tensor | None
-    advantages: torch.Tensor | None
-    inference_logprobs: torch.Tensor | None
-    old_logprobs: torch.Tensor | None
-    ref_logprobs: torch.Tensor | None
-    sequence_ids: torch.Tensor | None
-    observation_mask: torch.Tensor | None
-    env_names: list[str] | None
-    config: LossConfig
-
-
-def _flat(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.reshape(-1)
-
-
-def _validate(
-    shape: torch.Size,
-    device: torch.device,
-    *,
-    rl_mask: Any,
-    echo_weights: Any,
-    advantages: Any,
-    inference_logprobs: Any,
-    old_logprobs: Any,
-    ref_logprobs: Any,
-    sequence_ids: Any,
-    observation_mask: Any,
-    env_names: Any,
-    config: Any,
-    policy_fn: Any,
-    normalizers: Any,
-) -> _Rows:
-    if config is None:
-        config = LossConfig()
-    if not isinstance(config, LossConfig):
-        raise TypeError(f"config: expected an echoloss.LossConfig or None, got {describe(config)}")
-    if normalizers is not None and not isinstance(normalizers, Normalizers):
-        raise TypeError(
-            f"normalizers: expected echoloss.Normalizers or None (None = this call is the whole "
-            f"batch), got {describe(normalizers)}"
-        )
-
-    def per_token(name: str, x: Any, kind: str) -> torch.Tensor | None:
-        if x is None:
-            return None
-        return check_per_token(name, x, shape, device, kind).reshape(-1)
-
-    rl_mask = per_token("rl_mask", check_tensor("rl_mask", rl_mask), "bool")
-    assert rl_mask is not None
-    ew = per_token("echo_weights", echo_weights, "float")
-    if ew is not None:
-        bad = ~torch.isfinite(ew) | (ew < 0)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"echo_weights: expected finite weights ≥ 0 (0 = not echoed), found "
-                f"{float(ew[i])} at row {i}"
+    ``inputs`` may also be the labels tensor (the historical second positional argument).
+    """
+    given = {k: v for k, v in keywords.items() if v is not None}
+    if isinstance(inputs, LossInputs):
+        if given:
+            raise TypeError(
+                problem(
+                    "per-token keywords",
+                    "absent when a LossInputs record is given",
+                    ", ".join(sorted(given)),
+                    "put them in the record: inputs.replace(name=value)",
+                )
             )
-    rl, echo = split_rows(rl_mask, ew)
-    any_echo = bool(echo.any())
-    adv = per_token("advantages", advantages, "float")
-    lq = per_token("inference_logprobs", inference_logprobs, "float")
-    old = per_token("old_logprobs", old_logprobs, "float")
-    ref = per_token("ref_logprobs", ref_logprobs, "float")
-    sid = per_token("sequence_ids", sequence_ids, "int")
-    obs = per_token("observation_mask", observation_mask, "bool")
+        return inputs
+    if isinstance(inputs, torch.Tensor):
+        if "labels" in given:
+            raise TypeError("labels given twice (second positional argument and labels=)")
+        given["labels"] = inputs
+    elif inputs is not None:
+        raise TypeError(
+            problem(
+                "inputs",
+                "an echoloss.LossInputs record (or the labels tensor of the keyword form)",
+                describe(inputs),
+                "build one with LossInputs.from_targets(next_token_targets(batch))",
+            )
+        )
+    if "rl_mask" not in given:
+        raise TypeError(
+            "rl_mask is required: pass a LossInputs record as the second argument, or "
+            "rl_mask=[N] bool (True = RL row) in the keyword form"
+        )
+    return LossInputs(**given)
 
-    # Modes that have no RL term, and RL losses that cannot see the echo weights.
-    if config.mode == "sft" and any_echo:
+
+def _check_config(config: Any) -> LossConfig:
+    if config is None:
+        return LossConfig()
+    if not isinstance(config, LossConfig):
+        raise TypeError(problem("config", "an echoloss.LossConfig or None", describe(config)))
+    return config
+
+
+def resolve_inputs(
+    inputs: Any, keywords: dict[str, Any], *, shape: torch.Size, device: torch.device, source: str
+) -> LossInputs:
+    """The validated record of a call, checked against the scored tensor's rows.
+
+    Args:
+        inputs: a `LossInputs`, the labels tensor of the keyword form, or None.
+        keywords: the per-token keywords of the keyword form (None = not given).
+        shape: the per-token shape the record must have (the leading dims of ``source``).
+        device: the device of ``source``.
+        source: the name of the scored argument (``logits``, ``logprobs``, ``hidden``).
+
+    Returns:
+        The `LossInputs` of the call.
+    """
+    x = _record_from_keywords(inputs, keywords)
+    if x.shape != shape:
+        raise ValueError(
+            problem(
+                "inputs (LossInputs)",
+                f"of per-token shape {list(shape)} (one entry per row of {source})",
+                f"rl_mask of shape {list(x.shape)}",
+            )
+        )
+    if x.device != device:
+        raise ValueError(
+            problem("inputs (LossInputs)", f"on {device} (the device of {source})", str(x.device))
+        )
+    return x
+
+
+# ---------------------------------------------------------------- 1. requirements
+
+
+def _check_requirements(x: LossInputs, cfg: LossConfig, policy_fn: PolicyFn | None) -> PolicySpec:
+    """What the config and the policy need from the record; returns the policy's spec."""
+    spec = get_policy(cfg.policy)
+    any_echo, any_rl = bool(x.echo.any()), bool(x.rl.any())
+    rl_mode = cfg.mode == "rl"
+    if cfg.mode == "sft" and any_echo:
         raise ValueError(
             "echo rows with mode='sft': echo is only defined next to an RL term (the SFT loss "
             "would train the echoed rows with the RL normaliser); put those rows in rl_mask as "
             "SFT targets instead, or use mode='rl'"
         )
-    if config.policy == "custom" and policy_fn is None and config.mode == "rl":
+    if spec.fn is None and policy_fn is None and rl_mode:
         raise ValueError(
-            "config.policy='custom' needs policy_fn=fn(inputs, config) -> PolicyOutput"
+            f"config.policy={cfg.policy!r} needs policy_fn=fn(inputs, config) -> PolicyOutput; "
+            "or register the function once with echoloss.loss.register_policy(name, fn) and "
+            "set policy=name"
         )
-    if policy_fn is not None and config.policy != "custom":
+    if policy_fn is not None and spec.fn is not None:
         raise ValueError(
-            f"policy_fn was given but config.policy={config.policy!r}; set policy='custom' to use it"
+            f"policy_fn was given but config.policy={cfg.policy!r}; set policy='custom' to use "
+            "it (or register it with echoloss.loss.register_policy)"
         )
-    custom = config.policy == "custom" and config.mode == "rl"
-    if custom and any_echo and not config.allow_echo_with_custom_policy:
+    if rl_mode and not spec.echo_safe and any_echo and not cfg.allow_echo_with_custom_policy:
         raise ValueError(
             "echo rows with a custom policy: the custom function receives only the RL rows "
             "and cannot see the echo weights, which are trained by the separate echo term. "
             "If it does not need them (e.g. it does not normalise by the total count of loss "
             "tokens), set LossConfig(allow_echo_with_custom_policy=True)"
         )
-
-    any_rl = bool(rl.any())
-    if config.mode == "rl" and any_rl:
-        if adv is None:
-            raise ValueError("advantages: required in mode='rl' ([N] float, 0 outside rl_mask)")
-        check_finite("advantages", adv, rl)
-        needs_lq = (config.policy in _RATIO_POLICIES and old is None) or config.mismatch is not None
-        if needs_lq and lq is None:
+    if rl_mode and any_rl:
+        if x.advantages is None:
+            raise ValueError("advantages is required in mode='rl' ([N] float, 0 outside rl_mask)")
+        needs_lq = (spec.uses_ratio and x.old_logprobs is None) or cfg.mismatch is not None
+        if needs_lq and x.inference_logprobs is None:
             raise ValueError(
-                f"inference_logprobs: required by policy={config.policy!r}"
-                + (f" with mismatch={config.mismatch!r}" if config.mismatch else "")
+                f"inference_logprobs is required by policy={cfg.policy!r}"
+                + (f" with mismatch={cfg.mismatch!r}" if cfg.mismatch else "")
                 + " ([N] float sampling logprobs; placeholders outside rl_mask are never read)"
             )
-    for name, t in (("inference_logprobs", lq), ("old_logprobs", old)):
-        if t is not None:
-            check_finite(name, t, rl)
-    if config.kl_coef > 0 and config.mode == "rl" and any_rl:
-        if ref is None:
+        if cfg.kl_coef > 0 and x.ref_logprobs is None:
             raise ValueError(
-                f"ref_logprobs: required by kl_coef={config.kl_coef} ([N] float reference-model "
+                f"ref_logprobs is required by kl_coef={cfg.kl_coef} ([N] float reference-model "
                 "logprobs of the labels); or set kl_coef=0"
             )
-        check_finite("ref_logprobs", ref, rl)
-
     needs_seq = []
-    if config.mode == "rl" and config.policy == "gspo":
-        needs_seq.append("policy='gspo'")
-    if config.mismatch is not None and config.mismatch.startswith("sequence"):
-        needs_seq.append(f"mismatch={config.mismatch!r}")
-    if config.rl_normalization.startswith("sequence"):
-        needs_seq.append(f"rl_normalization={config.rl_normalization!r}")
-    if config.echo_normalization == "sequence_mean":
+    if rl_mode and spec.needs_sequences:
+        needs_seq.append(f"policy={cfg.policy!r}")
+    if cfg.mismatch is not None and cfg.mismatch.startswith("sequence"):
+        needs_seq.append(f"mismatch={cfg.mismatch!r}")
+    if cfg.rl_normalization.startswith("sequence"):
+        needs_seq.append(f"rl_normalization={cfg.rl_normalization!r}")
+    if cfg.echo_normalization == "sequence_mean":
         needs_seq.append("echo_normalization='sequence_mean'")
-        if obs is None:
+        if x.observation_mask is None:
             raise ValueError(
-                "observation_mask: required by echo_normalization='sequence_mean' ([N] bool, the "
-                "rows counted in the paper's Z_i = |O_i|: observation body tokens, warnings "
+                "observation_mask is required by echo_normalization='sequence_mean' ([N] bool, "
+                "the rows counted in the paper's Z_i = |O_i|: observation body tokens, warnings "
                 "included); or choose another echo_normalization"
             )
-    if env_names is not None:
-        needs_seq.append("env_names")
-    if needs_seq and sid is None:
+    if needs_seq and x.sequence_ids is None:
         raise ValueError(
-            f"sequence_ids: required by {', '.join(needs_seq)} ([N] int64 row -> sequence within "
-            "the micro-batch, -1 for padding)"
+            f"sequence_ids is required by {', '.join(needs_seq)} ([N] int64 row -> sequence "
+            "within the micro-batch, -1 for padding)"
         )
-    if sid is not None and bool((sid[rl | echo] < 0).any()):
-        raise ValueError(
-            "sequence_ids: a row that participates (RL or echo) has sequence id -1 (padding)"
-        )
-    names: list[str] | None = None
-    if env_names is not None:
-        if isinstance(env_names, str) or not isinstance(env_names, Sequence):
-            raise TypeError(
-                f"env_names: expected a list of str (one per sequence id), got {describe(env_names)}"
-            )
-        names = list(env_names)
-        for i, e in enumerate(names):
-            if not isinstance(e, str):
-                raise TypeError(f"env_names[{i}]: expected a str, got {describe(e)}")
-            if e == RESERVED_ENV:
-                raise ValueError(
-                    f"env_names[{i}] = {RESERVED_ENV!r} is reserved (metrics use '<name>/all' for "
-                    "every env); rename the env"
-                )
-        assert sid is not None
-        if sid.numel() and int(sid.max()) >= len(names):
-            raise ValueError(
-                f"env_names: has {len(names)} entries but sequence_ids reaches {int(sid.max())}; "
-                "give one name per sequence id ('' for padding)"
-            )
-    return _Rows(rl, echo, ew, adv, lq, old, ref, sid, obs, names, config)
+    return spec
 
 
-def _check_normalizers(norms: Normalizers, local: Normalizers, cfg: LossConfig) -> None:
-    """The global counts a configured mode divides by must cover this call's own counts."""
+# ---------------------------------------------------------------- 2. non-finite logprobs
+
+_SOURCE_CAUSE = {
+    "logits": "NaN or +inf in that row of the logits, or -inf at its label",
+    "hidden": "NaN or inf in that row of hidden (or in the LM-head weight), or a logit of "
+    "-inf at its label",
+    "logprobs": "a NaN or infinite logprob",
+}
+
+
+def _check_scored(lp: torch.Tensor, x: LossInputs, source: str) -> None:
+    """O(N): every participating row's logprob is finite (else name the first bad row).
+
+    A NaN or +inf anywhere in a row of logits makes its log-sum-exp, hence its logprob,
+    non-finite, and -inf at the label gives -inf: one ``isfinite`` over the ``[N]`` logprobs
+    catches all of them without reading the ``[N, V]`` logits again.
+    """
+    part = x.rl | x.echo  # [N] bool
+    bad = part & ~torch.isfinite(lp)  # [N] bool
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        kind = "an RL" if bool(x.rl[row]) else "an echo"
+        raise ValueError(
+            problem(
+                f"{source} row {row}",
+                f"a finite log-probability on {kind} row",
+                f"{float(lp[row])} ({int(bad.sum())} bad row(s); cause: {_SOURCE_CAUSE[source]})",
+                "find where the model's output overflows (e.g. fp16 activations), or set "
+                "LossConfig(check_finite=False) to skip this check",
+            )
+        )
+
+
+# ---------------------------------------------------------------- 3. sequences
+
+
+@dataclass(frozen=True)
+class _Sequences:
+    """Local sequence numbering of the participating rows."""
+
+    num: int  # S_local: sequences with an RL or echo row
+    rl_index: torch.Tensor | None  # [n_rl] int64 local sequence of each RL row
+    echo_index: torch.Tensor | None  # [n_echo] int64 local sequence of each echo row
+    ids: torch.Tensor | None  # [S_local] int64 the sequence id of each local sequence, sorted
+    rl_count: int  # sequences with an RL row
+    echo_count: int  # sequences with an echo row
+
+
+def _local_sequences(x: LossInputs, rl_idx: torch.Tensor, echo_idx: torch.Tensor) -> _Sequences:
+    """Number the sequences that have an RL or echo row ``0..S_local-1`` (no id-sized table)."""
+    sid = x.flat("sequence_ids")
+    if sid is None:
+        return _Sequences(0, None, None, None, 0, 0)
+    sid = sid.long()  # [N]
+    part = x.rl | x.echo  # [N] bool
+    ids, local = torch.unique(sid[part], return_inverse=True)  # [S], [n_part]
+    seq_of_row = torch.full_like(sid, -1)  # [N], -1 = not participating
+    seq_of_row[part] = local
+    rl_index = seq_of_row[rl_idx]  # [n_rl]
+    echo_index = seq_of_row[echo_idx]  # [n_echo]
+    return _Sequences(
+        num=int(ids.numel()),
+        rl_index=rl_index,
+        echo_index=echo_index,
+        ids=ids,
+        rl_count=int(torch.unique(rl_index).numel()),
+        echo_count=int(torch.unique(echo_index).numel()),
+    )
+
+
+# ---------------------------------------------------------------- 4. normalisers
+
+
+def _used_counts(cfg: LossConfig) -> list[str]:
     used = []
     if cfg.rl_normalization == "token_mean":
         used.append("rl_tokens")
+    if cfg.rl_normalization.startswith("sequence"):
+        used.append("rl_sequences")
     if cfg.echo_normalization == "token_mean":
         used.append("echo_tokens")
     if cfg.echo_normalization == "batch_token_mean":
         used.append("echo_batches")
-    if cfg.rl_normalization.startswith("sequence") or cfg.echo_normalization == "sequence_mean":
-        used.append("sequences")
-    for name in used:
-        g, loc = getattr(norms, name), getattr(local, name)
+    if cfg.echo_normalization == "sequence_mean":
+        used.append("echo_sequences")
+    return used
+
+
+def _resolve_normalizers(normalizers: Any, local: Normalizers, cfg: LossConfig) -> Normalizers:
+    """``normalizers`` (checked to cover this call's own counts), or ``local`` when None."""
+    if normalizers is None:
+        return local
+    if not isinstance(normalizers, Normalizers):
+        raise TypeError(
+            problem(
+                "normalizers",
+                "echoloss.Normalizers or None (None = this call is the whole batch)",
+                describe(normalizers),
+            )
+        )
+    for name in _used_counts(cfg):
+        g, loc = getattr(normalizers, name), getattr(local, name)
         if g < loc:
             hint = (
                 " (count_normalizers needs sequence_ids for the sequence_mean* modes)"
-                if name == "sequences" and g == 0
+                if name.endswith("sequences") and g == 0
                 else ""
             )
             raise ValueError(
@@ -248,38 +346,194 @@ def _check_normalizers(norms: Normalizers, local: Normalizers, cfg: LossConfig) 
                 "be the sum over every micro-batch of the step on every rank (count_normalizers "
                 "for each micro-batch, summed, then all_reduce_normalizers)"
             )
+    return normalizers
+
+
+# ---------------------------------------------------------------- 5. RL per-token loss
+
+
+class _RLRows(NamedTuple):
+    per_token: torch.Tensor  # [n_rl] loss before normalisation
+    means: dict[str, torch.Tensor]  # name -> [n_rl] values reported as means
+    flags: dict[str, torch.Tensor]  # name -> [n_rl] bool reported as fractions
+
+
+def _ratio_base(
+    lp_rl: torch.Tensor, x: LossInputs, rl_idx: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(base [n_rl] detached, inference logprobs [n_rl] or None)``: the ratio's denominator."""
+    lq_all = x.flat("inference_logprobs")
+    lq = None if lq_all is None else lq_all.index_select(0, rl_idx).to(lp_rl.dtype)  # [n_rl]
+    old = x.flat("old_logprobs")
+    if old is not None:
+        base = old.index_select(0, rl_idx).to(lp_rl.dtype)  # [n_rl]
+    elif cfg.mismatch is not None or lq is None:
+        base = lp_rl.detach()  # [n_rl] on-policy: the behaviour policy is the current one
+    else:
+        base = lq  # [n_rl] prime-rl: the ratio is taken against the inference logprobs
+    return base.detach(), lq
+
+
+def kl_tau_penalty(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    """``ρ²`` for ``|ρ| ≤ clamp``, continued linearly beyond (``2·clamp·|ρ| - clamp²``).
+
+    Equal to prime-rl's ``ρ²`` wherever the log ratio is inside ``±log_ratio_clamp`` (20 by
+    default: every realistic token); beyond it the gradient stays at ``±2·clamp`` instead of
+    growing with ``ρ``, so a token whose logprob collapsed (``ρ ≈ -1e7`` at an extreme
+    temperature) cannot overflow ``dlogits``. ``clamp=None`` is the plain square.
+
+    Examples:
+        >>> kl_tau_penalty(torch.tensor([0.5, -30.0]), 20.0).tolist()
+        [0.25, 800.0]
+    """
+    if clamp is None:
+        return log_ratio * log_ratio
+    a = log_ratio.abs()  # [n]
+    return torch.where(a <= clamp, log_ratio * log_ratio, 2.0 * clamp * a - clamp * clamp)
+
+
+def _rl_per_token(
+    lp: torch.Tensor,
+    ent: torch.Tensor | None,
+    x: LossInputs,
+    rl_idx: torch.Tensor,
+    seqs: _Sequences,
+    cfg: LossConfig,
+    spec: PolicySpec,
+    policy_fn: PolicyFn | None,
+) -> _RLRows:
+    """The RL rows' per-token loss: policy × mismatch weight + kl_tau·ρ² + KL − entropy bonus."""
+    lp_rl = lp.index_select(0, rl_idx)  # [n_rl]
+    if cfg.mode == "sft" or rl_idx.numel() == 0:
+        return _RLRows(-lp_rl, {}, {})  # the SFT NLL; an empty (zero) sum without RL rows
+    assert x.advantages is not None  # _check_requirements
+    adv = x.advantages.reshape(-1).index_select(0, rl_idx).to(lp.dtype) * cfg.adv_tau  # [n_rl]
+    base, lq = _ratio_base(lp_rl, x, rl_idx, cfg)  # [n_rl], [n_rl] or None
+    clamp = cfg.log_ratio_clamp
+    fn = spec.fn if spec.fn is not None else policy_fn
+    assert fn is not None  # _check_requirements
+    out = fn(PolicyInputs(lp_rl, base, adv, seqs.rl_index, seqs.num), cfg)
+    per_tok = out.loss  # [n_rl]
+    if cfg.check_finite:
+        _check_policy_output(per_tok, rl_idx, cfg.policy)
+    means: dict[str, torch.Tensor] = {}
+    flags = dict(out.flags)  # name -> [n_rl] bool
+    if cfg.mismatch is not None:
+        assert lq is not None  # _check_requirements
+        w, wf = mismatch_weights(
+            base,
+            lq,
+            mode=cfg.mismatch,
+            weight_max=cfg.mismatch_max,
+            weight_min=cfg.mismatch_min,
+            sequence_index=seqs.rl_index,
+            num_sequences=seqs.num,
+            log_ratio_clamp=clamp,
+        )  # [n_rl], flags
+        per_tok = per_tok * w  # [n_rl]
+        flags.update(wf)
+        means["is_weight"] = w
+    kl_tau = cfg.resolved_kl_tau
+    if kl_tau != 0:
+        per_tok = per_tok + kl_tau * kl_tau_penalty(lp_rl - base, clamp)  # [n_rl]
+    if cfg.kl_coef != 0:
+        assert x.ref_logprobs is not None  # _check_requirements
+        ref = x.ref_logprobs.reshape(-1).index_select(0, rl_idx).to(lp.dtype)  # [n_rl]
+        kl = kl_penalty(lp_rl, ref, estimator=cfg.kl_estimator, log_ratio_clamp=clamp)  # [n_rl]
+        per_tok = per_tok + cfg.kl_coef * kl  # [n_rl]
+        means["ref_kl"] = kl.detach()
+    if cfg.entropy_coef != 0:
+        if ent is None:
+            raise ValueError(
+                f"entropy is required by entropy_coef={cfg.entropy_coef} ([N] per-token entropy, "
+                "differentiable)"
+            )
+        ent_rl = ent.index_select(0, rl_idx)  # [n_rl]
+        if cfg.check_finite:
+            _check_finite_rows(
+                "entropy", ent_rl, rl_idx, "the entropy bonus (entropy_coef) reads it"
+            )
+        per_tok = per_tok - cfg.entropy_coef * ent_rl  # [n_rl]
+    if lq is not None:
+        with torch.no_grad():
+            means["mismatch_kl"] = k3(lp_rl - lq, clamp)  # [n_rl]
+    return _RLRows(per_tok, means, flags)
+
+
+def _check_finite_rows(name: str, values: torch.Tensor, rows: torch.Tensor, why: str) -> None:
+    bad = ~torch.isfinite(values)  # [n]
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            problem(
+                f"{name} at row {int(rows[k])}",
+                f"finite ({why})",
+                f"{float(values[k])}",
+                "or set LossConfig(check_finite=False) to skip this check",
+            )
+        )
+
+
+def _check_policy_output(per_tok: torch.Tensor, rl_idx: torch.Tensor, policy: str) -> None:
+    if per_tok.shape != rl_idx.shape:
+        raise ValueError(
+            problem(
+                f"the loss of policy {policy!r}",
+                f"a [n_rl] = {list(rl_idx.shape)} tensor (one entry per RL row)",
+                describe(per_tok),
+            )
+        )
+    _check_finite_rows(
+        f"the loss of policy {policy!r}",
+        per_tok,
+        rl_idx,
+        "a policy's per-token loss; with log_ratio_clamp=None a ratio can overflow",
+    )
+
+
+# ---------------------------------------------------------------- 6. the two terms
 
 
 def _rl_term(
-    per_tok: torch.Tensor,
-    cfg: LossConfig,
-    norms: Normalizers,
-    seq: torch.Tensor | None,
-    num_seq: int,
+    per_tok: torch.Tensor, cfg: LossConfig, norms: Normalizers, seqs: _Sequences
 ) -> torch.Tensor:
+    """``L_RL``: ``per_tok [n_rl]`` normalised by ``cfg.rl_normalization`` (0-dim)."""
     mode = cfg.rl_normalization
     if mode == "token_mean":
         return per_tok.sum() / max(norms.rl_tokens, 1)
     if mode == "token_sum_constant":
-        assert cfg.rl_normalization_constant is not None
+        assert cfg.rl_normalization_constant is not None  # LossConfig
         return per_tok.sum() / cfg.rl_normalization_constant
-    assert seq is not None
+    assert seqs.rl_index is not None  # _check_requirements
     if mode == "sequence_mean_token_sum":
-        return per_tok.sum() / max(norms.sequences, 1)
-    # sequence_mean_token_mean: Σ_i (Σ_{t∈RL_i} ℓ_t / |RL_i|) / S
-    counts = torch.bincount(seq, minlength=num_seq).to(per_tok.dtype).clamp(min=1)
-    per_seq = per_tok.new_zeros(num_seq).index_add(0, seq, per_tok)
-    return (per_seq / counts).sum() / max(norms.sequences, 1)
+        return per_tok.sum() / max(norms.rl_sequences, 1)
+    # sequence_mean_token_mean: Σ_i (Σ_{t∈RL_i} ℓ_t / |RL_i|) / S_RL
+    counts = torch.bincount(seqs.rl_index, minlength=seqs.num).to(per_tok.dtype)  # [S]
+    per_seq = per_tok.new_zeros(seqs.num).index_add(0, seqs.rl_index, per_tok)  # [S]
+    return (per_seq / counts.clamp(min=1)).sum() / max(norms.rl_sequences, 1)
+
+
+def _observation_counts(x: LossInputs, seqs: _Sequences) -> torch.Tensor:
+    """``Z [S_local]``: rows counted in ``Z_i = |O_i|`` (observation or echo) per local sequence."""
+    assert x.observation_mask is not None and seqs.ids is not None  # _check_requirements
+    sid = x.flat("sequence_ids")
+    assert sid is not None
+    sid = sid.long()  # [N]
+    counted = sid[(x.observation_mask.reshape(-1) | x.echo) & (sid >= 0)]  # [m] Z_i ≥ |O'_i|
+    pos = torch.searchsorted(seqs.ids, counted).clamp(max=max(seqs.num - 1, 0))  # [m]
+    local = seqs.num > 0
+    hit = (seqs.ids[pos] == counted) if local else torch.zeros_like(counted, dtype=torch.bool)
+    return torch.bincount(pos[hit], minlength=seqs.num)  # [S] sequences without a row: skipped
 
 
 def _echo_term(
     per_tok: torch.Tensor,
+    x: LossInputs,
     cfg: LossConfig,
     norms: Normalizers,
-    seq: torch.Tensor | None,
-    z: torch.Tensor | None,
-    num_seq: int,
+    seqs: _Sequences,
 ) -> torch.Tensor:
+    """``L_echo``: ``per_tok = w·(-log p) [n_echo]`` normalised by ``cfg.echo_normalization``."""
     mode = cfg.echo_normalization
     if mode == "token_mean":
         return per_tok.sum() / max(norms.echo_tokens, 1)
@@ -287,219 +541,174 @@ def _echo_term(
         return per_tok.sum()
     if mode == "batch_token_mean":
         return per_tok.sum() / max(per_tok.numel(), 1) / max(norms.echo_batches, 1)
-    # sequence_mean: Σ_i (Σ_{t∈O'_i} w_t·nll_t / (Z_i + ε)) / S
-    assert seq is not None and z is not None
-    per_seq = per_tok.new_zeros(num_seq).index_add(0, seq, per_tok)
-    denom = z.to(per_tok.dtype) + cfg.echo_z_epsilon
-    denom = denom.masked_fill(z == 0, 1.0)  # a sequence without echo rows contributes 0
-    return (per_seq / denom).sum() / max(norms.sequences, 1)
+    # sequence_mean: Σ_i (Σ_{t∈O'_i} w_t·nll_t / (Z_i + ε)) / S_echo
+    assert seqs.echo_index is not None  # _check_requirements
+    z = _observation_counts(x, seqs)  # [S]
+    per_seq = per_tok.new_zeros(seqs.num).index_add(0, seqs.echo_index, per_tok)  # [S]
+    denom = z.to(per_tok.dtype) + cfg.echo_z_epsilon  # [S]
+    denom = denom.masked_fill(z == 0, 1.0)  # [S] a sequence without echo rows contributes 0
+    return (per_seq / denom).sum() / max(norms.echo_sequences, 1)
 
 
-def _compute(
-    lp: torch.Tensor,
+# ---------------------------------------------------------------- 7. metrics
+
+
+def _metrics(
+    x: LossInputs,
+    rl_idx: torch.Tensor,
+    echo_idx: torch.Tensor,
+    rl: _RLRows,
     ent: torch.Tensor | None,
-    rows: _Rows,
-    normalizers: Normalizers | None,
-    policy_fn: PolicyFn | None,
-) -> LossOutput:
-    cfg = rows.config
-    rl_idx = rows.rl.nonzero().squeeze(1)
-    echo_idx = rows.echo.nonzero().squeeze(1)
-    n_rl, n_echo = int(rl_idx.numel()), int(echo_idx.numel())
-
-    # Local sequences: those with at least one RL or echo row, numbered 0..S_local-1.
-    seq_rl = seq_echo = table = None
-    num_seq = 0
-    if rows.sequence_ids is not None:
-        sid = rows.sequence_ids.long()
-        part_ids = sid[rows.rl | rows.echo]
-        uniq = torch.unique(part_ids)
-        num_seq = int(uniq.numel())
-        size = int(sid.max()) + 1 if sid.numel() else 0
-        table = torch.full((max(size, 1),), -1, dtype=torch.long, device=sid.device)
-        table[uniq] = torch.arange(num_seq, device=sid.device)
-        seq_rl = table[sid[rl_idx]]
-        seq_echo = table[sid[echo_idx]]
-
-    local = Normalizers(
-        rl_tokens=n_rl, echo_tokens=n_echo, sequences=num_seq, echo_batches=int(n_echo > 0)
-    )
-    if normalizers is None:
-        norms = local
-    else:
-        _check_normalizers(normalizers, local, cfg)
-        norms = normalizers
-
-    # ---- RL term (RL rows only) ----
-    lp_rl = lp.index_select(0, rl_idx)
-    rl_means: dict[str, torch.Tensor] = {}
-    flags: dict[str, torch.Tensor] = {}
-    if cfg.mode == "sft" or n_rl == 0:
-        per_tok = -lp_rl  # the SFT NLL; an empty (zero) sum when there are no RL rows
-    else:
-        assert rows.advantages is not None
-        adv = rows.advantages.index_select(0, rl_idx).to(lp.dtype) * cfg.adv_tau
-        lq = (
-            None
-            if rows.inference_logprobs is None
-            else rows.inference_logprobs.index_select(0, rl_idx).to(lp.dtype)
-        )
-        if rows.old_logprobs is not None:
-            base = rows.old_logprobs.index_select(0, rl_idx).to(lp.dtype)
-        elif cfg.mismatch is not None or lq is None:
-            base = lp_rl.detach()  # on-policy: the behaviour policy is the current one
-        else:
-            base = lq  # prime-rl: the ratio is taken against the inference logprobs
-        base = base.detach()
-        inputs = PolicyInputs(lp_rl, base, adv, seq_rl, num_seq)
-        clamp = cfg.log_ratio_clamp
-        out: PolicyOutput
-        if cfg.policy == "dppo":
-            out = dppo_loss(inputs, low=cfg.dppo_low, high=cfg.dppo_high, log_ratio_clamp=clamp)
-        elif cfg.policy == "ppo_clip":
-            lo, hi = cfg.resolved_eps
-            out = ppo_clip_loss(
-                inputs, eps_low=lo, eps_high=hi, dual_clip=cfg.dual_clip, log_ratio_clamp=clamp
-            )
-        elif cfg.policy == "cispo":
-            out = cispo_loss(
-                inputs, weight_max=cfg.cispo_max, weight_min=cfg.cispo_min, log_ratio_clamp=clamp
-            )
-        elif cfg.policy == "gspo":
-            lo, hi = cfg.resolved_eps
-            out = gspo_loss(inputs, eps_low=lo, eps_high=hi, log_ratio_clamp=clamp)
-        elif cfg.policy == "reinforce":
-            out = reinforce_loss(inputs)
-        else:
-            assert policy_fn is not None
-            out = policy_fn(inputs, cfg)
-            if not isinstance(out, PolicyOutput) or out.loss.shape != lp_rl.shape:
-                raise TypeError(
-                    f"policy_fn: expected a PolicyOutput whose loss has shape {list(lp_rl.shape)} "
-                    f"(one entry per RL row), got {describe(getattr(out, 'loss', out))}"
-                )
-        per_tok = out.loss
-        flags.update(out.flags)
-        if cfg.mismatch is not None:
-            assert lq is not None
-            w, wf = mismatch_weights(
-                base,
-                lq,
-                mode=cfg.mismatch,
-                weight_max=cfg.mismatch_max,
-                weight_min=cfg.mismatch_min,
-                sequence_index=seq_rl,
-                num_sequences=num_seq,
-                log_ratio_clamp=clamp,
-            )
-            per_tok = per_tok * w
-            flags.update(wf)
-            rl_means["is_weight"] = w
-        kl_tau = cfg.resolved_kl_tau
-        if kl_tau != 0:
-            log_ratio = lp_rl - base
-            per_tok = per_tok + kl_tau * log_ratio * log_ratio
-        if cfg.kl_coef != 0:
-            assert rows.ref_logprobs is not None
-            ref = rows.ref_logprobs.index_select(0, rl_idx).to(lp.dtype)
-            kl = kl_penalty(lp_rl, ref, estimator=cfg.kl_estimator, log_ratio_clamp=clamp)
-            per_tok = per_tok + cfg.kl_coef * kl
-            rl_means["ref_kl"] = kl.detach()
-        if cfg.entropy_coef != 0:
-            assert ent is not None
-            per_tok = per_tok - cfg.entropy_coef * ent.index_select(0, rl_idx)
-        if lq is not None:
-            with torch.no_grad():
-                rl_means["mismatch_kl"] = k3(lp_rl - lq, cfg.log_ratio_clamp)
-    if ent is not None and cfg.compute_entropy:
-        rl_means["entropy"] = ent.detach().index_select(0, rl_idx)
-    rl_term = _rl_term(per_tok, cfg, norms, seq_rl, num_seq)
-
-    # ---- echo term (echo rows only): -w · logprob, no ratio / trust region / KL / adv_tau ----
-    lp_echo = lp.index_select(0, echo_idx)
-    if rows.echo_weights is not None:
-        w_echo = rows.echo_weights.index_select(0, echo_idx).to(lp.dtype)
-    else:
-        w_echo = lp_echo.new_zeros(0)
-    z = None
-    if cfg.echo_normalization == "sequence_mean" and table is not None:
-        assert rows.observation_mask is not None and rows.sequence_ids is not None
-        sid = rows.sequence_ids.long()
-        counted = (rows.observation_mask | rows.echo) & (sid >= 0)  # Z_i ≥ |O'_i| always
-        zs = table[sid[counted]]  # -1: a sequence with no RL or echo row (contributes 0)
-        zs = zs[zs >= 0]
-        z = torch.bincount(zs, minlength=num_seq)
-    echo_term = _echo_term(w_echo * -lp_echo, cfg, norms, seq_echo, z, num_seq)
-
-    loss = rl_term + echo_term
-    if n_rl == 0 and n_echo == 0:
-        # Keep the (zero) loss connected to the graph: distributed backward must not hang.
-        loss = loss + lp.sum() * 0.0
+    cfg: LossConfig,
+    echo_nll: torch.Tensor,
+    totals: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    means = dict(rl.means)
+    if ent is not None and (cfg.compute_entropy or cfg.entropy_coef != 0):
+        means["entropy"] = ent.detach().index_select(0, rl_idx)  # [n_rl]
     env_rl = env_echo = None
     env_list: list[str] = []
-    if rows.env_names is not None and rows.sequence_ids is not None:
-        env_list = sorted({e for e in rows.env_names if e})
+    sid = x.flat("sequence_ids")
+    if x.env_names is not None and sid is not None:
+        env_list = sorted({e for e in x.env_names if e})
         lookup = {e: i for i, e in enumerate(env_list)}
         seq_env = torch.tensor(
-            [lookup.get(e, -1) for e in rows.env_names], dtype=torch.long, device=lp.device
-        )
-        sid = rows.sequence_ids.long()
-        env_rl = seq_env[sid[rl_idx]]
-        env_echo = seq_env[sid[echo_idx]]
-    metrics = loss_metrics(
+            [lookup.get(e, -1) for e in x.env_names], dtype=torch.long, device=echo_nll.device
+        )  # [num sequence ids] env index, -1 = none
+        sid = sid.long()  # [N]
+        env_rl = seq_env[sid[rl_idx]]  # [n_rl]
+        env_echo = seq_env[sid[echo_idx]]  # [n_echo]
+    return loss_metrics(
         rl_env=env_rl,
         echo_env=env_echo,
         env_names=env_list,
-        num_rl=n_rl,
-        num_echo=n_echo,
-        rl_means=rl_means,
-        rl_flags=flags,
-        echo_nll=-lp_echo.detach(),
-        totals={"loss_rl": rl_term, "loss_echo": echo_term},
-        device=lp.device,
+        num_rl=int(rl_idx.numel()),
+        num_echo=int(echo_idx.numel()),
+        rl_means=means,
+        rl_flags=rl.flags,
+        echo_nll=echo_nll,
+        totals=totals,
+        device=echo_nll.device,
+    )
+
+
+# ---------------------------------------------------------------- the loss from logprobs
+
+
+def loss_from_logprobs(
+    lp: torch.Tensor,
+    ent: torch.Tensor | None,
+    x: LossInputs,
+    cfg: LossConfig,
+    normalizers: Normalizers | None,
+    policy_fn: PolicyFn | None,
+    *,
+    source: str,
+    spec: PolicySpec | None = None,
+) -> LossOutput:
+    """The loss algebra shared by every entry point, on ``[N]`` logprobs already scored.
+
+    Args:
+        lp: ``[N]`` logprobs (differentiable); rows that do not participate are never read.
+        ent: ``[N]`` entropy or None.
+        x: the validated record.
+        cfg: the loss config.
+        normalizers: global counts or None (this call is the whole batch).
+        policy_fn: the per-call policy of ``policy="custom"``, else None.
+        source: the argument the logprobs came from, for error messages.
+        spec: the policy's spec when the requirements were already checked.
+
+    Returns:
+        [`LossOutput`][echoloss.loss.LossOutput].
+    """
+    if spec is None:
+        spec = _check_requirements(x, cfg, policy_fn)
+    if cfg.check_finite:
+        _check_scored(lp, x, source)
+    rl_idx = x.rl.nonzero().squeeze(1)  # [n_rl]
+    echo_idx = x.echo.nonzero().squeeze(1)  # [n_echo]
+    seqs = _local_sequences(x, rl_idx, echo_idx)
+    n_echo = int(echo_idx.numel())
+    local = Normalizers(
+        rl_tokens=int(rl_idx.numel()),
+        echo_tokens=n_echo,
+        sequences=seqs.num,
+        echo_batches=int(n_echo > 0),
+        rl_sequences=seqs.rl_count,
+        echo_sequences=seqs.echo_count,
+    )
+    norms = _resolve_normalizers(normalizers, local, cfg)
+
+    rl = _rl_per_token(lp, ent, x, rl_idx, seqs, cfg, spec, policy_fn)
+    rl_term = _rl_term(rl.per_token, cfg, norms, seqs)  # 0-dim
+
+    # Echo rows: -w · logprob, no ratio / trust region / KL / adv_tau.
+    lp_echo = lp.index_select(0, echo_idx)  # [n_echo]
+    ew = x.flat("echo_weights")
+    w_echo = lp_echo.new_zeros(0) if ew is None else ew.index_select(0, echo_idx).to(lp.dtype)
+    echo_term = _echo_term(w_echo * -lp_echo, x, cfg, norms, seqs)  # 0-dim
+
+    loss = rl_term + echo_term  # 0-dim
+    if rl_idx.numel() == 0 and n_echo == 0:
+        # Keep the (zero) loss connected to the graph: distributed backward must not hang.
+        loss = loss + lp.sum() * 0.0
+    metrics = _metrics(
+        x,
+        rl_idx,
+        echo_idx,
+        rl,
+        ent,
+        cfg,
+        -lp_echo.detach(),
+        {"loss_rl": rl_term, "loss_echo": echo_term},
     )
     return LossOutput(loss, metrics)
 
 
 def echo_loss_from_logprobs(
     logprobs: torch.Tensor,
+    inputs: LossInputs | None = None,
     *,
-    rl_mask: torch.Tensor,
-    echo_weights: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    inference_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     config: LossConfig | None = None,
     normalizers: Normalizers | None = None,
+    policy_fn: PolicyFn | None = None,
+    rl_mask: torch.Tensor | None = None,
+    echo_weights: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    inference_logprobs: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     observation_mask: torch.Tensor | None = None,
     env_names: Sequence[str] | None = None,
-    policy_fn: PolicyFn | None = None,
 ) -> LossOutput:
     """The loss of [`echo_loss`][echoloss.loss.echo_loss] from per-token logprobs (and entropy) computed elsewhere.
 
     ``logprobs`` must already be at the right temperature per row (sampling temperature on RL
-    rows; see ``LossConfig.echo_temperature`` for echo rows). Values on rows that do not
-    participate are never read.
+    rows; see ``LossConfig.echo_temperature`` for echo rows): the record's ``labels`` and
+    ``temperature`` are not read here. Values on rows that do not participate are never read.
 
     Args:
         logprobs: ``[N]`` float, differentiable.
-        rl_mask, echo_weights, advantages, inference_logprobs, config, normalizers, old_logprobs,
-            ref_logprobs, sequence_ids, observation_mask, env_names, policy_fn: as in
-            [`echo_loss`][echoloss.loss.echo_loss], with shape ``[N]``.
+        inputs: the per-token inputs (`echoloss.LossInputs`, shape ``[N]``).
         entropy: ``[N]`` per-token entropy: required when ``config.entropy_coef != 0``; used for
             the ``entropy`` metric when given.
+        config, normalizers, policy_fn: as in [`echo_loss`][echoloss.loss.echo_loss].
+        rl_mask, echo_weights, advantages, inference_logprobs, old_logprobs, ref_logprobs,
+            sequence_ids, observation_mask, env_names: the keyword form, instead of ``inputs``:
+            the fields of `echoloss.LossInputs`.
 
     Returns:
         [`LossOutput`][echoloss.loss.LossOutput].
 
     Examples:
+        >>> from echoloss.loss import LossInputs
         >>> lp = torch.tensor([-0.2, -0.4], requires_grad=True)
-        >>> out = echo_loss_from_logprobs(
-        ...     lp, rl_mask=torch.tensor([True, False]), echo_weights=torch.tensor([0.0, 0.5]),
-        ...     advantages=torch.tensor([1.0, 0.0]), inference_logprobs=torch.tensor([-0.2, 0.0]))
+        >>> x = LossInputs(rl_mask=torch.tensor([True, False]), echo_weights=torch.tensor([0.0, 0.5]),
+        ...                advantages=torch.tensor([1.0, 0.0]),
+        ...                inference_logprobs=torch.tensor([-0.2, 0.0]))
+        >>> out = echo_loss_from_logprobs(lp, x)
         >>> out.loss  # RL: -1·1·r(=1) / 1 token; echo: -0.5·(-0.4) / 1 token
         tensor(-0.8000, grad_fn=<AddBackward0>)
         >>> out.loss.backward(); lp.grad
@@ -507,35 +716,30 @@ def echo_loss_from_logprobs(
     """
     logprobs = check_tensor("logprobs", logprobs)
     if not logprobs.dtype.is_floating_point:
-        raise TypeError(f"logprobs: expected a float tensor, got {describe(logprobs)}")
-    shape, dev = logprobs.shape, logprobs.device
-    rows = _validate(
-        shape,
-        dev,
-        rl_mask=rl_mask,
-        echo_weights=echo_weights,
-        advantages=advantages,
-        inference_logprobs=inference_logprobs,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        sequence_ids=sequence_ids,
-        observation_mask=observation_mask,
-        env_names=env_names,
-        config=config,
-        policy_fn=policy_fn,
-        normalizers=normalizers,
+        raise TypeError(problem("logprobs", "a float tensor", describe(logprobs)))
+    keywords = {
+        "rl_mask": rl_mask,
+        "echo_weights": echo_weights,
+        "advantages": advantages,
+        "inference_logprobs": inference_logprobs,
+        "old_logprobs": old_logprobs,
+        "ref_logprobs": ref_logprobs,
+        "sequence_ids": sequence_ids,
+        "observation_mask": observation_mask,
+        "env_names": env_names,
+    }
+    if isinstance(inputs, torch.Tensor):
+        raise TypeError(problem("inputs", "an echoloss.LossInputs record", describe(inputs)))
+    x = resolve_inputs(
+        inputs, keywords, shape=logprobs.shape, device=logprobs.device, source="logprobs"
     )
+    cfg = _check_config(config)
+    ent = None
     if entropy is not None:
-        entropy = check_per_token("entropy", entropy, shape, dev, "float").reshape(-1)
-    if rows.config.entropy_coef != 0 and entropy is None and bool(rows.rl.any()):
-        raise ValueError(
-            f"entropy: required by entropy_coef={rows.config.entropy_coef} ([N] per-token entropy, "
-            "differentiable)"
-        )
-    lp = logprobs.reshape(-1)
-    part = rows.rl | rows.echo
-    check_finite("logprobs", lp, part)
-    return _compute(lp, entropy, rows, normalizers, policy_fn)
+        ent = check_per_token("entropy", entropy, x.shape, x.device, "float").reshape(-1)  # [N]
+    return loss_from_logprobs(
+        logprobs.reshape(-1), ent, x, cfg, normalizers, policy_fn, source="logprobs"
+    )
 
 
 def row_temperature_and_entropy(
@@ -554,7 +758,7 @@ def row_temperature_and_entropy(
     that computes logprobs for the loss (logits, fused-linear).
 
     Args:
-        temperature: a float, a 0-dim tensor, or ``lead``-shaped per-row temperatures.
+        temperature: a float, or ``lead``-shaped per-row temperatures (already checked).
         config: the loss config.
         rl: ``[N]`` bool RL rows (flat).
         echo: ``[N]`` bool echo rows (flat).
@@ -562,7 +766,8 @@ def row_temperature_and_entropy(
 
     Returns:
         ``(temperature, need_entropy)``; the temperature is ``lead``-shaped when echo rows
-        change it, else as given.
+        change it, else as given. A scalar temperature becomes an fp64 tensor (every digit of a
+        Python float kept; the op casts it to its compute dtype).
 
     Examples:
         >>> t, ent = row_temperature_and_entropy(
@@ -571,17 +776,13 @@ def row_temperature_and_entropy(
         >>> t.tolist(), ent
         ([0.5, 1.0], True)
     """
-    dev = rl.device
     temp: float | torch.Tensor = temperature
     if config.echo_temperature == "one" and bool(echo.any()):
-        if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
-            t = check_per_token("temperature", temperature, lead, dev, "float").reshape(-1)
-            temp = t.masked_fill(echo, 1.0).view(lead)
-        else:
-            t0 = float(temperature)
-            if t0 != 1.0:
-                temp = torch.full(lead, t0, dtype=torch.float32, device=dev)
-                temp.view(-1).masked_fill_(echo, 1.0)
+        if isinstance(temperature, torch.Tensor):
+            temp = temperature.reshape(-1).masked_fill(echo, 1.0).view(lead)
+        elif float(temperature) != 1.0:
+            full = torch.full(lead, float(temperature), dtype=torch.float64, device=rl.device)
+            temp = full.view(-1).masked_fill_(echo, 1.0).view(lead)
     need_entropy = bool(rl.any()) and (config.compute_entropy or config.entropy_coef != 0)
     return temp, need_entropy
 
@@ -589,23 +790,24 @@ def row_temperature_and_entropy(
 @compiler_disable
 def echo_loss(
     logits: torch.Tensor,
-    labels: torch.Tensor,
+    inputs: LossInputs | torch.Tensor | None = None,
     *,
-    rl_mask: torch.Tensor,
-    echo_weights: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    inference_logprobs: torch.Tensor | None = None,
-    temperature: float | torch.Tensor = 1.0,
     config: LossConfig | None = None,
     normalizers: Normalizers | None = None,
     backend: str = "auto",
+    chunk_size: int | None = None,
+    policy_fn: PolicyFn | None = None,
+    labels: torch.Tensor | None = None,
+    rl_mask: torch.Tensor | None = None,
+    echo_weights: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    inference_logprobs: torch.Tensor | None = None,
+    temperature: float | torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     observation_mask: torch.Tensor | None = None,
     env_names: Sequence[str] | None = None,
-    policy_fn: PolicyFn | None = None,
-    chunk_size: int | None = None,
 ) -> LossOutput:
     """RL loss on action rows plus echo cross-entropy on observation rows, from logits.
 
@@ -617,56 +819,50 @@ def echo_loss(
     share one chunked log-softmax ([`echoloss.selective_logprobs`][echoloss.ops.selective_logprobs]), computed only on rows that
     participate. ``docs/loss.md`` has every formula and decision.
 
+    Two call forms, the same loss:
+
+    - ``echo_loss(logits, inputs)`` with a `echoloss.LossInputs` record (built by
+      ``LossInputs.from_targets(next_token_targets(batch))`` or by hand);
+    - the keyword form ``echo_loss(logits, labels, rl_mask=..., echo_weights=..., ...)``, a thin
+      shim that builds the record from the keywords (the record's fields, same names; a scalar
+      or per-row ``temperature``).
+
     Args:
         logits: ``[N, V]`` (or ``[B, T, V]``, then every per-token input is ``[B, T]``), any float
-            dtype; logprobs are computed in fp32.
-        labels: ``[N]`` int64, the token each row predicts (already shifted).
-        rl_mask: ``[N]`` bool, True = RL row. An echoed row leaves the RL set.
-        echo_weights: ``[N]`` float ≥ 0: the echo weight (λ or α) of each row, ``0`` = not
-            echoed (never counted anywhere). None = no echo.
-        advantages: ``[N]`` float, read on RL rows only. Required in mode ``"rl"``.
-        inference_logprobs: ``[N]`` float sampling logprobs, read on RL rows only (echo rows'
-            placeholders are never read). Required by ratio policies and mismatch correction.
-        temperature: sampling temperature, a float or ``[N]`` float (RL rows always use it; echo
-            rows use it only with ``echo_temperature="sampling"``, else ``T = 1``).
+            dtype; logprobs are computed in fp32 (fp64 for fp64 logits).
+        inputs: the per-token inputs (`echoloss.LossInputs`, ``labels`` required), or the
+            labels tensor of the keyword form.
         config: [`echoloss.LossConfig`][echoloss.loss.config.LossConfig]; None = defaults (dppo, token means).
         normalizers: global counts ([`echoloss.Normalizers`][echoloss.loss.normalization.Normalizers]) of the optimiser step; None
             means "this call is the whole batch".
         backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see [`echoloss.selective_logprobs`][echoloss.ops.selective_logprobs]).
-        old_logprobs: ``[N]`` optional trainer-side logprobs of the behaviour policy; the ratio's
-            denominator when given (otherwise the inference logprobs, or the current logprobs
-            detached when ``config.mismatch`` is set).
-        ref_logprobs: ``[N]`` reference-model logprobs, required when ``config.kl_coef > 0``.
-        sequence_ids: ``[N]`` int64 row → sequence within the micro-batch (``-1`` = padding).
-            Required by ``gspo``, sequence-level mismatch, the ``sequence_mean*`` normalisers and
-            ``env_names``. A sequence must not be split across micro-batches.
-        observation_mask: ``[N]`` bool rows counted in the paper's ``Z_i = |O_i|`` (observation
-            body, warnings included). Required by ``echo_normalization="sequence_mean"``; echo rows
-            always count in ``Z_i``.
-        env_names: env name per sequence id (``""`` = padding / no env); adds ``<name>/<env>``
-            metrics. ``"all"`` is reserved.
-        policy_fn: ``fn(PolicyInputs, LossConfig) -> PolicyOutput`` for ``policy="custom"``.
         chunk_size: rows per chunk of the logprob computation (None = automatic).
+        policy_fn: ``fn(PolicyInputs, LossConfig) -> PolicyOutput`` for ``policy="custom"``
+            (or register it once with [`echoloss.loss.register_policy`][echoloss.loss.policy.register_policy]).
+        labels, rl_mask, echo_weights, advantages, inference_logprobs, temperature, old_logprobs,
+            ref_logprobs, sequence_ids, observation_mask, env_names: the keyword form: the
+            fields of `echoloss.LossInputs`, with the same meaning and shapes.
 
     Returns:
         [`LossOutput`][echoloss.loss.LossOutput] ``(loss, metrics)``.
 
     Raises:
         TypeError, ValueError: on a bad input (the message names the argument and the fix), on
-            echo rows with ``mode="sft"``, or with a custom policy unless allowed.
+            echo rows with ``mode="sft"``, with a custom policy unless allowed, or on a
+            participating row whose logprob is not finite (NaN/inf logits; ``check_finite``).
 
     Examples:
-        Golden case B of echo-semantics.md §13 (logits chosen so that log p = [-0.2, -0.4]):
+        Golden case B (logits chosen so that log p = [-0.2, -0.4]):
 
         >>> import torch
-        >>> from echoloss.loss import LossConfig, Normalizers
+        >>> from echoloss.loss import LossConfig, LossInputs, Normalizers
         >>> lp = torch.tensor([-0.2, -0.4])
         >>> logits = torch.stack([lp, torch.log(-torch.expm1(lp))], 1).requires_grad_()
+        >>> x = LossInputs(labels=torch.tensor([0, 0]), rl_mask=torch.tensor([True, True]),
+        ...                echo_weights=torch.tensor([0.0, 2.0]), advantages=torch.tensor([1.0, 2.0]),
+        ...                inference_logprobs=lp)
         >>> cfg = LossConfig(dppo_low=10, dppo_high=10, kl_tau=0)
-        >>> out = echo_loss(logits, torch.tensor([0, 0]), rl_mask=torch.tensor([True, True]),
-        ...                 echo_weights=torch.tensor([0.0, 2.0]), advantages=torch.tensor([1.0, 2.0]),
-        ...                 inference_logprobs=lp, config=cfg,
-        ...                 normalizers=Normalizers(rl_tokens=1, echo_tokens=4))
+        >>> out = echo_loss(logits, x, config=cfg, normalizers=Normalizers(rl_tokens=1, echo_tokens=4))
         >>> # RL rows: row 0 only (row 1 is echoed); echo_loss_scale 4 as in the golden case
         >>> round(out.loss.item(), 5)  # RL -1.0 + echo -(2·-0.4)/4 = 0.2
         -0.8
@@ -675,43 +871,44 @@ def echo_loss(
     """
     logits = check_tensor("logits", logits)
     if not logits.dtype.is_floating_point or logits.dim() not in (2, 3):
-        raise TypeError(
-            f"logits: expected a float tensor [N, V] or [B, T, V], got {describe(logits)}"
+        raise TypeError(problem("logits", "a float tensor [N, V] or [B, T, V]", describe(logits)))
+    keywords = {
+        "labels": labels,
+        "rl_mask": rl_mask,
+        "echo_weights": echo_weights,
+        "advantages": advantages,
+        "inference_logprobs": inference_logprobs,
+        "old_logprobs": old_logprobs,
+        "ref_logprobs": ref_logprobs,
+        "sequence_ids": sequence_ids,
+        "observation_mask": observation_mask,
+        "temperature": temperature,
+        "env_names": env_names,
+    }
+    lead = logits.shape[:-1]
+    x = resolve_inputs(inputs, keywords, shape=lead, device=logits.device, source="logits")
+    if x.labels is None:
+        raise ValueError(
+            "labels is required by echo_loss ([N] int64, the token each logits row predicts): "
+            "set LossInputs(labels=...) (from_targets takes them from next_token_targets)"
         )
-    lead, dev = logits.shape[:-1], logits.device
-    rows = _validate(
-        lead,
-        dev,
-        rl_mask=rl_mask,
-        echo_weights=echo_weights,
-        advantages=advantages,
-        inference_logprobs=inference_logprobs,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        sequence_ids=sequence_ids,
-        observation_mask=observation_mask,
-        env_names=env_names,
-        config=config,
-        policy_fn=policy_fn,
-        normalizers=normalizers,
-    )
-    cfg = rows.config
-    part = rows.rl | rows.echo
+    cfg = _check_config(config)
+    spec = _check_requirements(x, cfg, policy_fn)
     temp, need_ent = row_temperature_and_entropy(
-        temperature, cfg, rl=rows.rl, echo=rows.echo, lead=lead
+        x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
     )
     res = selective_logprobs(
         logits,
-        labels,
+        x.labels,
         temperature=temp,
         return_entropy=need_ent,
         chunk_size=chunk_size,
-        mask=part.view(lead),
+        mask=(x.rl | x.echo).view(lead),
         backend=backend,
     )
-    lp, ent = res if need_ent else (res, None)
-    lp = lp.reshape(-1)
-    ent = None if ent is None else ent.reshape(-1)
+    lp, ent = res if isinstance(res, tuple) else (res, None)
+    lp = lp.reshape(-1)  # [N]
+    ent = None if ent is None else ent.reshape(-1)  # [N]
     if ent is not None and cfg.entropy_coef == 0:
         ent = ent.detach()
-    return _compute(lp, ent, rows, normalizers, policy_fn)
+    return loss_from_logprobs(lp, ent, x, cfg, normalizers, policy_fn, source="logits", spec=spec)

@@ -1,4 +1,9 @@
-"""``echo_loss_from_hidden``: [`echoloss.echo_loss`][echoloss.loss.echo_loss] from hidden states and the LM head."""
+"""``echo_loss_from_hidden``: [`echoloss.echo_loss`][echoloss.loss.echo_loss] from hidden states and the LM head.
+
+The third loss entry point: the same `LossInputs` record and loss
+algebra (`echoloss.loss.core.loss_from_logprobs`), with the logprobs computed by the
+chunked fused-linear op [`echoloss.ops.fused_linear.linear_selective_logprobs`][echoloss.ops.fused_linear.linear_selective_logprobs].
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,20 @@ from collections.abc import Sequence
 import torch
 
 from echoloss._compile import compiler_disable
+from echoloss._validate import check_chunk_size
 from echoloss.loss.config import LossConfig
-from echoloss.loss.core import LossOutput, echo_loss_from_logprobs, row_temperature_and_entropy
-from echoloss.loss.normalization import Normalizers, split_rows
-from echoloss.loss.policy import PolicyFn
-from echoloss.ops._checks import (
-    check_chunk_size,
-    check_per_token,
-    check_temperature,
-    check_tensor,
-    describe,
+from echoloss.loss.core import (
+    LossOutput,
+    _check_config,
+    _check_requirements,
+    loss_from_logprobs,
+    resolve_inputs,
+    row_temperature_and_entropy,
 )
-from echoloss.ops.fused_linear.op import _apply, _check_linear_inputs, _prepare
+from echoloss.loss.inputs import LossInputs
+from echoloss.loss.normalization import Normalizers
+from echoloss.loss.policy import PolicyFn
+from echoloss.ops.fused_linear.op import check_linear_inputs, linear_logprobs_rows
 
 __all__ = ["echo_loss_from_hidden"]
 
@@ -27,23 +34,24 @@ __all__ = ["echo_loss_from_hidden"]
 def echo_loss_from_hidden(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    labels: torch.Tensor,
+    inputs: LossInputs | torch.Tensor | None = None,
     *,
-    rl_mask: torch.Tensor,
-    echo_weights: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    inference_logprobs: torch.Tensor | None = None,
-    temperature: float | torch.Tensor = 1.0,
     config: LossConfig | None = None,
     normalizers: Normalizers | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    policy_fn: PolicyFn | None = None,
+    labels: torch.Tensor | None = None,
+    rl_mask: torch.Tensor | None = None,
+    echo_weights: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    inference_logprobs: torch.Tensor | None = None,
+    temperature: float | torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     sequence_ids: torch.Tensor | None = None,
     observation_mask: torch.Tensor | None = None,
     env_names: Sequence[str] | None = None,
-    policy_fn: PolicyFn | None = None,
 ) -> LossOutput:
     """[`echoloss.echo_loss`][echoloss.loss.echo_loss] on ``logits = hidden @ weight.T``, without the ``[N, V]`` logits.
 
@@ -60,11 +68,12 @@ def echo_loss_from_hidden(
     Args:
         hidden: ``[N, H]`` final hidden states (the LM head's input), bf16/fp16/fp32/fp64.
         weight: ``[V, H]`` LM-head weight (``lm_head.weight``), same dtype and device.
-        labels: ``[N]`` integer, the token each row predicts (already shifted); in ``[0, V)``
-            on every participating row.
-        rl_mask, echo_weights, advantages, inference_logprobs, temperature, config,
-            normalizers, old_logprobs, ref_logprobs, sequence_ids, observation_mask, env_names,
-            policy_fn: as in [`echoloss.echo_loss`][echoloss.loss.echo_loss], every per-token tensor ``[N]``.
+        inputs: the per-token inputs (`echoloss.LossInputs`, shape ``[N]``, ``labels``
+            in ``[0, V)`` on every participating row), or the labels tensor of the keyword form.
+        config, normalizers, policy_fn: as in [`echoloss.echo_loss`][echoloss.loss.echo_loss].
+        labels, rl_mask, echo_weights, advantages, inference_logprobs, temperature,
+            old_logprobs, ref_logprobs, sequence_ids, observation_mask, env_names: the keyword
+            form, as in [`echoloss.echo_loss`][echoloss.loss.echo_loss], every per-token tensor ``[N]``.
         chunk_size: participating rows per chunk; None = about ``2^26`` logits elements.
         backend: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"reference"``
             or ``"triton"``: the selective-logprob phases run on each chunk's logits.
@@ -79,14 +88,15 @@ def echo_loss_from_hidden(
         Golden case B of ``echo_loss`` with an identity LM head (``logits = hidden``):
 
         >>> import torch
-        >>> from echoloss.loss import LossConfig, Normalizers
+        >>> from echoloss.loss import LossConfig, LossInputs, Normalizers
         >>> lp = torch.tensor([-0.2, -0.4])
         >>> hidden = torch.stack([lp, torch.log(-torch.expm1(lp))], 1).requires_grad_()
         >>> weight = torch.eye(2, requires_grad=True)
+        >>> x = LossInputs(labels=torch.tensor([0, 0]), rl_mask=torch.tensor([True, True]),
+        ...                echo_weights=torch.tensor([0.0, 2.0]), advantages=torch.tensor([1.0, 2.0]),
+        ...                inference_logprobs=lp)
         >>> out = echo_loss_from_hidden(
-        ...     hidden, weight, torch.tensor([0, 0]), rl_mask=torch.tensor([True, True]),
-        ...     echo_weights=torch.tensor([0.0, 2.0]), advantages=torch.tensor([1.0, 2.0]),
-        ...     inference_logprobs=lp, config=LossConfig(dppo_low=10, dppo_high=10, kl_tau=0),
+        ...     hidden, weight, x, config=LossConfig(dppo_low=10, dppo_high=10, kl_tau=0),
         ...     normalizers=Normalizers(rl_tokens=1, echo_tokens=4), backend="reference")
         >>> round(out.loss.item(), 5)  # RL -1.0 + echo -(2·-0.4)/4
         -0.8
@@ -94,39 +104,37 @@ def echo_loss_from_hidden(
         >>> hidden.grad.shape, weight.grad.shape
         (torch.Size([2, 2]), torch.Size([2, 2]))
     """
-    hidden, weight = _check_linear_inputs(hidden, weight)
-    lead, dev = hidden.shape[:1], hidden.device
-    cfg = LossConfig() if config is None else config
-    if not isinstance(cfg, LossConfig):
-        raise TypeError(f"config: expected an echoloss.LossConfig or None, got {describe(config)}")
-    rl_in = check_per_token("rl_mask", check_tensor("rl_mask", rl_mask), lead, dev, "bool")
-    ew = None
-    if echo_weights is not None:
-        ew = check_per_token("echo_weights", echo_weights, lead, dev, "float")
+    hidden, weight = check_linear_inputs(hidden, weight)
+    keywords = {
+        "labels": labels,
+        "rl_mask": rl_mask,
+        "echo_weights": echo_weights,
+        "advantages": advantages,
+        "inference_logprobs": inference_logprobs,
+        "old_logprobs": old_logprobs,
+        "ref_logprobs": ref_logprobs,
+        "sequence_ids": sequence_ids,
+        "observation_mask": observation_mask,
+        "temperature": temperature,
+        "env_names": env_names,
+    }
+    lead = hidden.shape[:1]
+    x = resolve_inputs(inputs, keywords, shape=lead, device=hidden.device, source="hidden")
+    if x.labels is None:
+        raise ValueError(
+            "labels is required by echo_loss_from_hidden ([N] int64, the token each hidden row "
+            "predicts): set LossInputs(labels=...)"
+        )
+    cfg = _check_config(config)
+    spec = _check_requirements(x, cfg, policy_fn)
     chunk_size = check_chunk_size(chunk_size)
-    rl, echo = split_rows(rl_in, ew)
-
     temp, need_ent = row_temperature_and_entropy(
-        check_temperature(temperature, lead, dev), cfg, rl=rl, echo=echo, lead=lead
+        x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
     )
-    flat_labels, rows, inv_t = _prepare(hidden, weight, labels, temp, rl | echo)
-    lp, ent_all = _apply(hidden, weight, flat_labels, rows, inv_t, need_ent, chunk_size, backend)
+    lp, ent_all = linear_logprobs_rows(
+        hidden, weight, x.labels, temp, x.rl | x.echo, need_ent, chunk_size, backend
+    )  # [N], [N] or [0]
     ent: torch.Tensor | None = None
     if need_ent:
         ent = ent_all if cfg.entropy_coef != 0 else ent_all.detach()
-    return echo_loss_from_logprobs(
-        lp,
-        rl_mask=rl_mask,
-        echo_weights=echo_weights,
-        advantages=advantages,
-        inference_logprobs=inference_logprobs,
-        entropy=ent,
-        config=config,
-        normalizers=normalizers,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        sequence_ids=sequence_ids,
-        observation_mask=observation_mask,
-        env_names=env_names,
-        policy_fn=policy_fn,
-    )
+    return loss_from_logprobs(lp, ent, x, cfg, normalizers, policy_fn, source="hidden", spec=spec)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from echoloss.ops._checks import check_per_token, check_tensor, describe
+from echoloss._validate import describe, problem
 
 __all__ = [
     "Normalizers",
@@ -42,27 +42,35 @@ class Normalizers:
         rl_tokens: RL rows (``rl_mask`` and not echoed): denominator of RL ``token_mean``.
         echo_tokens: echo rows (``echo_weights > 0``; weight 0 is never counted): denominator of
             echo ``token_mean``.
-        sequences: sequences with at least one RL or echo row: denominator of every
-            ``sequence_mean*`` mode (padding and sequences that train nothing do not count, so
-            dummy micro-batches cannot dilute the mean).
+        sequences: sequences with at least one RL or echo row (reported; no term divides by it).
         echo_batches: micro-batches with at least one echo row: denominator of echo
             ``batch_token_mean``.
+        rl_sequences: sequences with at least one RL row: denominator of the RL
+            ``sequence_mean*`` modes.
+        echo_sequences: sequences with at least one echo row: denominator of echo
+            ``sequence_mean``.
+
+    Each term has its own sequence count, so a sequence that trains only one term does not
+    dilute the other (an echo-only sequence leaves the RL mean unchanged); padding and sequences
+    that train nothing count nowhere, so dummy micro-batches cannot dilute a mean.
 
     Examples:
-        >>> Normalizers(rl_tokens=3, echo_tokens=1) + Normalizers(rl_tokens=2, sequences=1)
-        Normalizers(rl_tokens=5, echo_tokens=1, sequences=1, echo_batches=0)
+        >>> Normalizers(rl_tokens=3, echo_tokens=1) + Normalizers(rl_tokens=2, rl_sequences=1)
+        Normalizers(rl_tokens=5, echo_tokens=1, sequences=0, echo_batches=0, rl_sequences=1, echo_sequences=0)
     """
 
     rl_tokens: int = 0
     echo_tokens: int = 0
     sequences: int = 0
     echo_batches: int = 0
+    rl_sequences: int = 0
+    echo_sequences: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"Normalizers.{f.name}: expected an int ≥ 0, got {v!r}")
+                raise ValueError(problem(f"Normalizers.{f.name}", "an int ≥ 0", describe(v)))
 
     def __add__(self, other: Normalizers) -> Normalizers:
         if not isinstance(other, Normalizers):
@@ -75,7 +83,7 @@ class Normalizers:
         return NotImplemented  # type: ignore[return-value]
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """``[4]`` int64 in field order (what [`all_reduce_normalizers`][echoloss.loss.normalization.all_reduce_normalizers] reduces)."""
+        """``[6]`` int64 in field order (what [`all_reduce_normalizers`][echoloss.loss.normalization.all_reduce_normalizers] reduces)."""
         return torch.tensor(list(asdict(self).values()), dtype=torch.int64, device=device)
 
     @classmethod
@@ -119,33 +127,33 @@ def count_normalizers(
     Returns:
         [`Normalizers`][echoloss.loss.normalization.Normalizers] of this micro-batch.
 
+    Raises:
+        TypeError, ValueError: as `echoloss.LossInputs` (the same checks: a NaN or
+            negative echo weight, a participating row with sequence id -1, ...).
+
     Examples:
         >>> count_normalizers(rl_mask=torch.tensor([True, True, False, False]),
         ...                   echo_weights=torch.tensor([0.0, 0.5, 0.1, 0.0]),
         ...                   sequence_ids=torch.tensor([0, 0, 1, -1]))
-        Normalizers(rl_tokens=1, echo_tokens=2, sequences=2, echo_batches=1)
+        Normalizers(rl_tokens=1, echo_tokens=2, sequences=2, echo_batches=1, rl_sequences=1, echo_sequences=2)
     """
-    rl_mask = check_tensor("rl_mask", rl_mask)
-    shape, dev = rl_mask.shape, rl_mask.device
-    check_per_token("rl_mask", rl_mask, shape, dev, "bool")
-    if echo_weights is not None:
-        check_per_token("echo_weights", echo_weights, shape, dev, "float")
-    rl, echo = split_rows(
-        rl_mask.reshape(-1), None if echo_weights is None else echo_weights.reshape(-1)
-    )
-    n_echo = int(echo.sum())
-    seqs = 0
-    if sequence_ids is not None:
-        check_per_token("sequence_ids", sequence_ids, shape, dev, "int")
-        sid = sequence_ids.reshape(-1)[rl | echo]
-        if bool((sid < 0).any()):
-            raise ValueError(
-                "sequence_ids: a row that participates (RL or echo) has sequence id -1 (padding); "
-                "padding rows must have rl_mask False and echo weight 0"
-            )
-        seqs = int(torch.unique(sid).numel())
+    from echoloss.loss.inputs import LossInputs  # the record's checks, one definition
+
+    x = LossInputs(rl_mask=rl_mask, echo_weights=echo_weights, sequence_ids=sequence_ids)
+    n_echo = int(x.echo.sum())
+    seqs = rl_seqs = echo_seqs = 0
+    sid = x.flat("sequence_ids")
+    if sid is not None:
+        seqs = int(torch.unique(sid[x.rl | x.echo]).numel())
+        rl_seqs = int(torch.unique(sid[x.rl]).numel())
+        echo_seqs = int(torch.unique(sid[x.echo]).numel())
     return Normalizers(
-        rl_tokens=int(rl.sum()), echo_tokens=n_echo, sequences=seqs, echo_batches=int(n_echo > 0)
+        rl_tokens=int(x.rl.sum()),
+        echo_tokens=n_echo,
+        sequences=seqs,
+        echo_batches=int(n_echo > 0),
+        rl_sequences=rl_seqs,
+        echo_sequences=echo_seqs,
     )
 
 
@@ -172,10 +180,10 @@ def all_reduce_normalizers(
 
     Examples:
         >>> all_reduce_normalizers(Normalizers(rl_tokens=4))  # not distributed: unchanged
-        Normalizers(rl_tokens=4, echo_tokens=0, sequences=0, echo_batches=0)
+        Normalizers(rl_tokens=4, echo_tokens=0, sequences=0, echo_batches=0, rl_sequences=0, echo_sequences=0)
     """
     if not isinstance(normalizers, Normalizers):
-        raise TypeError(f"normalizers: expected Normalizers, got {describe(normalizers)}")
+        raise TypeError(problem("normalizers", "echoloss.Normalizers", describe(normalizers)))
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -213,7 +221,7 @@ def undo_data_parallel_averaging(
         tensor([[4., 4.]])
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size: expected an int ≥ 1, got {world_size!r}")
+        raise ValueError(problem("world_size", "an int ≥ 1", describe(world_size)))
     params = (
         model_or_params.parameters()
         if isinstance(model_or_params, torch.nn.Module)

@@ -11,21 +11,29 @@ Notation: ``lp`` = trainer logprob (differentiable), ``lp_old`` = the ratio's de
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+if TYPE_CHECKING:
+    from echoloss.loss.config import LossConfig
+
 __all__ = [
+    "POLICIES",
     "PolicyFn",
     "PolicyInputs",
     "PolicyOutput",
+    "PolicySpec",
     "cispo_loss",
     "dppo_loss",
     "gspo_loss",
     "kl_penalty",
     "mismatch_weights",
     "ppo_clip_loss",
+    "register_policy",
     "reinforce_loss",
     "sequence_mean",
 ]
@@ -64,8 +72,8 @@ class PolicyOutput(NamedTuple):
     flags: dict[str, torch.Tensor]
 
 
-#: A custom policy: ``fn(inputs, config) -> PolicyOutput`` (``config`` is the ``LossConfig``).
-PolicyFn = Callable[..., PolicyOutput]
+#: A policy: ``fn(inputs, config) -> PolicyOutput`` (``config`` is the ``LossConfig``).
+PolicyFn = Callable[[PolicyInputs, "LossConfig"], PolicyOutput]
 
 
 def _exp_ratio(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
@@ -363,3 +371,178 @@ def kl_penalty(
     if estimator == "k3":
         return k3(d, log_ratio_clamp)
     raise ValueError(f"kl_estimator: expected 'k1', 'k2' or 'k3', got {estimator!r}")
+
+
+# ---------------------------------------------------------------- the registry
+
+
+#: The ``LossConfig`` fields that parameterise one policy or another. A policy declares which of
+#: them it reads; ``LossConfig`` rejects a non-default value of any other (it would be ignored).
+POLICY_PARAMETERS: tuple[str, ...] = (
+    "dppo_low",
+    "dppo_high",
+    "eps_low",
+    "eps_high",
+    "dual_clip",
+    "cispo_max",
+    "cispo_min",
+)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What a policy needs, declared once; the loss and ``LossConfig`` act on these declarations.
+
+    Attributes:
+        name: the value of ``LossConfig.policy``.
+        fn: ``fn(PolicyInputs, LossConfig) -> PolicyOutput`` on the RL rows, or None for a
+            function supplied per call (``policy="custom"`` with ``policy_fn=``).
+        reads: the [`POLICY_PARAMETERS`][echoloss.loss.policy.POLICY_PARAMETERS] it reads (None = any: a caller-supplied function
+            may read every field).
+        uses_ratio: the loss is a function of ``lp - lp_old``: needs ``old_logprobs`` or
+            ``inference_logprobs`` for the ratio's denominator.
+        needs_sequences: needs ``sequence_ids`` (a per-sequence quantity).
+        defaults: policy defaults of the ``LossConfig`` fields left as None (``kl_tau``,
+            ``eps_low``, ``eps_high``).
+        echo_safe: the function can be trusted next to echo rows it never sees (False for a
+            caller-supplied function until ``allow_echo_with_custom_policy`` confirms it).
+    """
+
+    name: str
+    fn: PolicyFn | None
+    reads: tuple[str, ...] | None = ()
+    uses_ratio: bool = True
+    needs_sequences: bool = False
+    defaults: Mapping[str, float] = field(default_factory=dict)
+    echo_safe: bool = True
+
+
+_REGISTRY: dict[str, PolicySpec] = {}
+#: Read-only view of the registered policies, name → :class:`PolicySpec`.
+POLICIES: Mapping[str, PolicySpec] = MappingProxyType(_REGISTRY)
+
+
+def register_policy(
+    name: str,
+    fn: PolicyFn,
+    *,
+    reads: tuple[str, ...] = (),
+    uses_ratio: bool = True,
+    needs_sequences: bool = False,
+    defaults: Mapping[str, float] | None = None,
+) -> PolicySpec:
+    """Make ``LossConfig(policy=name)`` use ``fn``: one function, one registration.
+
+    ``fn(inputs, config)`` receives the RL rows only ([`PolicyInputs`][echoloss.loss.policy.PolicyInputs]) and returns the
+    per-token loss before normalisation and optional flags ([`PolicyOutput`][echoloss.loss.policy.PolicyOutput]); the loss adds
+    ``kl_tau``, the reference KL, the entropy bonus, the mismatch weight and the normaliser.
+
+    Args:
+        name: the policy's name (not already registered).
+        fn: the policy function.
+        reads: the [`POLICY_PARAMETERS`][echoloss.loss.policy.POLICY_PARAMETERS] of ``LossConfig`` it reads; any other set to a
+            non-default value is rejected when the config is built.
+        uses_ratio: whether it needs a ratio denominator (``old_logprobs`` or
+            ``inference_logprobs``); False = on-policy functions of ``lp`` and ``A`` only.
+        needs_sequences: whether it needs ``sequence_ids``.
+        defaults: values of ``kl_tau`` / ``eps_low`` / ``eps_high`` when the config leaves them None.
+
+    Returns:
+        The registered [`PolicySpec`][echoloss.loss.policy.PolicySpec].
+
+    Examples:
+        >>> import torch
+        >>> from echoloss.loss import LossConfig, echo_loss_from_logprobs
+        >>> def signed_nll(inputs, config):  # -sign(A) · lp
+        ...     return PolicyOutput(-torch.sign(inputs.advantages) * inputs.logprobs, {})
+        >>> _ = register_policy("signed_nll_doc", signed_nll, uses_ratio=False)
+        >>> lp = torch.tensor([-0.5, -1.0], requires_grad=True)
+        >>> out = echo_loss_from_logprobs(lp, rl_mask=torch.tensor([True, True]),
+        ...     advantages=torch.tensor([3.0, -2.0]), config=LossConfig(policy="signed_nll_doc"))
+        >>> out.loss
+        tensor(-0.2500, grad_fn=<AddBackward0>)
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"name must be an identifier-like str, got {name!r}")
+    if name in _REGISTRY:
+        raise ValueError(f"name must be a new policy name, got {name!r} (already registered)")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable fn(inputs, config) -> PolicyOutput, got {fn!r}")
+    unknown = [r for r in reads if r not in POLICY_PARAMETERS]
+    if unknown:
+        raise ValueError(
+            f"reads must name LossConfig policy parameters {POLICY_PARAMETERS}, got {unknown}"
+        )
+    spec = PolicySpec(
+        name,
+        fn,
+        tuple(reads),
+        uses_ratio=uses_ratio,
+        needs_sequences=needs_sequences,
+        defaults=MappingProxyType(dict(defaults or {})),
+    )
+    _REGISTRY[name] = spec
+    return spec
+
+
+def get_policy(name: str) -> PolicySpec:
+    """The registered [`PolicySpec`][echoloss.loss.policy.PolicySpec] of ``name``.
+
+    Examples:
+        >>> get_policy("gspo").needs_sequences
+        True
+    """
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        raise ValueError(
+            f"policy must be one of {sorted(_REGISTRY)}, got {name!r}; register a new one with "
+            "echoloss.loss.register_policy(name, fn)"
+        )
+    return spec
+
+
+def _dppo(x: PolicyInputs, c: LossConfig) -> PolicyOutput:
+    return dppo_loss(x, low=c.dppo_low, high=c.dppo_high, log_ratio_clamp=c.log_ratio_clamp)
+
+
+def _ppo_clip(x: PolicyInputs, c: LossConfig) -> PolicyOutput:
+    lo, hi = c.resolved_eps
+    return ppo_clip_loss(
+        x, eps_low=lo, eps_high=hi, dual_clip=c.dual_clip, log_ratio_clamp=c.log_ratio_clamp
+    )
+
+
+def _cispo(x: PolicyInputs, c: LossConfig) -> PolicyOutput:
+    return cispo_loss(
+        x, weight_max=c.cispo_max, weight_min=c.cispo_min, log_ratio_clamp=c.log_ratio_clamp
+    )
+
+
+def _gspo(x: PolicyInputs, c: LossConfig) -> PolicyOutput:
+    lo, hi = c.resolved_eps
+    return gspo_loss(x, eps_low=lo, eps_high=hi, log_ratio_clamp=c.log_ratio_clamp)
+
+
+def _reinforce(x: PolicyInputs, c: LossConfig) -> PolicyOutput:
+    return reinforce_loss(x)
+
+
+register_policy("dppo", _dppo, reads=("dppo_low", "dppo_high"), defaults={"kl_tau": 1e-3})
+register_policy(
+    "ppo_clip",
+    _ppo_clip,
+    reads=("eps_low", "eps_high", "dual_clip"),
+    defaults={"eps_low": 0.2, "eps_high": 0.2},
+)
+register_policy("cispo", _cispo, reads=("cispo_max", "cispo_min"))
+register_policy(
+    "gspo",
+    _gspo,
+    reads=("eps_low", "eps_high"),
+    needs_sequences=True,
+    defaults={"eps_low": 3e-4, "eps_high": 4e-4},
+)
+register_policy("reinforce", _reinforce, uses_ratio=False)
+# A function given per call as ``policy_fn=`` (kept for callers of the keyword form): it may read
+# any field, and must confirm that it does not need the echo rows it never sees.
+_REGISTRY["custom"] = PolicySpec("custom", None, reads=None, uses_ratio=False, echo_safe=False)

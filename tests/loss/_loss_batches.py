@@ -50,7 +50,7 @@ def random_batch(
     with torch.no_grad():
         lp = torch.log_softmax(logits / temperature, -1).gather(1, labels[:, None]).squeeze(1)
     noise = torch.randn(n, generator=g, dtype=torch.float64) * 0.3
-    inf_lp = torch.where(rl, lp + noise, 0.0)
+    inf_lp = torch.where(rl, (lp + noise).clamp(max=0.0), 0.0)  # a logprob is ≤ 0
     return {
         "logits": logits.to(dtype),
         "labels": labels,
@@ -61,7 +61,7 @@ def random_batch(
         "inference_logprobs": inf_lp.to(dtype),
         "sequence_ids": seq,
         "temperature": torch.full((n,), temperature, dtype=dtype),
-        "env_names": (envs or ["env"]) * ((len(seq_lens) + 1) // len(envs or ["env"]) + 1),
+        "env_names": [(envs or ["env"])[i % len(envs or ["env"])] for i in range(len(seq_lens))],
     }
 
 

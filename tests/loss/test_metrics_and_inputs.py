@@ -27,7 +27,7 @@ def _run(b, **kw):
 
 def test_per_env_metrics_partition_the_all_metrics():
     b = random_batch(seq_lens=[5, 4, 6, 3], seed=21, envs=["math", "shell"])
-    names = ["math", "shell", "math", "shell", ""]  # sequence id -> env; "" = padding
+    names = ["math", "shell", "math", "shell"]  # sequence id -> env (padding rows have id -1)
     out = _run(b, env_names=names)
     m = {k: v.item() for k, v in out.metrics.items()}
     envs = {k.split("/", 1)[1] for k in m}
@@ -75,46 +75,49 @@ def test_env_all_is_reserved_and_names_are_checked():
     b = random_batch(seq_lens=[3, 3], seed=1)
     with pytest.raises(ValueError, match=r"env_names\[1\] = 'all' is reserved"):
         _run(b, env_names=["x", "all", ""])
-    with pytest.raises(ValueError, match=r"env_names: has 1 entries but sequence_ids reaches 1"):
-        _run(b, env_names=["x"])
-    with pytest.raises(TypeError, match=r"env_names: expected a list of str"):
+    with pytest.raises(ValueError, match=r"env_names has length 1, expected 2"):
+        _run(b, env_names=["x"])  # shorter: the second sequence would have no env
+    with pytest.raises(ValueError, match=r"env_names has length 3, expected 2"):
+        _run(b, env_names=["x", "y", "z"])  # longer: names would not match their sequences
+    _run(b, env_names=["x", "y", ""])  # a trailing '' names a padding segment: allowed
+    with pytest.raises(TypeError, match=r"env_names must be a list of str"):
         _run(b, env_names="x")
-    with pytest.raises(ValueError, match=r"sequence_ids: required by env_names"):
+    with pytest.raises(ValueError, match=r"sequence_ids is required by env_names"):
         _run(b, env_names=["x", "y"], sequence_ids=None)
 
 
 @pytest.mark.parametrize(
     ("override", "exc", "match"),
     [
-        ({"rl_mask": torch.ones(7)}, TypeError, r"rl_mask: expected a bool mask"),
+        ({"rl_mask": torch.ones(7)}, TypeError, r"rl_mask must be a bool mask"),
         (
             {"echo_weights": torch.ones(6, dtype=F64)},
             ValueError,
-            r"echo_weights: expected shape \[7\]",
+            r"echo_weights must be of shape \[7\]",
         ),
         (
             {"echo_weights": torch.tensor([0, -1.0, 0, 0, 0, 0, 0], dtype=F64)},
             ValueError,
-            r"echo_weights: expected finite weights ≥ 0 .* -1.0 at row 1",
+            r"echo_weights\[1\] must be a finite weight ≥ 0 .* got -1.0",
         ),
         (
             {"echo_weights": torch.tensor([0, float("nan"), 0, 0, 0, 0, 0], dtype=F64)},
             ValueError,
-            r"echo_weights: expected finite",
+            r"echo_weights\[1\] must be a finite weight ≥ 0 .* got nan",
         ),
-        ({"advantages": None}, ValueError, r"advantages: required in mode='rl'"),
+        ({"advantages": None}, ValueError, r"advantages is required in mode='rl'"),
         (
             {"advantages": torch.full((7,), float("nan"), dtype=F64)},
             ValueError,
-            r"advantages: expected finite values on the rows that participate",
+            r"advantages must be finite on the rows that participate",
         ),
         (
             {"sequence_ids": torch.tensor([-1, -1, -1, 0, -1, -1, -1])},
             ValueError,
-            r"sequence_ids: a row that participates",
+            r"sequence_ids\[0\] must be ≥ 0 on a row that participates",
         ),
-        ({"config": {"policy": "dppo"}}, TypeError, r"config: expected an echoloss.LossConfig"),
-        ({"normalizers": 5}, TypeError, r"normalizers: expected echoloss.Normalizers"),
+        ({"config": {"policy": "dppo"}}, TypeError, r"config must be an echoloss.LossConfig"),
+        ({"normalizers": 5}, TypeError, r"normalizers must be echoloss.Normalizers"),
     ],
 )
 def test_bad_inputs_raise_with_the_argument_name(override, exc, match):
@@ -150,13 +153,13 @@ def test_config_validation():
     with pytest.raises(ValueError, match=r"dual_clip"):
         LossConfig(dual_clip=1.0)
     with pytest.raises(ValueError, match=r"eps_low=1.0 must be < 1"):
-        LossConfig(eps_low=1.0)
+        LossConfig(policy="ppo_clip", eps_low=1.0)
     with pytest.raises(ValueError, match=r"must be finite"):
         LossConfig(entropy_coef=float("inf"))
     with pytest.raises(ValueError, match=r"extra_forbidden|Extra inputs"):
         LossConfig(lambda_=0.1)
     with pytest.raises(ValueError, match=r"cispo_min=2.0 must be ≤ cispo_max=1.0"):
-        LossConfig(cispo_max=1.0, cispo_min=2.0)
+        LossConfig(policy="cispo", cispo_max=1.0, cispo_min=2.0)
     cfg = LossConfig(policy="gspo")
     assert cfg.resolved_eps == (3e-4, 4e-4) and cfg.resolved_kl_tau == 0.0
     assert LossConfig(kl_tau=0.0).resolved_kl_tau == 0.0

@@ -263,15 +263,15 @@ def test_per_call_local_normalizers_are_biased():
 
 
 def test_normalizers_arithmetic_and_tensor_round_trip():
-    a = Normalizers(rl_tokens=3, echo_tokens=2, sequences=1, echo_batches=1)
-    b = Normalizers(rl_tokens=1, sequences=2)
-    assert a + b == Normalizers(4, 2, 3, 1)
+    a = Normalizers(rl_tokens=3, echo_tokens=2, sequences=1, echo_batches=1, echo_sequences=1)
+    b = Normalizers(rl_tokens=1, sequences=2, rl_sequences=2)
+    assert a + b == Normalizers(4, 2, 3, 1, 2, 1)
     assert sum([a, b]) == a + b
     assert Normalizers.from_tensor(a.as_tensor()) == a
     assert all_reduce_normalizers(a) == a  # not distributed: unchanged
-    with pytest.raises(ValueError, match=r"Normalizers.rl_tokens: expected an int ≥ 0"):
+    with pytest.raises(ValueError, match=r"Normalizers.rl_tokens must be an int ≥ 0, got int -1"):
         Normalizers(rl_tokens=-1)
-    with pytest.raises(TypeError, match=r"normalizers: expected Normalizers"):
+    with pytest.raises(TypeError, match=r"normalizers must be echoloss.Normalizers"):
         all_reduce_normalizers({"rl_tokens": 1})
 
 
@@ -284,7 +284,10 @@ def test_count_normalizers_matches_the_loss():
     assert n.rl_tokens == out.metrics["rl_tokens/all"].item()
     assert n.echo_tokens == out.metrics["echo_tokens/all"].item()
     assert n.sequences == 2 and n.echo_batches == 1
-    with pytest.raises(ValueError, match=r"sequence_ids: a row that participates"):
+    assert (n.rl_sequences, n.echo_sequences) == (2, 2)
+    with pytest.raises(
+        ValueError, match=r"sequence_ids\[0\] must be ≥ 0 on a row that participates"
+    ):
         count_normalizers(rl_mask=torch.tensor([True]), sequence_ids=torch.tensor([-1]))
 
 
@@ -300,7 +303,7 @@ def test_count_normalizers_matches_the_loss():
         (
             LossConfig(rl_normalization="sequence_mean_token_mean"),
             Normalizers(rl_tokens=100, echo_tokens=100),
-            r"normalizers.sequences=0 .*count_normalizers needs sequence_ids",
+            r"normalizers.rl_sequences=0 .*count_normalizers needs sequence_ids",
         ),
         (
             LossConfig(echo_normalization="batch_token_mean"),
@@ -322,7 +325,7 @@ def test_missing_inputs_for_a_mode_are_named():
         "advantages": torch.tensor([1.0, 0.0], dtype=F64),
     }
     with pytest.raises(
-        ValueError, match=r"observation_mask: required by echo_normalization='sequence_mean'"
+        ValueError, match=r"observation_mask is required by echo_normalization='sequence_mean'"
     ):
         echo_loss_from_logprobs(
             lp,
@@ -331,20 +334,20 @@ def test_missing_inputs_for_a_mode_are_named():
             **kw,
         )
     with pytest.raises(
-        ValueError, match=r"sequence_ids: required by rl_normalization='sequence_mean_token_sum'"
+        ValueError, match=r"sequence_ids is required by rl_normalization='sequence_mean_token_sum'"
     ):
         echo_loss_from_logprobs(
             lp,
             config=LossConfig(policy="reinforce", rl_normalization="sequence_mean_token_sum"),
             **kw,
         )
-    with pytest.raises(ValueError, match=r"sequence_ids: required by policy='gspo'"):
+    with pytest.raises(ValueError, match=r"sequence_ids is required by policy='gspo'"):
         echo_loss_from_logprobs(lp, config=LossConfig(policy="gspo"), inference_logprobs=lp, **kw)
-    with pytest.raises(ValueError, match=r"inference_logprobs: required by policy='dppo'"):
+    with pytest.raises(ValueError, match=r"inference_logprobs is required by policy='dppo'"):
         echo_loss_from_logprobs(lp, **kw)
-    with pytest.raises(ValueError, match=r"ref_logprobs: required by kl_coef=0.1"):
+    with pytest.raises(ValueError, match=r"ref_logprobs is required by kl_coef=0.1"):
         echo_loss_from_logprobs(lp, config=LossConfig(policy="reinforce", kl_coef=0.1), **kw)
-    with pytest.raises(ValueError, match=r"entropy: required by entropy_coef"):
+    with pytest.raises(ValueError, match=r"entropy is required by entropy_coef"):
         echo_loss_from_logprobs(lp, config=LossConfig(policy="reinforce", entropy_coef=0.1), **kw)
     with pytest.raises(ValueError, match=r"needs rl_normalization_constant"):
         LossConfig(rl_normalization="token_sum_constant")
@@ -356,7 +359,7 @@ def test_undo_data_parallel_averaging():
     p.grad = torch.tensor([1.0, 2.0, 3.0])
     undo_data_parallel_averaging([p, q], 2)
     assert p.grad.tolist() == [2.0, 4.0, 6.0] and q.grad is None
-    with pytest.raises(ValueError, match=r"world_size: expected an int ≥ 1"):
+    with pytest.raises(ValueError, match=r"world_size must be an int ≥ 1"):
         undo_data_parallel_averaging([p], 0)
 
 

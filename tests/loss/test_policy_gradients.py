@@ -13,7 +13,7 @@ from echoloss.ops.selective_logprobs.reference import naive_selective_logprobs
 F64 = torch.float64
 N = 6
 SEQ = torch.tensor([0, 0, 0, 1, 1, 1])
-LP = torch.tensor([-0.5, -1.0, -2.0, -0.3, -0.8, -1.5], dtype=F64)
+LP = torch.tensor([-0.5, -1.0, -2.0, -0.5, -0.8, -1.5], dtype=F64)  # LQ = LP - RHO ≤ 0
 # log ratios ρ = lp - lq chosen well away from every clip boundary used below.
 RHO = torch.tensor([0.05, 0.7, -0.6, -0.4, 0.3, 0.0], dtype=F64)
 LQ = LP - RHO

@@ -13,12 +13,8 @@ from _fused_cases import (
     loss_batch,
 )
 
-from echoloss.loss import LossConfig, echo_loss
-from echoloss.ops.fused_linear import (
-    default_linear_chunk_size,
-    echo_loss_from_hidden,
-    linear_selective_logprobs,
-)
+from echoloss import LossConfig, echo_loss, echo_loss_from_hidden
+from echoloss.ops.fused_linear import default_linear_chunk_size, linear_selective_logprobs
 from echoloss.ops.selective_logprobs import selective_logprobs
 
 H, V = 24, 1531
@@ -266,17 +262,29 @@ def test_no_participating_row():
 @pytest.mark.parametrize(
     ("change", "exc", "match"),
     [
-        (lambda a: a.update(hidden=a["hidden"][None]), TypeError, r"hidden: expected .*\[N, H\]"),
+        (lambda a: a.update(hidden=a["hidden"][None]), TypeError, r"hidden must be .*\[N, H\]"),
         (lambda a: a.update(weight=a["weight"].t()), ValueError, r"not its transpose"),
-        (lambda a: a.update(weight=a["weight"].double()), TypeError, r"weight: dtype"),
-        (lambda a: a.update(hidden=a["hidden"].long()), TypeError, r"hidden: expected a float"),
-        (lambda a: a.update(labels=a["labels"][:-1]), ValueError, r"labels: expected shape"),
-        (lambda a: a.update(labels=a["labels"] + V), ValueError, r"labels: .*\[0, V=1531\)"),
-        (lambda a: a.update(rl_mask=a["rl_mask"].float()), TypeError, r"rl_mask: expected a bool"),
-        (lambda a: a.update(chunk_size=0), ValueError, r"chunk_size: expected None or an int"),
-        (lambda a: a.update(config={"policy": "dppo"}), TypeError, r"config: expected"),
-        (lambda a: a.update(temperature=0.0), ValueError, r"temperature: expected a positive"),
-        (lambda a: a.update(backend="cuda"), ValueError, r"backend: expected one of"),
+        (
+            lambda a: a.update(weight=a["weight"].double()),
+            TypeError,
+            r"weight must be of hidden's dtype",
+        ),
+        (lambda a: a.update(hidden=a["hidden"].long()), TypeError, r"hidden must be a float"),
+        (lambda a: a.update(labels=a["labels"][:-1]), ValueError, r"labels must be of shape"),
+        (
+            lambda a: a.update(labels=a["labels"] + V),
+            ValueError,
+            r"labels\[\d+\] must be in \[0, V=1531\)",
+        ),
+        (lambda a: a.update(rl_mask=a["rl_mask"].float()), TypeError, r"rl_mask must be a bool"),
+        (lambda a: a.update(chunk_size=0), ValueError, r"chunk_size must be None or an int"),
+        (
+            lambda a: a.update(config={"policy": "dppo"}),
+            TypeError,
+            r"config must be an echoloss.LossConfig",
+        ),
+        (lambda a: a.update(temperature=0.0), ValueError, r"temperature must be a positive"),
+        (lambda a: a.update(backend="cuda"), ValueError, r"backend must be one of"),
     ],
 )
 def test_errors_name_the_argument_and_the_fix(change, exc, match):

@@ -312,11 +312,11 @@ def test_unsupported_dtype_and_bad_out():
     rows = torch.tensor([0], device=DEVICE)
     one = torch.ones(1, device=DEVICE)
     bkw = dict(rows=rows, inv_temperature=1.0, lse=one, grad_logprobs=one, chunk_size=1)
-    with pytest.raises(ValueError, match=r"out: expected a tensor of the logits' shape"):
+    with pytest.raises(ValueError, match=r"out must be a tensor of the logits' shape"):
         fused.backward(
             logits, labels, grad_entropy=None, entropy=None, out=torch.zeros(2, 4), **bkw
         )
-    with pytest.raises(ValueError, match=r"entropy: required with grad_entropy"):
+    with pytest.raises(ValueError, match=r"entropy is required with grad_entropy"):
         fused.backward(logits, labels, grad_entropy=one, entropy=None, **bkw)
 
 

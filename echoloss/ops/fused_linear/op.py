@@ -17,18 +17,22 @@ from typing import Any
 import torch
 
 from echoloss._compile import compiler_disable
-from echoloss.ops._checks import (
+from echoloss._validate import (
+    check_bool,
     check_chunk_size,
     check_per_token,
     check_temperature,
     check_tensor,
     describe,
+    problem,
 )
 from echoloss.ops.selective_logprobs import reference, resolve_backend
 
 __all__ = [
     "DEFAULT_LINEAR_CHUNK_ELEMENTS",
+    "check_linear_inputs",
     "default_linear_chunk_size",
+    "linear_logprobs_rows",
     "linear_selective_logprobs",
 ]
 
@@ -185,35 +189,58 @@ class _LinearLogprobsFn(torch.autograd.Function):
         return (grad_h, grad_w, *nones)
 
 
-def _check_linear_inputs(hidden: Any, weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def check_linear_inputs(hidden: Any, weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = check_tensor("hidden", hidden)
     weight = check_tensor("weight", weight)
     if not hidden.dtype.is_floating_point or hidden.dim() != 2:
         raise TypeError(
-            f"hidden: expected a float tensor [N, H] (the final hidden states, one row per "
-            f"token), got {describe(hidden)}; flatten [B, T, H] with hidden.reshape(-1, H) and "
-            f"pass every per-token tensor as [N]"
+            problem(
+                "hidden",
+                "a float tensor [N, H] (the final hidden states, one row per token)",
+                describe(hidden),
+                "flatten [B, T, H] with hidden.reshape(-1, H) and pass every per-token tensor "
+                "as [N]",
+            )
         )
     if not weight.dtype.is_floating_point or weight.dim() != 2:
         raise TypeError(
-            f"weight: expected a float tensor [V, H] (the LM-head weight, as in "
-            f"nn.Linear(H, V).weight), got {describe(weight)}"
+            problem(
+                "weight",
+                "a float tensor [V, H] (the LM-head weight, as in nn.Linear(H, V).weight)",
+                describe(weight),
+            )
         )
     if weight.shape[1] != hidden.shape[1]:
         raise ValueError(
-            f"weight: expected [V, H={hidden.shape[1]}] to match hidden [N, H], got "
-            f"{list(weight.shape)}; pass lm_head.weight (not its transpose)"
+            problem(
+                "weight",
+                f"[V, H={hidden.shape[1]}] to match hidden [N, H]",
+                describe(weight),
+                "pass lm_head.weight (not its transpose)",
+            )
         )
     if weight.shape[0] < 1:
-        raise ValueError("weight: the vocabulary dimension V is empty")
+        raise ValueError(
+            problem("weight", "non-empty over the vocabulary dimension V", describe(weight))
+        )
     if weight.dtype != hidden.dtype:
         raise TypeError(
-            f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}; cast one of "
-            f"them (e.g. hidden.to(weight.dtype)), as the LM head's matmul would need"
+            problem(
+                "weight",
+                f"of hidden's dtype {hidden.dtype}",
+                describe(weight),
+                "cast one of them (e.g. hidden.to(weight.dtype)), as the LM head's matmul would "
+                "need",
+            )
         )
     if weight.device != hidden.device:
         raise ValueError(
-            f"weight: on {weight.device} but hidden is on {hidden.device}; move both to one device"
+            problem(
+                "weight",
+                f"on hidden's device {hidden.device}",
+                describe(weight),
+                "move both to one device",
+            )
         )
     return hidden, weight
 
@@ -246,9 +273,12 @@ def _prepare(
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(
-            f"labels: every participating row needs a label in [0, V={v}), found "
-            f"{int(lab_used[i])} at row {int(rows[i])}; pass a mask that skips rows that predict "
-            f"nothing (e.g. ignore_index -100)"
+            problem(
+                f"labels[{int(rows[i])}]",
+                f"in [0, V={v}) on a participating row",
+                str(int(lab_used[i])),
+                "pass a mask that skips rows that predict nothing (e.g. ignore_index -100)",
+            )
         )
     temp = check_temperature(temperature, lead, hidden.device)
     inv_t: float | torch.Tensor
@@ -272,6 +302,25 @@ def _apply(
     impl = resolve_backend(backend, hidden.device)
     cs = chunk_size if chunk_size is not None else default_linear_chunk_size(weight.shape[0])
     return _LinearLogprobsFn.apply(hidden, weight, labels, rows, inv_t, need_entropy, cs, impl)
+
+
+def linear_logprobs_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    mask: torch.Tensor,
+    need_entropy: bool,
+    chunk_size: int | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs [N], entropy [N] or [0])`` of the rows of ``mask`` (for the loss entry point).
+
+    ``hidden``/``weight`` already checked (`check_linear_inputs`); ``labels`` and
+    ``temperature`` are checked here. Rows outside ``mask`` read 0 and get no gradient.
+    """
+    flat_labels, rows, inv_t = _prepare(hidden, weight, labels, temperature, mask)
+    return _apply(hidden, weight, flat_labels, rows, inv_t, need_entropy, chunk_size, backend)
 
 
 @compiler_disable
@@ -325,11 +374,10 @@ def linear_selective_logprobs(
         >>> hidden.grad.shape, weight.grad.shape
         (torch.Size([2, 2]), torch.Size([3, 2]))
     """
-    hidden, weight = _check_linear_inputs(hidden, weight)
+    hidden, weight = check_linear_inputs(hidden, weight)
     if mask is not None:
         mask = check_per_token("mask", mask, hidden.shape[:1], hidden.device, "bool")
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"return_entropy: expected a bool, got {describe(return_entropy)}")
+    check_bool("return_entropy", return_entropy)
     chunk_size = check_chunk_size(chunk_size)
     flat_labels, rows, inv_t = _prepare(hidden, weight, labels, temperature, mask)
     lp, ent = _apply(hidden, weight, flat_labels, rows, inv_t, return_entropy, chunk_size, backend)

@@ -17,12 +17,14 @@ import torch
 
 from echoloss._compile import compiler_disable
 from echoloss._logging import warn_once
-from echoloss.ops._checks import (
+from echoloss._validate import (
+    check_bool,
     check_chunk_size,
     check_per_token,
     check_temperature,
     check_tensor,
     describe,
+    problem,
 )
 from echoloss.ops.selective_logprobs import reference
 
@@ -51,7 +53,7 @@ def resolve_backend(backend: str, device: torch.device) -> ModuleType:
         'echoloss.ops.selective_logprobs.reference'
     """
     if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        raise ValueError(problem("backend", f"one of {BACKENDS}", describe(backend)))
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return reference
     interpret = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
@@ -208,13 +210,13 @@ def selective_logprobs(
     """
     logits = check_tensor("logits", logits)
     if not logits.dtype.is_floating_point or logits.dim() not in (2, 3):
-        raise TypeError(
-            f"logits: expected a float tensor [N, V] or [B, T, V], got {describe(logits)}"
-        )
+        raise TypeError(problem("logits", "a float tensor [N, V] or [B, T, V]", describe(logits)))
     lead = logits.shape[:-1]
     v = logits.shape[-1]
     if v < 1:
-        raise ValueError("logits: the vocabulary dimension V is empty")
+        raise ValueError(
+            problem("logits", "non-empty over the vocabulary (last) dimension", describe(logits))
+        )
     labels = check_per_token(
         "labels",
         labels,
@@ -228,8 +230,7 @@ def selective_logprobs(
     chunk_size = check_chunk_size(chunk_size)
     temp = check_temperature(temperature, lead, logits.device)
     impl = resolve_backend(backend, logits.device)
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"return_entropy: expected a bool, got {describe(return_entropy)}")
+    check_bool("return_entropy", return_entropy)
 
     flat_labels = labels.reshape(-1).long()
     rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
@@ -239,9 +240,13 @@ def selective_logprobs(
         i = int(bad.nonzero()[0, 0])
         row = i if rows is None else int(rows[i])
         raise ValueError(
-            f"labels: every participating row needs a label in [0, V={v}), found "
-            f"{int(lab_used[i])} at row {row}; pass mask= to skip rows that predict nothing "
-            f"(e.g. the last row of each sequence, ignore_index -100)"
+            problem(
+                f"labels[{row}]",
+                f"in [0, V={v}) on a participating row",
+                str(int(lab_used[i])),
+                "pass mask= to skip rows that predict nothing (e.g. the last row of each "
+                "sequence, ignore_index -100)",
+            )
         )
     if logits.dim() == 3:
         try:

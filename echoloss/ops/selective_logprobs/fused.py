@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from echoloss._validate import describe, problem
 from echoloss.ops.selective_logprobs import reference
 
 __all__ = ["LAUNCH", "backward", "forward", "interpreter_active"]
@@ -396,7 +397,7 @@ def backward(
     _check_dtype(logits)
     _check_device(logits)
     if grad_entropy is not None and entropy is None:
-        raise ValueError("entropy: required with grad_entropy (the H in p·(log p + H))")
+        raise ValueError("entropy is required with grad_entropy (the H in p·(log p + H))")
     v = logits.shape[-1]
     n_all = int(logits.numel() // max(1, v))
     dev = logits.device
@@ -404,8 +405,12 @@ def backward(
         out = torch.empty(logits.shape, dtype=logits.dtype, device=dev)
     elif out.shape != logits.shape or out.dtype != logits.dtype or out.device != dev:
         raise ValueError(
-            f"out: expected a tensor of the logits' shape {list(logits.shape)}, dtype "
-            f"{logits.dtype} and device {dev}, got {list(out.shape)} {out.dtype} on {out.device}"
+            problem(
+                "out",
+                f"a tensor of the logits' shape {list(logits.shape)}, dtype {logits.dtype} and "
+                f"device {dev}",
+                describe(out),
+            )
         )
     elif out.data_ptr() == logits.data_ptr() and out.stride() != logits.stride():
         raise ValueError(

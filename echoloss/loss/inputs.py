@@ -1,0 +1,295 @@
+"""``LossInputs``: the per-token inputs of the loss, validated once, taken by every entry point.
+
+One record instead of a dozen keyword arguments spelled out in three places: every loss entry
+point ([`echoloss.echo_loss`][echoloss.loss.echo_loss], [`echoloss.echo_loss_from_logprobs`][echoloss.loss.echo_loss_from_logprobs],
+`echoloss.echo_loss_from_hidden`) takes a `LossInputs`, and they differ only in
+how they get the log-probabilities. Each per-token field declares its kind and the rows on which
+its values are read; construction checks every field from those declarations, so a new per-token
+input is one more field here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from echoloss._validate import (
+    check_finite,
+    check_per_token,
+    check_temperature,
+    check_tensor,
+    describe,
+    problem,
+)
+from echoloss.loss.metrics import RESERVED_ENV
+from echoloss.loss.normalization import split_rows
+
+__all__ = ["LOGPROB_TOLERANCE", "LossInputs"]
+
+#: Largest log-probability accepted in ``inference_logprobs`` / ``old_logprobs`` /
+#: ``ref_logprobs``. A logprob is ≤ 0; one computed in fp32 for a near-certain token may round
+#: a few ulps above 0 (``|lse| · 2^-24``, about 1e-5 at ``|lse| = 100``), so the bound leaves
+#: two orders of magnitude for that rounding and still refuses a negative-log-likelihood column
+#: passed by mistake (whose values are mostly far above 1e-3).
+LOGPROB_TOLERANCE = 1e-3
+
+Rows = Literal["all", "rl", "participating"]
+
+
+def _token(kind: str, rows: Rows, *, logprob: bool = False) -> dict[str, Any]:
+    """The metadata of a per-token field: ``kind`` is bool/int/float; ``rows`` are where its
+    values are read (and checked); ``logprob`` adds the ``≤ LOGPROB_TOLERANCE`` check."""
+    return {"kind": kind, "rows": rows, "logprob": logprob}
+
+
+@dataclass(frozen=True, eq=False)
+class LossInputs:
+    """The per-token inputs of the loss, one entry per row of the logits (validated at construction).
+
+    Every tensor has the shape of ``rl_mask`` (``[N]``, or ``[B, T]`` next to ``[B, T, V]``
+    logits) and its device. Values are read only on the rows where they matter (columns "read
+    on"), so placeholders elsewhere (e.g. the ``0.0`` inference logprob of an observation token)
+    are never checked nor used.
+
+    ============================  =======  =============  =========================================
+    field                         dtype    read on        meaning
+    ============================  =======  =============  =========================================
+    ``rl_mask``                   bool     all            True = RL row (an echoed row leaves it)
+    ``echo_weights``              float    all            echo weight ≥ 0 (λ or α), 0 = not echoed
+    ``advantages``                float    RL rows        advantage, required in mode ``"rl"``
+    ``inference_logprobs``        float    RL rows        sampling logprobs (≤ 0)
+    ``old_logprobs``              float    RL rows        trainer-side behaviour logprobs (≤ 0)
+    ``ref_logprobs``              float    RL rows        reference-model logprobs (≤ 0)
+    ``sequence_ids``              int      participating  row → sequence, ``-1`` = padding
+    ``observation_mask``          bool     all            rows counted in ``Z_i = |O_i|``
+    ``labels``                    int      participating  the token each row predicts
+    ``temperature``               float    RL rows        sampling temperature (scalar or per row)
+    ``env_names``                 str      per sequence   env of each sequence id
+    ============================  =======  =============  =========================================
+
+    ``labels`` and ``temperature`` say how a row is scored: the logits and hidden-state entry
+    points read them; [`echoloss.echo_loss_from_logprobs`][echoloss.loss.echo_loss_from_logprobs] takes logprobs already scored and
+    reads neither. Build one from [`echoloss.next_token_targets`][echoloss.data.targets.next_token_targets] with `from_targets`,
+    or by hand; `replace` gives a validated copy with some fields changed.
+
+    Raises:
+        TypeError, ValueError: on a wrong type, dtype, shape or device, a non-finite value on a
+            row that reads it, a negative or non-finite echo weight, a log-probability above
+            ``LOGPROB_TOLERANCE``, a participating row with sequence id ``-1``, or ``env_names``
+            not matching the sequence ids; the message names the field, the row and the fix.
+
+    Examples:
+        >>> import torch
+        >>> x = LossInputs(rl_mask=torch.tensor([True, False]),
+        ...                echo_weights=torch.tensor([0.0, 0.5]),
+        ...                advantages=torch.tensor([1.0, 0.0]),
+        ...                inference_logprobs=torch.tensor([-0.2, 0.0]),
+        ...                labels=torch.tensor([3, 1]))
+        >>> x.shape, x.rl.tolist(), x.echo.tolist()
+        (torch.Size([2]), [True, False], [False, True])
+        >>> LossInputs(rl_mask=torch.tensor([True]), inference_logprobs=torch.tensor([0.7]))
+        Traceback (most recent call last):
+        ...
+        ValueError: inference_logprobs[0] must be a log-probability ≤ 0 (up to 0.001), got 0.7; pass log p, not the negative log-likelihood -log p
+    """
+
+    rl_mask: torch.Tensor
+    echo_weights: torch.Tensor | None = field(default=None, metadata=_token("float", "all"))
+    advantages: torch.Tensor | None = field(default=None, metadata=_token("float", "rl"))
+    inference_logprobs: torch.Tensor | None = field(
+        default=None, metadata=_token("float", "rl", logprob=True)
+    )
+    old_logprobs: torch.Tensor | None = field(
+        default=None, metadata=_token("float", "rl", logprob=True)
+    )
+    ref_logprobs: torch.Tensor | None = field(
+        default=None, metadata=_token("float", "rl", logprob=True)
+    )
+    sequence_ids: torch.Tensor | None = field(default=None, metadata=_token("int", "participating"))
+    observation_mask: torch.Tensor | None = field(default=None, metadata=_token("bool", "all"))
+    labels: torch.Tensor | None = field(default=None, metadata=_token("int", "participating"))
+    temperature: float | torch.Tensor = 1.0
+    env_names: tuple[str, ...] | None = None
+    rl: torch.Tensor = field(init=False, repr=False)
+    echo: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rl_mask = check_tensor("rl_mask", self.rl_mask)
+        if rl_mask.dtype != torch.bool:
+            check_per_token("rl_mask", rl_mask, rl_mask.shape, rl_mask.device, "bool")
+        shape, dev = rl_mask.shape, rl_mask.device
+        for f in self.per_token_fields():
+            value = getattr(self, f.name)
+            if value is not None:
+                check_per_token(
+                    f.name, value, shape, dev, f.metadata["kind"], what="the shape of rl_mask"
+                )
+        ew = None if self.echo_weights is None else self.echo_weights.reshape(-1)
+        if ew is not None:
+            bad = ~torch.isfinite(ew) | (ew < 0)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise ValueError(
+                    problem(
+                        f"echo_weights[{i}]",
+                        "a finite weight ≥ 0 (0 = not echoed)",
+                        repr(float(ew[i])),
+                        "echo weights come from EchoConfig (λ or α per row)",
+                    )
+                )
+        rl, echo = split_rows(rl_mask.reshape(-1), ew)
+        object.__setattr__(self, "rl", rl)
+        object.__setattr__(self, "echo", echo)
+        where = {"rl": rl, "participating": rl | echo}
+        for f in self.per_token_fields():
+            value = getattr(self, f.name)
+            rows = f.metadata["rows"]
+            if value is None or rows == "all":
+                continue
+            flat = value.reshape(-1)
+            if f.metadata["kind"] == "float":
+                check_finite(f.name, flat, where[rows])
+            if f.metadata["logprob"]:
+                _check_logprobs(f.name, flat, where[rows])
+            if f.metadata["kind"] == "int" and bool((flat[where[rows]] < 0).any()):
+                k = int((flat[where[rows]] < 0).nonzero()[0, 0])
+                row = int(where[rows].nonzero()[k, 0])
+                raise ValueError(
+                    problem(
+                        f"{f.name}[{row}]",
+                        "≥ 0 on a row that participates (RL or echo)",
+                        str(int(flat[row])),
+                        "padding rows (-1 / ignore index) must have rl_mask False and echo "
+                        "weight 0",
+                    )
+                )
+        object.__setattr__(self, "temperature", check_temperature(self.temperature, shape, dev))
+        object.__setattr__(self, "env_names", self._checked_env_names())
+
+    @classmethod
+    def per_token_fields(cls) -> tuple[dataclasses.Field[Any], ...]:
+        """The per-token tensor fields (those declared with a kind), in declaration order."""
+        return tuple(f for f in dataclasses.fields(cls) if "kind" in f.metadata)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The per-token shape (``rl_mask.shape``): the logits' leading dimensions."""
+        return self.rl_mask.shape
+
+    @property
+    def device(self) -> torch.device:
+        """The device of every per-token tensor."""
+        return self.rl_mask.device
+
+    def flat(self, name: str) -> torch.Tensor | None:
+        """Field ``name`` flattened to ``[N]`` (None when not given).
+
+        Examples:
+            >>> LossInputs(rl_mask=torch.ones(2, 2, dtype=torch.bool)).flat("rl_mask").shape
+            torch.Size([4])
+        """
+        value = getattr(self, name)
+        return None if value is None else value.reshape(-1)
+
+    def replace(self, **changes: Any) -> LossInputs:
+        """A validated copy with ``changes`` applied (e.g. ``replace(echo_weights=None)``).
+
+        Examples:
+            >>> x = LossInputs(rl_mask=torch.tensor([True]), echo_weights=torch.tensor([0.5]))
+            >>> x.replace(echo_weights=None).echo.tolist()
+            [False]
+        """
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_targets(cls, targets: Any, **extra: Any) -> LossInputs:
+        """The record of [`echoloss.next_token_targets`][echoloss.data.targets.next_token_targets] (any object with those attributes).
+
+        Every attribute of ``targets`` named like a field is taken (``temperatures`` becomes
+        ``temperature``); ``extra`` adds or overrides fields, e.g.
+        ``env_names=batch.env_names`` or ``old_logprobs=...``.
+
+        Examples:
+            >>> from echoloss import Sample, next_token_targets, pack
+            >>> s = Sample(prompt_ids=[5], completion_ids=[6, 7], completion_mask=[True, True],
+            ...            completion_logprobs=[-0.1, -0.2], advantage=1.0)
+            >>> [b] = pack([s], max_tokens=8)
+            >>> x = LossInputs.from_targets(next_token_targets(b), env_names=b.env_names)
+            >>> x.labels.tolist(), x.rl.tolist(), x.env_names
+            ([6, 7, 0], [True, True, False], ('',))
+        """
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        values = {n: getattr(targets, n) for n in names if hasattr(targets, n)}
+        if "temperature" not in values and hasattr(targets, "temperatures"):
+            values["temperature"] = targets.temperatures
+        if "rl_mask" not in values and "rl_mask" not in extra:
+            raise TypeError(
+                problem(
+                    "targets",
+                    "next_token_targets(batch) or an object with an rl_mask attribute",
+                    describe(targets),
+                )
+            )
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise TypeError(
+                problem("extra", f"LossInputs fields ({', '.join(sorted(names))})", str(unknown))
+            )
+        values.update(extra)
+        return cls(**values)
+
+    def _checked_env_names(self) -> tuple[str, ...] | None:
+        names = self.env_names
+        if names is None:
+            return None
+        if isinstance(names, str) or not isinstance(names, Sequence):
+            raise TypeError(
+                problem("env_names", "a list of str (one per sequence id)", describe(names))
+            )
+        out = tuple(names)
+        for i, e in enumerate(out):
+            if not isinstance(e, str):
+                raise TypeError(problem(f"env_names[{i}]", "a str", describe(e)))
+            if e == RESERVED_ENV:
+                raise ValueError(
+                    f"env_names[{i}] = {RESERVED_ENV!r} is reserved (metrics use '<name>/all' for "
+                    "every env); rename the env"
+                )
+        sid = self.flat("sequence_ids")
+        if sid is None:
+            raise ValueError(
+                "sequence_ids is required by env_names ([N] int64 row -> sequence within the "
+                "micro-batch, -1 for padding); pass both or neither"
+            )
+        num = max(int(sid.max()) + 1 if sid.numel() else 0, 0)
+        # Entries past the last sequence id are allowed only as '' (a packed batch names its
+        # padding segment ''): a name there would belong to no sequence.
+        extra = [i for i in range(num, len(out)) if out[i]]
+        if len(out) < num or extra:
+            raise ValueError(
+                f"env_names has length {len(out)}, expected {num} (one name per sequence id "
+                f"0..{num - 1}, as sequence_ids reaches {num - 1}; entries after that only '' for "
+                "padding): a list that does not match the sequence ids labels the metrics of the "
+                "wrong sequences"
+            )
+        return out
+
+
+def _check_logprobs(name: str, t: torch.Tensor, where: torch.Tensor) -> None:
+    vals = t[where]
+    bad = vals > LOGPROB_TOLERANCE
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        row = int(where.nonzero()[k, 0])
+        raise ValueError(
+            problem(
+                f"{name}[{row}]",
+                f"a log-probability ≤ 0 (up to {LOGPROB_TOLERANCE})",
+                repr(round(float(t[row]), 6)),
+                "pass log p, not the negative log-likelihood -log p",
+            )
+        )
