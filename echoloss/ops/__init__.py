@@ -1,4 +1,6 @@
-"""Logits-level ops: pure-PyTorch references (and, later, fused kernels beside them)."""
+"""Logits-level ops: each op folder holds its PyTorch reference beside its fused kernels.
+
+Ops are leaves: nothing here imports the loss (`tests/test_import_layering.py`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """GPU-only checks of the fused kernels (skipped without CUDA): sizes the interpreter cannot reach,
 compiled-kernel reuse across sizes, and memory. Run with ``pytest -m gpu tests/ops``.
 
-Not run in this repository's CI (no GPU); written to be run by the benchmark issue's GPU session.
+Not run in this repository's CI (no GPU); run them on a GPU machine with ``pytest -m gpu tests/ops``.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_sizes_do_not_recompile():
 
 def test_peak_extra_memory_is_one_gradient_buffer():
     """Forward + backward allocate one [N, V] gradient and O(N) vectors: peak extra ≤ 1.1x the
-    logits (issue target), and phase 2 in place over the logits adds only O(N)."""
+    logits (the design target), and phase 2 in place over the logits adds only O(N)."""
     from echoloss.ops.selective_logprobs import fused
 
     n, v = 8192, 32_000

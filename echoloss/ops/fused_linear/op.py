@@ -38,7 +38,7 @@ __all__ = [
 
 #: Logits elements per chunk (2^26: 128 MiB of bf16 chunk logits; 441 rows at V = 151,936, i.e.
 #: about the size of the hidden states of 16k tokens at H = 4096, and a GEMM with M = 441 still
-#: fills an H100). Not measured: the GPU benchmark issue tunes it.
+#: fills an H100). Not measured: `python -m benchmarks` on a GPU is where it gets tuned.
 DEFAULT_LINEAR_CHUNK_ELEMENTS = 1 << 26
 
 # Rows of the weight gradient per [rows, H] partial product when it is accumulated in fp32 for a
