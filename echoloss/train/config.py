@@ -300,6 +300,20 @@ class TrainSection(_Section):
     # Code named by import path in this config (advantages.fn = "pkg.mod:fn") runs only if true:
     # a config copied from elsewhere must not run code unreviewed (docs/reliability.md).
     allow_import_paths: bool = False
+    # Trackers besides metrics.jsonl (echoloss.train.tracking; the `tracking` extra)
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers_installed(cls, v: list[str]) -> list[str]:
+        from echoloss._optional import MissingExtraError
+        from echoloss.train.tracking import check_trackers
+
+        try:
+            check_trackers(v)
+        except MissingExtraError as err:
+            raise ValueError(str(err)) from None
+        return v
 
 
 # The ECHO paper's recipe: clipped PPO ratio, per-sequence means for both terms (Z_i = |O_i|).

@@ -57,6 +57,7 @@ from echoloss.loss import (
     undo_data_parallel_averaging,
 )
 from echoloss.train import checkpoint as ckpt
+from echoloss.train import tracking
 from echoloss.train.config import TrainConfig, advantage_fn, parse_config
 from echoloss.train.data import (
     Rollout,
@@ -598,8 +599,13 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
 
-    metrics_file = rollout_file = export = bar = None
+    metrics_file = rollout_file = export = bar = trackers = None
     if rank == 0:
+        trackers = files.enter_context(  # TensorBoard / W&B, besides metrics.jsonl
+            tracking.open_trackers(
+                cfg.train.report_to, out=out, config=cfg.model_dump(mode="json"), start=start
+            )
+        )
         mode = "a" if resume is not None else "w"
         metrics_file = files.enter_context(open(out / "metrics.jsonl", mode))  # noqa: SIM115
     if cfg.train.save_rollouts:
@@ -742,6 +748,8 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
             line = _summary(row, cfg.train.max_steps)
+            if trackers is not None:
+                trackers.log(row)
             if bar is not None:
                 bar.update(1)
                 bar.write(line)
