@@ -1,0 +1,158 @@
+"""What the chat adapter asks of a tokenizer: render, tokenize with offsets, decode, control ids.
+
+The tokenizer is duck-typed (every ``transformers`` tokenizer qualifies; nothing here imports
+``transformers``): ``apply_chat_template(messages, tools=..., tokenize=..., add_generation_prompt=...,
+**kwargs)``, ``tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)`` returning
+``input_ids`` and ``offset_mapping`` (character spans), and ``decode(ids)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from echoloss.adapters.chat._errors import ChatTemplateError
+
+
+class Renderer:
+    """The tokenizer's chat template with fixed tools and template variables."""
+
+    def __init__(self, tokenizer: Any, tools: Any, kwargs: Mapping[str, Any]) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.kwargs = dict(kwargs)
+
+    def text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        *,
+        what: str = "the conversation",
+        message_index: int | None = None,
+    ) -> str:
+        try:
+            out = self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=self.tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **self.kwargs,
+            )
+        except Exception as e:  # the template's own error, re-raised with context
+            raise ChatTemplateError(
+                f"the chat template failed to render {what}: {type(e).__name__}: {e}",
+                message_index=message_index,
+            ) from e
+        if not isinstance(out, str):
+            raise TypeError(
+                f"apply_chat_template(tokenize=False) returned {type(out).__name__}, expected str"
+            )
+        return out
+
+    def template_ids(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool
+    ) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            list(messages),
+            tools=self.tools,
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=False,
+            **self.kwargs,
+        )
+        if isinstance(out, Mapping):
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+
+def is_hf_tokenizer(tokenizer: Any) -> bool:
+    """A ``transformers`` tokenizer, whose ``apply_chat_template(tokenize=True)`` is by
+    construction ``tokenizer(rendered_text, add_special_tokens=False)``."""
+    return any(c.__name__ == "PreTrainedTokenizerBase" for c in type(tokenizer).__mro__)
+
+
+def encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of ``text`` and each token's character span ``[start, end)`` in it."""
+    try:
+        out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = out["input_ids"], out["offset_mapping"]
+    except (TypeError, KeyError, NotImplementedError, ValueError) as e:
+        raise TypeError(
+            "the chat adapter needs a tokenizer that maps tokens to characters: "
+            "tokenizer(text, add_special_tokens=False, return_offsets_mapping=True) must return "
+            "'input_ids' and 'offset_mapping' (every fast transformers tokenizer does; load it "
+            f"with use_fast=True): {type(e).__name__}: {e}"
+        ) from e
+    ids = [int(t) for t in ids]
+    spans = [(int(a), int(b)) for a, b in offsets]
+    if len(spans) != len(ids):
+        raise TypeError(
+            f"the tokenizer returned {len(ids)} ids but {len(spans)} offsets for one text"
+        )
+    last = 0
+    for t, (a, b) in enumerate(spans):
+        if not (0 <= a <= b <= len(text)) or a < last - 4 or b < last:
+            raise ChatTemplateError(
+                f"the tokenizer's offset_mapping is not monotone at token {t} ({(a, b)} after "
+                f"character {last}); echoloss cannot map its tokens to the rendered text"
+            )
+        last = max(last, b)
+    return ids, spans
+
+
+def encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as ordinary text: control-token strings inside it are not matched as tokens."""
+    try:
+        out = tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+    except TypeError as e:
+        raise TypeError(
+            "control_tokens='escape' needs a tokenizer that accepts split_special_tokens=True "
+            "(transformers tokenizers do)"
+        ) from e
+    return [int(t) for t in out["input_ids"]]
+
+
+class Decoder:
+    """Decodes runs of tokens as they read in the middle of a text: each run is decoded after a
+    fixed anchor token, whose own text is then cut off, so a decoder that strips a leading
+    space from the whole text (SentencePiece's) does not strip the run's."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        decode = getattr(tokenizer, "decode", None)
+        if decode is None:
+            raise TypeError("the chat adapter needs tokenizer.decode(ids) to verify bodies")
+        self.anchor = [int(t) for t in tokenizer("Q", add_special_tokens=False)["input_ids"]]
+        self.anchor_text = self._decode([self.anchor])[0]
+
+    def _decode(self, runs: list[list[int]]) -> list[str]:
+        batch = getattr(self.tokenizer, "batch_decode", None)
+        kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
+        if batch is not None:
+            return [str(s) for s in batch(runs, **kw)]
+        return [str(self.tokenizer.decode(r, **kw)) for r in runs]
+
+    def __call__(self, runs: list[list[int]]) -> list[str]:
+        out = self._decode([self.anchor + r for r in runs])
+        n = len(self.anchor_text)
+        return [s[n:] if s.startswith(self.anchor_text) else "\0" for s in out]
+
+
+def control_ids(tokenizer: Any) -> dict[int, str]:
+    """Token ids (with their text) that a chat template uses as control tokens: the tokenizer's
+    special tokens, and added tokens whose text appears in its chat template (``<tool_call>``,
+    ``<think>``); whitespace tokens excepted."""
+    out: dict[int, str] = {}
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else ""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    for tid, tok in dict(added).items():
+        content = getattr(tok, "content", str(tok))
+        special = bool(getattr(tok, "special", False))
+        if content and not content.isspace() and (special or content in template):
+            out[int(tid)] = content
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    for tid in getattr(tokenizer, "all_special_ids", None) or []:
+        if int(tid) not in out:
+            out[int(tid)] = str(convert(int(tid))) if convert is not None else ""
+    return out
