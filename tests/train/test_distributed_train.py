@@ -42,6 +42,7 @@ def test_two_ranks_equal_one_rank(tmp_path):
     b = read_metrics(tmp_path / "two" / "metrics.jsonl")
     for ra, rb in zip(a, b, strict=True):
         assert ra["rl_tokens"] == rb["rl_tokens"] and ra["echo_tokens"] == rb["echo_tokens"]
+        assert ra["tokens"] == rb["tokens"]  # the ranks' dummy micro-batches count no token
         assert ra["sequences"] == rb["sequences"]
         for key in ("loss", "loss_rl", "loss_echo", "grad_norm", "advantage_abs"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
