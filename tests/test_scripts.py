@@ -1,0 +1,77 @@
+"""``scripts/python.sh``: which Python the README's two commands install into and run with.
+
+``$PYTHON`` first, then the active virtual environment, then the project ``.venv`` (created on
+first use, from a Python ≥ 3.10, announced on stderr)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _select(env: dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Source scripts/python.sh in a clean environment; print the chosen interpreter."""
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
+    return subprocess.run(
+        ["bash", "-c", f'source "{ROOT}/scripts/python.sh" && echo "PY=$PY"'],
+        cwd=cwd,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _chosen(res: subprocess.CompletedProcess[str]) -> str:
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip().splitlines()[-1].removeprefix("PY=")
+
+
+def test_python_variable_wins():
+    res = _select({"PYTHON": sys.executable, "VIRTUAL_ENV": "/nonexistent"})
+    assert _chosen(res) == sys.executable
+    assert "using $PYTHON" in res.stderr
+
+
+def test_active_virtual_environment_is_used(tmp_path):
+    venv = tmp_path / "active"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    res = _select({"VIRTUAL_ENV": str(venv)})
+    assert _chosen(res) == f"{venv}/bin/python"
+    assert f"using the active virtual environment {venv}" in res.stderr
+
+
+def test_unsupported_python_is_refused_with_the_version(tmp_path):
+    old = shutil.which("python3.9")
+    if old is None:
+        pytest.skip("no python3.9 on this machine")
+    res = _select({"PYTHON": old})
+    assert res.returncode != 0
+    assert "echoloss needs 3.10 or newer" in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ensurepip", [True, False], ids=["venv", "without-ensurepip"])
+def test_project_venv_is_created_announced_and_reused(tmp_path, ensurepip):
+    """Outside any environment: a project venv from the base Python, with a working pip, also
+    when ``ensurepip`` is unavailable (Debian without python3-venv); the second call reuses it."""
+    env = {"ECHOLOSS_VENV": str(tmp_path / "venv"), "ECHOLOSS_BASE_PYTHON": sys.executable}
+    if not ensurepip:
+        env["ECHOLOSS_VENV_NO_ENSUREPIP"] = "1"
+    first = _select(env)
+    py = _chosen(first)
+    assert py == f"{tmp_path}/venv/bin/python"
+    assert "creating the project environment" in first.stderr
+    assert ("bootstrapping pip" in first.stderr) is (not ensurepip)
+    pip = subprocess.run([py, "-m", "pip", "--version"], capture_output=True, text=True)
+    assert pip.returncode == 0, pip.stderr
+    second = _select(env)
+    assert _chosen(second) == py and "creating" not in second.stderr
