@@ -23,3 +23,6 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 echo "[echoloss] installing echoloss[${extras}] (editable)" >&2
 "$PY" -m pip install -q -e ".[${extras}]"
+# verl (extra "verl", and "dev") without its dependencies: only its loss modules are used, and its
+# full requirements (ray, vLLM, a transformers pin) would not co-install with this package's.
+case ",${extras}," in *,dev,*|*,verl,*) "$PY" -m pip install -q --no-deps "verl==0.9.1" ;; esac
