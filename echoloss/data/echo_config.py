@@ -30,7 +30,7 @@ STANDARD_ROLES = ("system", "user", "assistant", "tool")
 class RoleEcho(BaseModel):
     """Echo settings for one role.
 
-    Args:
+    Attributes:
         alpha: cross-entropy weight of this role's echoed tokens; finite and ``> 0``. (There is no
             "echo with weight 0": a weight of 0 would take tokens out of the RL set yet train nothing,
             and would still count in echo denominators. To stop echoing a role, leave it ``None``.)
@@ -160,7 +160,7 @@ class EchoFilter(BaseModel):
     (docs/spec.md §4.9): a configuration or rollout file copied from elsewhere could otherwise
     name any importable callable.
 
-    Args:
+    Attributes:
         import_path: a registered name, or ``"package.module:function"`` /
             ``"package.module.function"`` (needs ``allow_import_paths=True`` to resolve).
         kwargs: bound to the callable by keyword.
@@ -219,7 +219,7 @@ class EchoFilter(BaseModel):
 class EchoConfig(BaseModel):
     """Which observation tokens are echoed, and with which weight.
 
-    Args:
+    Attributes:
         system, user, assistant, tool: per-role settings, ``None`` = role not echoed. At least one
             role (here or in ``other_roles``) is required. ``assistant`` echoes every completion
             token of every step (and assistant message bodies inside prompts): it *replaces* RL
