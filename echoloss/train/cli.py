@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return experiment_main(argv[1:])
     args = _parser().parse_args(argv)
     from echoloss.train.config import ConfigError, load_config
+
+    _plain_warnings()
     from echoloss.train.presets import resolve_config
 
     try:
@@ -143,6 +146,23 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"done: {out}/metrics.jsonl, {out}/plots/, {out}/final-model/")
     return 0
+
+
+def _plain_warnings() -> None:
+    """The trainer's own warnings (a changed config on resume, a skipped checkpoint, a suspicious
+    setting) print as ``echoloss-train: warning: ...``, not in Python's file:line form (only the
+    text changes: filters and ``pytest.warns`` see them as before)."""
+    from echoloss.train.checkpoint import ResumeWarning
+    from echoloss.train.config import ConfigWarning
+
+    default = warnings.formatwarning
+
+    def plain(message: Any, category: Any, *args: Any, **kwargs: Any) -> str:
+        if isinstance(category, type) and issubclass(category, (ResumeWarning, ConfigWarning)):
+            return f"echoloss-train: warning: {message}\n"
+        return default(message, category, *args, **kwargs)
+
+    warnings.formatwarning = plain  # type: ignore[assignment]
 
 
 def _remove_if_created(out: Path, existed: bool) -> None:
