@@ -143,7 +143,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--v", type=_ints, default=None, help="override V (comma list)")
     p.add_argument("--hidden", type=int, default=None, help="override H of the linear op")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="override the dtype")
-    p.add_argument("--ops", type=_names, default=None, help="subset of: loss,linear")
+    p.add_argument(
+        "--ops", type=_names, default=None, help="subset of: loss,linear; or chat (on its own)"
+    )
     p.add_argument("--providers", type=_names, default=None, help="subset of the providers")
     p.add_argument("--modes", type=_names, default=None, help=f"subset of: {','.join(MODES)}")
     p.add_argument("--repeats", type=int, default=None)
@@ -230,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{kind:5s} {size:6s} {sw.name}: {[(b.op, b.ns, b.vs, b.dtype) for b in sw.blocks]}"
             )
         return 0
+    if args.ops and "chat" in args.ops:  # chat attribution: CPU, no tensors, its own runner
+        from benchmarks.chat_attribution import main as chat_main
+
+        argv_chat = ["--repeats", str(args.repeats or 9), *(["--smoke"] if args.smoke else [])]
+        return chat_main(argv_chat, output=args.output)
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         print(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -258,37 +259,41 @@ def _owners(
     (``-1``: scaffold); and the token where each region of ``regions.order`` starts.
 
     A token belongs to the region holding its last character, so a scaffold token straddling
-    two messages (``>\n`` between two tool results, a special token the prefix rendering
+    two messages (``>\\n`` between two tool results, a special token the prefix rendering
     replaces) goes to the later one; a token that mixes a body with scaffold is scaffold of the
-    body's message. A token is body only when it lies entirely inside a body."""
-    lasts = [e - 1 if e > s else s for s, e in spans]
-    owner = [-1] * len(spans)
-    slot_of = [-1] * len(spans)
-    bodies = [j for j in range(len(slots.start)) if slots.first[j]]
-    r = 0  # current region
-    j = 0  # first body slot that may still overlap the token
-    n_regions = len(regions.order)
-    for t, (s, e) in enumerate(spans):
-        last = lasts[t]
-        while r + 1 < n_regions and regions.start[r + 1] <= last:
-            r += 1
-        while j < len(bodies) and slots.end[bodies[j]] <= s:
-            j += 1
-        m = regions.order[r] if last < regions.end else -1
-        for jj in (j, j + 1):
-            if jj >= len(bodies):
-                break
-            sl = bodies[jj]
-            a, z = slots.start[sl], slots.end[sl]
-            if a <= s and e <= z and e > s:
-                slot_of[t] = sl
-                m = slot_message[sl]
-                break
-            if s < z and e > a and slot_message[sl] not in regions.displaced:
-                m = slot_message[sl]
-                break
-        owner[t] = m
+    body's message. A token is body only when it lies entirely inside a body. Token ranges come
+    from binary searches over the offsets, so the cost is one pass over the tokens."""
+    n = len(spans)
+    starts = [s for s, _ in spans]
+    ends = list(itertools.accumulate((e for _, e in spans), max))
+    lasts = [max(e - 1, s) for s, e in zip(starts, ends, strict=True)]
+    owner = [-1] * n
+    slot_of = [-1] * n
     region_tok = [bisect.bisect_left(lasts, c) for c in regions.start]
+    stop = bisect.bisect_left(lasts, regions.end)
+    for r, k in enumerate(regions.order):
+        lo = region_tok[r]
+        hi = region_tok[r + 1] if r + 1 < len(region_tok) else stop
+        if hi > lo:
+            owner[lo:hi] = [k] * (hi - lo)
+    empty = {t for t, (s, e) in enumerate(spans) if s == e}
+    for j in range(len(slots.start)):
+        if not slots.first[j]:
+            continue
+        a, z, k = slots.start[j], slots.end[j], slot_message[j]
+        if k not in regions.displaced:
+            # tokens crossing the slot's edges: scaffold of the body's message
+            for c in (a, z - 1):
+                t = bisect.bisect_right(starts, c) - 1
+                if 0 <= t < n and (starts[t] < a or ends[t] > z) and ends[t] > c:
+                    owner[t] = k
+        lo = bisect.bisect_left(starts, a)
+        hi = bisect.bisect_right(ends, z)
+        if hi > lo:
+            owner[lo:hi] = [k] * (hi - lo)
+            slot_of[lo:hi] = [j] * (hi - lo)
+    for t in empty:
+        slot_of[t] = -1
     return owner, slot_of, region_tok
 
 
@@ -535,8 +540,10 @@ def render_attributed(
     renderer = Renderer(tokenizer, tools, chat_template_kwargs or {})
     full = renderer.text(msgs, add_generation_prompt)
     fields: list[list[Field]] = []
+    count = 0
     for k, m in enumerate(msgs):
-        fields.append(message_fields(m, k, sum(len(f) for f in fields)))
+        fields.append(message_fields(m, k, count))
+        count += len(fields[-1])
     slots = locate_slots(
         msgs,
         fields,

@@ -89,14 +89,22 @@ def encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]
         raise TypeError(
             f"the tokenizer returned {len(ids)} ids but {len(spans)} offsets for one text"
         )
-    last = 0
-    for t, (a, b) in enumerate(spans):
-        if not (0 <= a <= b <= len(text)) or a < last - 4 or b < last:
-            raise ChatTemplateError(
-                f"the tokenizer's offset_mapping is not monotone at token {t} ({(a, b)} after "
-                f"character {last}); echoloss cannot map its tokens to the rendered text"
-            )
-        last = max(last, b)
+    # Offsets must run forward; neighbours may share one character (the bytes of one character
+    # split over two byte-level tokens).
+    ends = [0, *(b for _, b in spans)]
+    bad = next(
+        (
+            t
+            for t, ((a, b), prev) in enumerate(zip(spans, ends, strict=False))
+            if not 0 <= a <= b <= len(text) or b < prev or a < prev - 1
+        ),
+        None,
+    )
+    if bad is not None:
+        raise ChatTemplateError(
+            f"the tokenizer's offset_mapping is not monotone at token {bad} ({spans[bad]} after "
+            f"character {ends[bad]}); echoloss cannot map its tokens to the rendered text"
+        )
     return ids, spans
 
 
