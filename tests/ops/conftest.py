@@ -82,6 +82,22 @@ def poison_empty(monkeypatch):
     yield
 
 
+#: Triton vocabulary block on the interpreter: every test vocabulary (V ≥ 1531) streams several
+#: blocks per row, so a block that reads or writes the wrong columns changes the result (the
+#: default launch would stream V = 1531 in one block of 2048).
+INTERPRETER_BLOCK_V = 512
+
+
+@pytest.fixture(autouse=True)
+def _several_vocab_blocks(monkeypatch):
+    if HAS_TRITON and not HAS_CUDA:
+        from echoloss.ops.selective_logprobs import fused
+
+        monkeypatch.setitem(fused.LAUNCH, "fwd_block", INTERPRETER_BLOCK_V)
+        monkeypatch.setitem(fused.LAUNCH, "bwd_block", INTERPRETER_BLOCK_V)
+    yield
+
+
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the calls of the Triton phases, ``{"forward": n, "backward": m}``: a test that

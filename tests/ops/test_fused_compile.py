@@ -23,6 +23,9 @@ if HAS_TRITON:
 
     from echoloss.ops.selective_logprobs import fused
 
+    #: The shipped launch parameters, read at import (the ops conftest lowers the blocks per test).
+    DEFAULT_LAUNCH = dict(fused.LAUNCH)
+
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -171,14 +174,19 @@ def test_contiguous_rows_vectorise_without_spills(arch, tmp_path):
         _compiled_kernel(fused._logprobs_bwd_kernel),
     )
     consts = {"HAS_ROWS": True, "PER_ROW_T": True, "NEED_ENTROPY": True, "WIDE_COLS": False}
-    consts.update(stride_v=1, BLOCK_V=fused.LAUNCH["fwd_block"])
+    consts.update(stride_v=1, BLOCK_V=DEFAULT_LAUNCH["fwd_block"])
     kf = _compile(
-        fwd, _fwd_types("bf16"), consts, div16=_DIV[:3], arch=arch, warps=fused.LAUNCH["fwd_warps"]
+        fwd,
+        _fwd_types("bf16"),
+        consts,
+        div16=_DIV[:3],
+        arch=arch,
+        warps=DEFAULT_LAUNCH["fwd_warps"],
     )
     consts = {"HAS_ENT": True, "PER_ROW_T": True, "WIDE_COLS": False, "ROUND_BF16_BY_BITS": False}
-    consts.update(stride_v=1, out_stride_v=1, BLOCK_V=fused.LAUNCH["bwd_block"])
+    consts.update(stride_v=1, out_stride_v=1, BLOCK_V=DEFAULT_LAUNCH["bwd_block"])
     kb = _compile(
-        bwd, _bwd_types("bf16"), consts, div16=_DIV, arch=arch, warps=fused.LAUNCH["bwd_warps"]
+        bwd, _bwd_types("bf16"), consts, div16=_DIV, arch=arch, warps=DEFAULT_LAUNCH["bwd_warps"]
     )
     assert re.search(r"ld\.global\S*\.v4\.b32", kf.asm["ptx"]), "forward loads are not 128-bit"
     assert re.search(r"ld\.global\S*\.v4\.b32", kb.asm["ptx"]), "backward loads are not 128-bit"

@@ -19,7 +19,7 @@ from echoloss.loss import LossConfig, echo_loss
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
-VOCAB = 1531  # odd; one block of 2048 on the interpreter's default launch
+VOCAB = 1531  # odd; three blocks of 512 on the interpreter (tests/ops/conftest.py)
 POLICIES = {
     "dppo": LossConfig(policy="dppo"),
     "ppo_clip": LossConfig(policy="ppo_clip", dual_clip=3.0),

@@ -14,7 +14,7 @@ from _fused_cases import (
 )
 
 from echoloss import LossConfig, echo_loss, echo_loss_from_hidden
-from echoloss.ops.fused_linear import default_linear_chunk_size, linear_selective_logprobs
+from echoloss.ops.fused_linear import default_linear_chunk_size, linear_selective_logprobs, op
 from echoloss.ops.selective_logprobs import selective_logprobs
 
 H, V = 24, 1531
@@ -28,6 +28,39 @@ BACKENDS = [
 # dlogits round to bf16 in both paths, but a few-ulp fp32 difference in z can flip a rounding:
 # one bf16 ulp (2^-7 relative) on a handful of elements, which the gradients' GEMMs average.
 LINEAR_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2.0**-6)}
+
+
+#: Vocabulary rows per weight-gradient slice in these tests: 16 slices at V = 1531 instead of
+#: the default's one (2^24 / H rows), so a slice that reads the wrong columns changes the result.
+#: The Triton vocabulary blocks are lowered likewise by tests/ops/conftest.py (3 blocks), and
+#: the tests pass chunk sizes below the number of rows (several chunks).
+SLICE_ROWS = 100
+
+
+@pytest.fixture(autouse=True)
+def _several_weight_gradient_slices(monkeypatch):
+    monkeypatch.setattr(op, "_GRAD_WEIGHT_SLICE_ELEMENTS", SLICE_ROWS * H)
+
+
+def test_tiled_loops_iterate_more_than_once():
+    from conftest import INTERPRETER_BLOCK_V
+
+    assert (1 << 24) // H >= V  # the default: one slice at this size
+    assert -(-V // SLICE_ROWS) > 1 and -(-V // INTERPRETER_BLOCK_V) > 1
+
+
+def test_bf16_weight_gradient_slices_read_their_own_columns():
+    """The fp32-accumulated bf16 weight gradient, slice by slice, equals ``dz.T @ h`` computed in
+    fp64 from the same bf16 operands: each slice's product is one bf16 GEMM (fp32 accumulation,
+    one bf16 rounding of each product element: 2^-8 relative) added in fp32."""
+    g = torch.Generator().manual_seed(11)
+    c = 37
+    dz = torch.randn(c, V, generator=g).to(torch.bfloat16)
+    h = torch.randn(c, H, generator=g).to(torch.bfloat16)
+    acc = torch.zeros(V, H, dtype=torch.float32)
+    op._accumulate_grad_weight(acc, dz, h)
+    gold = dz.double().t() @ h.double()
+    torch.testing.assert_close(acc.double(), gold, atol=0.05, rtol=2.0**-7)
 
 
 def _weights(dtype, seed=0):
