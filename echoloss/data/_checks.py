@@ -18,6 +18,7 @@ __all__ = [
     "FLOAT32_MAX",
     "FLOAT32_TINY",
     "LOGPROB_SLACK",
+    "MAX_TOKENS",
     "MAX_TOKEN_ID",
     "check_echo_config",
     "exact_bool",
@@ -30,6 +31,11 @@ __all__ = [
 
 MAX_TOKEN_ID = 2**63 - 1
 """Largest token id an int64 ``input_ids`` tensor holds."""
+
+MAX_TOKENS = 2**31 - 1
+"""Largest token count of a sequence or a packed batch: ``cu_seqlens`` are int32
+(FlashAttention's varlen convention). A length beyond it is an error, not an attempt to allocate
+it."""
 
 FLOAT32_TINY = 1.1754943508222875e-38
 """Smallest positive normal float32: packed weights and temperatures below it lose precision or
@@ -44,8 +50,10 @@ LOGPROB_SLACK = 1e-6
 admits. Anything larger is not a log-probability (typically a negative log-likelihood column)."""
 
 
-def exact_int(name: str, value: Any, *, minimum: int | None = None, fix: str = "") -> int:
-    """An exact ``int`` (``bool``, floats and strings refused), at least ``minimum``.
+def exact_int(
+    name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None, fix: str = ""
+) -> int:
+    """An exact ``int`` (``bool``, floats and strings refused) in ``[minimum, maximum]``.
 
     Examples:
         >>> exact_int("prompt_len", 2.5, minimum=0)
@@ -54,9 +62,11 @@ def exact_int(name: str, value: Any, *, minimum: int | None = None, fix: str = "
         TypeError: prompt_len must be an int >= 0, got float 2.5
     """
     expected = "an int" if minimum is None else f"an int >= {minimum}"
+    if maximum is not None:
+        expected += f" and <= {maximum}"
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(problem(name, expected, describe(value), fix))
-    if minimum is not None and value < minimum:
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise ValueError(problem(name, expected, describe(value), fix))
     return value
 

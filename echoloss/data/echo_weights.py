@@ -20,7 +20,7 @@ from typing import Any
 
 from echoloss._logging import warn_once
 from echoloss._validate import bool_list, type_name
-from echoloss.data._checks import check_echo_config, exact_int
+from echoloss.data._checks import MAX_TOKENS, check_echo_config, exact_int
 from echoloss.data.attribution import TokenAttribution
 from echoloss.data.echo_config import EchoConfig
 
@@ -148,8 +148,8 @@ def select_step_echo(
         ([None, None, None], [False, False, True])
     """
     config = check_echo_config("config", config, optional=False)
-    exact_int("prompt_len", prompt_len, minimum=0)
-    exact_int("completion_len", completion_len, minimum=0)
+    exact_int("prompt_len", prompt_len, minimum=0, maximum=MAX_TOKENS)
+    exact_int("completion_len", completion_len, minimum=0, maximum=MAX_TOKENS - prompt_len)
     exact_int("seen_prefix_len", seen_prefix_len, minimum=0)
     exact_int("step_index", step_index, minimum=0)
     if initial_prompt_len is not None:

@@ -84,6 +84,11 @@ class Step:
         self.prompt_ids = _token_ids("Step", "prompt_ids", self.prompt_ids)
         self.completion_ids = _token_ids("Step", "completion_ids", self.completion_ids)
         c = len(self.completion_ids)
+        if not self.prompt_ids and not c:
+            raise ValueError(
+                "Step.prompt_ids and Step.completion_ids are both empty; a model call has a "
+                "prompt or a completion"
+            )
         self.completion_logprobs = _logprobs(
             "Step", "completion_logprobs", self.completion_logprobs
         )
@@ -203,7 +208,10 @@ class Sample:
         p, c = len(self.prompt_ids), len(self.completion_ids)
         n = p + c
         if n == 0:
-            raise ValueError(f"{where} has no tokens (empty prompt_ids and completion_ids)")
+            raise ValueError(
+                f"{where}.prompt_ids and {where}.completion_ids are both empty; a sample needs at "
+                "least one token"
+            )
         self.completion_mask = _bool_list(where, "completion_mask", self.completion_mask)
         _check_len(where, "completion_mask", self.completion_mask, c, "len(completion_ids)")
         self.completion_logprobs = _logprobs(where, "completion_logprobs", self.completion_logprobs)

@@ -17,7 +17,7 @@ import torch
 from echoloss._logging import warn_once
 from echoloss._validate import describe, problem
 from echoloss.advantages import broadcast_packed_advantages
-from echoloss.data._checks import MAX_TOKEN_ID, exact_bool, exact_int, token_id_list
+from echoloss.data._checks import MAX_TOKEN_ID, MAX_TOKENS, exact_bool, exact_int, token_id_list
 from echoloss.data.interleave import Sample
 
 __all__ = ["PackedBatch", "pack", "truncate_sample", "unpack"]
@@ -184,7 +184,9 @@ def pack(
         >>> batch.rl_mask.tolist(), batch.echo_weights.tolist()
         ([False, False, True, False, True, False, False, False], [0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0])
     """
-    exact_int("pack: max_tokens", max_tokens, minimum=1)
+    exact_int(
+        "pack: max_tokens", max_tokens, minimum=1, maximum=MAX_TOKENS, fix="cu_seqlens are int32"
+    )
     if pad_to_multiple_of is not None:
         exact_int("pack: pad_to_multiple_of", pad_to_multiple_of, minimum=1, fix="or None")
         if max_tokens % pad_to_multiple_of:

@@ -135,6 +135,8 @@ class StepRecord(BaseModel):
     @model_validator(mode="after")
     def _lengths(self) -> StepRecord:
         c = len(self.completion_ids)
+        if not self.prompt_ids and not c:
+            raise ValueError("prompt_ids and completion_ids are both empty; a step has tokens")
         if len(self.completion_logprobs) != c:
             raise ValueError(
                 f"completion_logprobs has length {len(self.completion_logprobs)}, expected {c} "
