@@ -1,7 +1,7 @@
 """verl: the echo term as a registered policy loss (extra ``verl``, verl 0.9).
 
 verl picks its actor loss by name (``actor_rollout_ref.actor.policy_loss.loss_mode``) from
-``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY``. :func:`register_echo_policy_loss` adds a
+``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY``. `register_echo_policy_loss` adds a
 loss there that is verl's own ``base`` loss (``"vanilla"`` PPO-clip by default, unchanged)
 plus the echo cross-entropy on the response tokens with an echo weight:
 
@@ -11,18 +11,18 @@ with verl's own ``agg_loss`` and the same ``loss_agg_mode``, but the echo term's
 counts (echo tokens and echo sequences of the mini-batch, not the RL ones), so one term never
 dilutes the other. The weights ``w`` are a per-response-token batch field ``echo_weights``
 (``[bs, response_length]`` float, 0 = not echoed): verl's policy-loss signature does not carry
-batch fields, so :func:`echo_ppo_loss` (a drop-in for verl's actor loss ``ppo_loss``) reads
-the field and hands it to the registered loss; :func:`echo_inputs` does the same around any
+batch fields, so `echo_ppo_loss` (a drop-in for verl's actor loss ``ppo_loss``) reads
+the field and hands it to the registered loss; `echo_inputs` does the same around any
 other call site. Calling the registered loss without echo inputs is an error, never a silent
 plain-PPO step.
 
 Tool-result tokens of a verl agent loop are in the response with ``response_mask = 0``: their
 ``log_prob`` is computed by verl anyway, so the echo term costs no extra forward.
-:func:`echoloss.adapters.convert.verl_fields` builds the fields from echoloss samples.
+`echoloss.adapters.convert.verl_fields` builds the fields from echoloss samples.
 ``docs/guides/verl.md`` has the Hydra snippet and the measured equivalences.
 
 Importing this module imports neither verl nor ray; the registry is touched only by
-:func:`register_echo_policy_loss`.
+`register_echo_policy_loss`.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def echo_agg_loss(
     Args:
         log_prob: ``[bs, L]`` current log-probabilities of the response tokens.
         echo_weights: ``[bs, L]`` float ≥ 0 (0 = not echoed).
-        loss_agg_mode: one of :data:`VERL_AGG_MODES`.
-        batch_info: :func:`echo_batch_info` (None = this micro-batch alone).
+        loss_agg_mode: one of `VERL_AGG_MODES`.
+        batch_info: `echo_batch_info` (None = this micro-batch alone).
 
     Returns:
         0-dim echo loss.
@@ -186,7 +186,7 @@ def register_echo_policy_loss(name: str = "echo", *, base: str = "vanilla") -> C
 
     Returns:
         The registered function, with verl's ``PolicyLossFn`` signature plus keyword-only
-        ``echo_weights`` and ``echo_batch_info`` (else taken from :func:`echo_inputs`).
+        ``echo_weights`` and ``echo_batch_info`` (else taken from `echo_inputs`).
 
     Raises:
         ValueError: ``base`` is not registered in verl, or is this loss itself.
@@ -254,7 +254,7 @@ def echo_ppo_loss(
     ``response_mask``) and the optional non-tensor fields ``echo_batch_num_tokens`` /
     ``echo_global_batch_size`` (the echo term's global counts, required with ``dp_size > 1``),
     then runs verl's ``ppo_loss`` unchanged; its policy loss must be a registered echo loss
-    (:func:`register_echo_policy_loss`). Use it where verl sets the actor loss:
+    (`register_echo_policy_loss`). Use it where verl sets the actor loss:
     ``actor_rollout_wg.set_loss_fn(functools.partial(echo_ppo_loss, config=actor_config))``.
     """
     from verl.utils import tensordict_utils as tu

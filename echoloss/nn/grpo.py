@@ -1,11 +1,11 @@
 """GRPO-family options (TRL's ``GRPOConfig`` / Liger's ``LigerFusedLinearGRPOLoss``) → echoloss.
 
 TRL and Liger name one family of losses by ``loss_type`` and ``importance_sampling_level``; each
-is a policy loss on the RL tokens plus a normaliser of the micro-batch. :func:`grpo_loss_mapping`
-maps those options onto a :class:`echoloss.LossConfig` exactly, or raises naming the option and
-the fix; :meth:`GRPOLossMapping.micro_batch` gives the per-call normaliser; the echo term's
-normaliser is folded into the echo weights by :func:`scale_echo_weights`. Pure PyTorch: used by
-:mod:`echoloss.adapters.trl` and the modules of :mod:`echoloss.nn`.
+is a policy loss on the RL tokens plus a normaliser of the micro-batch. `grpo_loss_mapping`
+maps those options onto a [`echoloss.LossConfig`][echoloss.loss.config.LossConfig] exactly, or raises naming the option and
+the fix; `GRPOLossMapping.micro_batch` gives the per-call normaliser; the echo term's
+normaliser is folded into the echo weights by `scale_echo_weights`. Pure PyTorch: used by
+[`echoloss.adapters.trl`][echoloss.adapters.trl] and the modules of `echoloss.nn`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A Liger user changes one line: ``LigerFusedLinearGRPOLoss(...)`` becomes
 ``loss_fn(_input [B, T, H], lin_weight [V, H], selected_token_ids [B, T], attention_mask [B, T],
 advantages [B], bias=..., ref_per_token_logps=..., old_per_token_logps=...)``, returning
 ``(loss, metrics)``. The echo inputs are extra keywords: ``echo_weights [B, T]`` (λ per token,
-0 = not echoed) and ``observation_mask [B, T]``. :class:`EchoGRPOLoss` is the same loss on
+0 = not echoed) and ``observation_mask [B, T]``. `EchoGRPOLoss` is the same loss on
 logits ``[B, T, V]``.
 
 The options map onto an [`echoloss.LossConfig`][echoloss.LossConfig] through
@@ -351,9 +351,9 @@ class EchoGRPOLoss(nn.Module):
 
 
 class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
-    """:class:`EchoGRPOLoss` from hidden states and the LM head, never the ``[B, T, V]`` logits.
+    """`EchoGRPOLoss` from hidden states and the LM head, never the ``[B, T, V]`` logits.
 
-    Same constructor as :class:`EchoGRPOLoss` (Liger's options); the call is Liger's:
+    Same constructor as `EchoGRPOLoss` (Liger's options); the call is Liger's:
     ``loss_fn(_input, lin_weight, selected_token_ids, attention_mask, advantages, bias=None,
     ref_per_token_logps=None, old_per_token_logps=None, ...)`` plus the echo keywords.
 
@@ -404,7 +404,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
         env_names: Sequence[str] | None = None,
     ) -> LossOutput:
         """The loss of one batch from hidden states ``_input [B, T, H]`` and ``lin_weight
-        [V, H]`` (and ``bias [V]``); other arguments as :meth:`EchoGRPOLoss.forward`.
+        [V, H]`` (and ``bias [V]``); other arguments as `EchoGRPOLoss.forward`.
 
         ``ref_input``/``ref_weight``/``ref_bias`` (the reference model's head) and
         ``vllm_is_ratio`` are Liger arguments without an equivalent here: pass

@@ -138,7 +138,7 @@ def open_trackers(
     """The trackers of ``report_to`` for a run writing to ``out``, closed on exit.
 
     Args:
-        report_to: tracker names (keys of :data:`TRACKERS`); empty = none.
+        report_to: tracker names (keys of `TRACKERS`); empty = none.
         out: the run's output directory.
         config: the run's configuration (recorded by W&B).
         start: the step the run starts from (> 0 on resume: later events are replaced).
