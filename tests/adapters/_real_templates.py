@@ -81,6 +81,8 @@ class Family:
 
 CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# Qwen2.5's vocabulary has <tool_call> tokens but spells <tool_response> as ordinary text.
+QWEN25_TAGS = ("<tool_call>", "</tool_call>")
 THINK = ("<think>", "</think>")
 LLAMA3 = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 MISTRAL = (
@@ -100,7 +102,7 @@ COHERE = (
 
 FAMILIES: tuple[Family, ...] = (
     Family("qwen2.5", "qwen2.5-7b-instruct.jinja", "qwen2_5.jinja", CHATML, "<|im_end|>",
-           added=QWEN_TAGS),
+           added=QWEN25_TAGS),
     Family("qwen3", "qwen3.jinja", "qwen3.jinja", CHATML, "<|im_end|>", added=QWEN_TAGS + THINK,
            stable=False),
     Family("qwen3-2507", "qwen3-instruct-2507.jinja", "qwen3_instruct_2507.jinja", CHATML,
