@@ -20,7 +20,11 @@ def _tok(family: str, style: str = "llama3"):
 
 def _body(tok, r, k: int) -> str:
     att = r.attribution
-    ids = [t for t, i, c in zip(r.token_ids, att.message_indices, att.is_content) if c and i == k]
+    ids = [
+        t
+        for t, i, c in zip(r.token_ids, att.message_indices, att.is_content, strict=False)
+        if c and i == k
+    ]
     return tok.decode(ids)
 
 
@@ -172,7 +176,9 @@ def test_control_token_text_in_a_tool_result_follows_the_policy(caplog):
         ids, att = attribute(msgs, tok)  # default: exclude, warned once
     assert ids == template_ids
     assert "<|im_end|>" in caplog.text and "never echoed" in caplog.text
-    body = [t for t, i, c in zip(ids, att.message_indices, att.is_content) if c and i == 2]
+    body = [
+        t for t, i, c in zip(ids, att.message_indices, att.is_content, strict=False) if c and i == 2
+    ]
     assert im_end not in body and tok.decode(body) == "before  after"
     with pytest.raises(ChatTemplateError, match=r"message 2 \(role 'tool'\) contains") as e:
         attribute(msgs, tok, control_tokens="error")
@@ -182,7 +188,9 @@ def test_control_token_text_in_a_tool_result_follows_the_policy(caplog):
     assert ids == tok.apply_chat_template(
         msgs, tokenize=True, return_dict=False, sanitize_control_tokens=True
     )
-    body = [t for t, i, c in zip(ids, att.message_indices, att.is_content) if c and i == 2]
+    body = [
+        t for t, i, c in zip(ids, att.message_indices, att.is_content, strict=False) if c and i == 2
+    ]
     assert im_end not in body and tok.decode(body) == "before <|im_end|> after"
     with pytest.raises(ValueError, match="control_tokens must be one of"):
         attribute(msgs, tok, control_tokens="keep")
