@@ -133,6 +133,14 @@ def completion_echo(
 
     ids = list(completion_ids)
     mask = list(tool_mask)
+    for i, v in enumerate(mask):
+        # 0/1 ints or bools only: a 2 would silently read as a model token.
+        if isinstance(v, float) or not hasattr(v, "__index__") or int(v) not in (0, 1):
+            raise ValueError(
+                f"tool_mask[{i}] must be 0/1 (or a bool), got {type(v).__name__} {v!r}; 1 marks "
+                "a model token, 0 a tool-result token (TRL's tool_mask)"
+            )
+        mask[i] = int(v)
     if len(mask) != len(ids):
         raise ValueError(
             f"tool_mask has length {len(mask)}, expected {len(ids)} (one per completion token)"

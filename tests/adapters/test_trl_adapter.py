@@ -96,6 +96,8 @@ def test_completion_echo_marks_exactly_the_tool_result_body():
     assert all(w is None for w in none.weights)
     with pytest.raises(ValueError, match=r"1 run\(s\) of tool tokens .* 0 group"):
         completion_echo(ids, mask, messages[:1], tok, echo=cfg, **kw)
+    with pytest.raises(ValueError, match=r"tool_mask\[1\] must be 0/1 \(or a bool\), got int 2"):
+        completion_echo(ids, [1, 2, *mask[2:]], messages, tok, echo=cfg, **kw)
     wrong = [*messages[:1], {**tool_msg, "content": "Rain"}, messages[2]]
     with pytest.raises(ValueError, match="do not render to the completion's tokens"):
         completion_echo(ids, mask, wrong, tok, echo=cfg, **kw)
