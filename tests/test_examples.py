@@ -17,3 +17,15 @@ def test_quickstart_runs_and_echo_loss_falls(capsys):
     # (from ~log(258) = 5.55 at random init).
     assert echo[0] > 4.5 and echo[-1] < echo[0] - 0.5
     assert "step  5" in capsys.readouterr().out
+
+
+def test_quickstart_runs_as_the_readme_says(tmp_path):
+    """``python examples/quickstart.py``, from another directory, as a reader runs it."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, str(EXAMPLE)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step 19" in res.stdout
