@@ -51,13 +51,13 @@ ECHO_TEMPERATURES = ("one", "sampling")
 
 @dataclass(frozen=True)
 class GRPOLossMapping:
-    """How one ``GRPOConfig`` maps onto echoloss; built by [`grpo_loss_mapping`][echoloss.adapters.trl.grpo_loss_mapping].
+    """How one ``GRPOConfig`` maps onto echoloss; built by [`grpo_loss_mapping`][echoloss.nn.grpo.grpo_loss_mapping].
 
     Attributes:
         loss_type: TRL's ``loss_type``.
         config: the [`echoloss.LossConfig`][echoloss.loss.config.LossConfig] of every micro-batch except its RL normaliser
-            constant, which [`micro_batch`][echoloss.adapters.trl.GRPOLossMapping.micro_batch] fills in (the echo term always uses
-            ``echo_normalization="sum"`` on pre-scaled weights, see [`scale_echo_weights`][echoloss.adapters.trl.scale_echo_weights]).
+            constant, which [`micro_batch`][echoloss.nn.grpo.GRPOLossMapping.micro_batch] fills in (the echo term always uses
+            ``echo_normalization="sum"`` on pre-scaled weights, see [`scale_echo_weights`][echoloss.nn.grpo.scale_echo_weights]).
         policy_fn: the custom policy of ``sapo`` and sequence-level ``cispo`` (TRL's formula on
             the RL rows), else None.
     """
@@ -134,7 +134,7 @@ def _require(ok: bool, message: str) -> None:
 def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> GRPOLossMapping:
     """Map a ``GRPOConfig`` onto echoloss exactly, or raise naming the setting and the fix.
 
-    Mapped: every ``loss_type`` but ``vespo`` (see [`GRPO_LOSS_TYPES`][echoloss.adapters.trl.GRPO_LOSS_TYPES]), both
+    Mapped: every ``loss_type`` but ``vespo`` (see [`GRPO_LOSS_TYPES`][echoloss.nn.grpo.GRPO_LOSS_TYPES]), both
     ``importance_sampling_level`` values, ``epsilon``/``epsilon_high``, ``delta`` (as
     ``dual_clip``, which equals it whenever ``delta > 1 + epsilon_high``), ``beta`` (k3 reference
     KL, with ``use_bias_correction_kl=False``) and the vLLM importance-sampling correction (as
@@ -148,7 +148,7 @@ def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> 
             ``trainer.epsilon_low`` / ``epsilon_high``).
 
     Returns:
-        [`GRPOLossMapping`][echoloss.adapters.trl.GRPOLossMapping].
+        [`GRPOLossMapping`][echoloss.nn.grpo.GRPOLossMapping].
 
     Examples:
         >>> from types import SimpleNamespace as NS
@@ -344,7 +344,7 @@ def scale_echo_weights(
     Args:
         echo_weights: ``[B, T]`` float ≥ 0 (0 = not echoed).
         observation_mask: ``[B, T]`` bool, the rows counted in ``|O_i|``.
-        normalization: one of [`ECHO_NORMALIZATIONS`][echoloss.adapters.trl.ECHO_NORMALIZATIONS].
+        normalization: one of [`ECHO_NORMALIZATIONS`][echoloss.nn.grpo.ECHO_NORMALIZATIONS].
         num_echo_items_in_batch: echo tokens in the generation batch over every process
             (``"token_mean"`` only).
         num_processes, accumulation_steps, steps_per_generation: as in TRL (eval: 1, 1, 1 for the
