@@ -99,7 +99,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
         n = int(rows.numel())
         lp = torch.zeros(n_all, dtype=cdtype, device=dev)
         ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
-        lse = torch.zeros(n, dtype=cdtype, device=dev)
+        lse = torch.zeros(n, 2, dtype=cdtype, device=dev)  # [n, 2] per-row log-sum-exp statistics
         ent_c = torch.zeros(n, dtype=cdtype, device=dev) if need_entropy else None
         inner = reference.default_chunk_size(v)
         for start in range(0, n, chunk_size):

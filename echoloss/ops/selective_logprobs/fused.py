@@ -61,7 +61,7 @@ _sum_combine = getattr(tl.standard, "_sum_combine", _sum_combine_local)
 @triton.jit(do_not_specialize=["rows_per_batch"])
 def _logprobs_fwd_kernel(
     LOGPROB,  # [n] fp32 out
-    LSE,  # [n] fp32 out
+    LSE,  # [n, 2] fp32 out: (row max of z, log Σ exp((z - max) / T))
     ENTROPY,  # [n] fp32 out (unused unless NEED_ENTROPY)
     LOGITS,  # [B, T, V] (a 2-D [N, V] is passed as B = 1)
     LABELS,  # [N] int64
@@ -86,8 +86,10 @@ def _logprobs_fwd_kernel(
     label = tl.load(LABELS + row).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
 
-    # Online log-sum-exp of s = z / T: m is the running max, acc the sum of exp(s - m), and
-    # ent_acc the sum of exp(s - m) * (s - m); both rescale by exp(m_old - m_new) when m grows.
+    # Online log-sum-exp over d = (z - m) / T, with m the running max of the *raw* logits z:
+    # subtracting before scaling keeps d's full relative precision at any |z / T| (z / T - m / T
+    # would carry the rounding of |z / T|). acc is the sum of exp(d), ent_acc the sum of
+    # exp(d)·d; both are rescaled by exp((m_old - m_new) / T) when m grows.
     m = float("-inf")
     acc = 0.0
     ent_acc = 0.0
@@ -96,27 +98,28 @@ def _logprobs_fwd_kernel(
         valid = offs < n_cols
         # int32 column offsets unless (V - 1)·stride_v overflows them (e.g. transposed logits).
         col = offs.to(tl.int64) * stride_v if WIDE_COLS else offs * stride_v
-        s = tl.load(base + col, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
-        m_new = tl.maximum(m, tl.reduce(s, 0, _max_combine))
+        z = tl.load(base + col, mask=valid, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.reduce(z, 0, _max_combine))
         # A row that is -inf so far keeps m_new = -inf: shift by 0 to keep exp() from NaN.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = tl.exp(s - m_ref)  # [BLOCK_V], 0 where s = -inf (and on masked lanes)
-        alpha = tl.exp(m - m_ref)  # 0 while nothing has been seen (m = -inf)
+        d = (z - m_ref) * inv_t  # [BLOCK_V] ≤ 0, -inf where z = -inf (and on masked lanes)
+        e = tl.exp(d)  # [BLOCK_V]
+        step = (m - m_ref) * inv_t  # ≤ 0; -inf while nothing has been seen (m = -inf)
+        alpha = tl.exp(step)
         if NEED_ENTROPY:
-            # (m - m_ref)·acc, written so that acc = 0 (and m = -inf) gives 0, not -inf·0 = NaN.
-            shift = (tl.where(acc > 0.0, m, m_ref) - m_ref) * acc
-            d = tl.where(s == float("-inf"), 0.0, s - m_ref)
-            ent_acc = alpha * (ent_acc + shift) + tl.reduce(e * d, 0, _sum_combine)
+            # step·acc, written so that acc = 0 (and m = -inf) gives 0, not -inf·0 = NaN.
+            shift = tl.where(acc > 0.0, step, 0.0) * acc
+            d0 = tl.where(z == float("-inf"), 0.0, d)
+            ent_acc = alpha * (ent_acc + shift) + tl.reduce(e * d0, 0, _sum_combine)
         acc = alpha * acc + tl.reduce(e, 0, _sum_combine)
         m = m_new
 
+    m_out = tl.where(m == float("-inf"), 0.0, m)
     log_acc = tl.log(acc)
-    lse = m + log_acc
-    s_label = tl.load(base + label * stride_v).to(tl.float32) * inv_t
-    # (s_y - m) - log(acc) rather than s_y - lse: the rounding of lse at |m| ~ 1e4 (5e-4) does
-    # not reach the logprob.
-    tl.store(LOGPROB + pid, (s_label - m) - log_acc)
-    tl.store(LSE + pid, lse)
+    z_label = tl.load(base + label * stride_v).to(tl.float32)
+    tl.store(LOGPROB + pid, (z_label - m_out) * inv_t - log_acc)
+    tl.store(LSE + 2 * pid, m_out)
+    tl.store(LSE + 2 * pid + 1, log_acc)
     if NEED_ENTROPY:
         # H = -Σ p·log p = log(acc) - Σ e·(s - m) / acc: both terms O(log V), no cancellation
         # against |m| (logits of ±1e4 lose nothing).
@@ -129,7 +132,7 @@ def _logprobs_bwd_kernel(
     LOGITS,  # [B, T, V] (may be DLOGITS itself: each element is read before it is written)
     LABELS,  # [N] int64
     SLOT,  # [N] int32: index into the per-live-row arrays, -1 = write zeros
-    LSE,  # [n] fp32
+    LSE,  # [n, 2] fp32 (row max of z, log Σ exp((z - max) / T))
     GRAD_LP,  # [n] fp32 coefficient a
     GRAD_ENT,  # [n] fp32 coefficient b (unused unless HAS_ENT)
     ENTROPY,  # [n] fp32 H (unused unless HAS_ENT)
@@ -165,7 +168,8 @@ def _logprobs_bwd_kernel(
         base = LOGITS + b_idx * stride_b + t_idx * stride_t
         inv_t = tl.load(INV_T + row).to(tl.float32) if PER_ROW_T else inv_t_scalar
         label = tl.load(LABELS + row).to(tl.int64)
-        lse = tl.load(LSE + k)
+        m = tl.load(LSE + 2 * k)
+        log_acc = tl.load(LSE + 2 * k + 1)
         a = tl.load(GRAD_LP + k)
         if HAS_ENT:
             b = tl.load(GRAD_ENT + k)
@@ -179,8 +183,8 @@ def _logprobs_bwd_kernel(
             else:
                 col = offs * stride_v
                 col_out = offs * out_stride_v
-            s = tl.load(base + col, mask=valid, other=float("-inf")).to(tl.float32)
-            log_p = s * inv_t - lse
+            z = tl.load(base + col, mask=valid, other=float("-inf")).to(tl.float32)
+            log_p = (z - m) * inv_t - log_acc
             p = tl.exp(log_p)
             g = -a * p
             if HAS_ENT:
@@ -286,7 +290,9 @@ def forward(
             backends share one signature.
 
     Returns:
-        ``(logprobs [n], lse [n], entropy [n] or None)``, fp32, one entry per computed row.
+        ``(logprobs [n], lse [n, 2], entropy [n] or None)``, fp32, one entry per computed row;
+        ``lse`` as in ``reference.forward`` (row max of the logits, log-sum of the shifted
+        exponentials).
     """
     if logits.dtype == torch.float64:
         return reference.forward(
@@ -303,7 +309,7 @@ def forward(
     n = int(rows.numel()) if rows is not None else int(logits.numel() // max(1, v))
     dev = logits.device
     out_lp = torch.empty(n, dtype=torch.float32, device=dev)
-    out_lse = torch.empty(n, dtype=torch.float32, device=dev)
+    out_lse = torch.empty(n, 2, dtype=torch.float32, device=dev)
     out_ent = torch.empty(n, dtype=torch.float32, device=dev) if need_entropy else None
     if n == 0:
         return out_lp, out_lse, out_ent
@@ -362,7 +368,7 @@ def backward(
         labels: ``[N]`` int64.
         rows: ``[n]`` int64 distinct flat indices of the rows with a gradient.
         inv_temperature: as in [`forward`][echoloss.ops.selective_logprobs.reference.forward].
-        lse: ``[n]`` log-sum-exp of each row of ``rows``.
+        lse: ``[n, 2]`` log-sum-exp statistics of each row of ``rows`` (from [`forward`][echoloss.ops.selective_logprobs.reference.forward]).
         grad_logprobs: ``[n]`` coefficient ``a`` per row.
         grad_entropy: ``[n]`` coefficient ``b`` per row, or None.
         entropy: ``[n]`` entropy per row; required with ``grad_entropy``.

@@ -79,45 +79,47 @@ class _Workspace:
         return buf[:c]
 
 
-def _load_scaled(
+def _load_shifted(
     logits: torch.Tensor,
     rows: torch.Tensor | None,
     start: int,
     stop: int,
     inv_t: float | torch.Tensor,
     ws: _Workspace,
-) -> tuple[torch.Tensor, bool]:
-    """Rows ``start:stop`` of the row list as ``z / T`` in the compute dtype, ``[c, V]``.
+    shift: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``start:stop`` of the row list as ``d = (z - m) / T`` in the compute dtype, ``[c, V]``.
 
-    Returns the tensor and whether it is the workspace buffer ``x`` (free to overwrite); when it
-    is not, it is a read-only view of ``logits`` (fp32/fp64 logits at ``T = 1``).
+    ``m`` is each row's maximum logit (computed here, or ``shift`` when given), subtracted
+    *before* the division by ``T``: ``z - m`` is exact or rounded relative to the difference
+    itself, so ``d`` keeps full relative precision whatever ``|z / T|`` (``z / T - m / T`` would
+    carry the rounding of ``|z / T|``: 0.06 at 1e6 in fp32). Returns ``(d, m [c])``; ``d`` is the
+    workspace buffer ``x``. A row whose maximum is ``-inf`` is shifted by 0 (stays ``-inf``).
     """
     c = stop - start
     cdtype = ws._cdtype
+    x = ws.get("x", c)
     if rows is None and logits.dim() == 2:
-        src = logits[start:stop]
+        x.copy_(logits[start:stop])
     elif logits.dim() == 2:
         idx = rows[start:stop] if rows is not None else None
-        native = ws.get("x" if logits.dtype == cdtype else "native", c)
-        src = torch.index_select(logits, 0, idx, out=native)
+        if logits.dtype == cdtype:
+            torch.index_select(logits, 0, idx, out=x)
+        else:
+            x.copy_(torch.index_select(logits, 0, idx, out=ws.get("native", c)))
     else:  # [B, T, V] that cannot be viewed as [N, V]: gather (a chunk-sized copy)
         idx = torch.arange(start, stop, device=logits.device) if rows is None else rows[start:stop]
         t = logits.shape[1]
-        src = logits[idx // t, idx % t]
-    scaled = not (isinstance(inv_t, float) and inv_t == 1.0)
-    x = ws.get("x", c)
-    if src.data_ptr() == x.data_ptr():
-        s = src
-    elif src.dtype != cdtype or scaled:
-        s = x.copy_(src)  # upcast first, then scale in the compute dtype
-    else:
-        return src, False
+        x.copy_(logits[idx // t, idx % t])
+    m = x.amax(dim=1) if shift is None else shift.to(cdtype)  # [c]
+    m = m.masked_fill(m == float("-inf"), 0.0)  # [c] an all -inf row keeps d = -inf, not NaN
+    x.sub_(m[:, None])
     if isinstance(inv_t, float):
-        if scaled:
-            s.mul_(inv_t)
+        if inv_t != 1.0:
+            x.mul_(inv_t)
     else:
-        s.mul_(inv_t[:, None])
-    return s, True
+        x.mul_(inv_t[:, None])
+    return x, m
 
 
 def _chunk_inv_t(
@@ -156,14 +158,17 @@ def forward(
         chunk_size: rows per chunk (≥ 1).
 
     Returns:
-        ``(logprobs [n], lse [n], entropy [n] or None)`` in the compute dtype, one entry per
-        computed row (``n = N`` when ``rows`` is None). ``lse`` is of the scaled logits ``z / T``.
+        ``(logprobs [n], lse [n, 2], entropy [n] or None)`` in the compute dtype, one entry per
+        computed row (``n = N`` when ``rows`` is None). ``lse`` holds each row's log-sum-exp as
+        the pair ``(m, log Σ_j exp((z_j - m) / T))`` with ``m`` the row's maximum logit, i.e.
+        ``log Σ exp(z / T) = m / T + lse[:, 1]``: kept apart so that phase 2 can form
+        ``log p = (z - m) / T - lse[:, 1]`` without the rounding of ``|z / T|``.
     """
     n = _num_rows(logits, rows)
     cdtype = compute_dtype(logits.dtype)
     dev = logits.device
     out_lp = torch.empty(n, dtype=cdtype, device=dev)
-    out_lse = torch.empty(n, dtype=cdtype, device=dev)
+    out_lse = torch.empty(n, 2, dtype=cdtype, device=dev)
     out_ent = torch.empty(n, dtype=cdtype, device=dev) if need_entropy else None
     ws = _Workspace(min(chunk_size, max(n, 1)), logits.shape[-1], cdtype, logits)
     for start in range(0, n, chunk_size):
@@ -171,20 +176,19 @@ def forward(
         c = stop - start
         lab = (labels[start:stop] if rows is None else labels.index_select(0, rows[start:stop]))[
             :, None
-        ]
-        s, owned = _load_scaled(
-            logits, rows, start, stop, _chunk_inv_t(inv_temperature, rows, start, stop), ws
-        )
-        lsm = torch._log_softmax(s, 1, False, out=ws.get("a", c))  # [c, V]
-        lp = lsm.gather(1, lab).squeeze(1)
-        out_lp[start:stop] = lp
-        # lse from the identity log p_y = s_y - lse: no second reduction over V.
-        out_lse[start:stop] = s.gather(1, lab).squeeze(1) - lp
+        ]  # [c, 1]
+        inv_t = _chunk_inv_t(inv_temperature, rows, start, stop)
+        d, m = _load_shifted(logits, rows, start, stop, inv_t, ws)  # [c, V], [c]
+        e = torch.exp(d, out=ws.get("a", c))  # [c, V] exp((z - m) / T), 0 at z = -inf
+        log_acc = e.sum(dim=1).log_()  # [c] log Σ exp(d) ∈ [0, log V]
+        out_lp[start:stop] = d.gather(1, lab).squeeze(1) - log_acc
+        out_lse[start:stop, 0] = m
+        out_lse[start:stop, 1] = log_acc
         if out_ent is not None:
-            # H = -Σ p·log p. Clamping log p keeps a -inf logit (p = 0) from giving 0·(-inf) = NaN.
-            lsm.clamp_(min=LOG_P_FLOOR)
-            p = torch.exp(lsm, out=s if owned else ws.get("b", c))
-            out_ent[start:stop] = -(p.mul_(lsm)).sum(dim=-1)
+            # H = log Σ - Σ p·d: two O(log V) terms. d is floored so that p = 0 (z = -inf) gives
+            # 0·floor = 0, not 0·(-inf) = NaN (exp(floor) is exactly 0: no value changes).
+            pd = e.mul_(d.clamp_(min=LOG_P_FLOOR)).sum(dim=1)  # [c] Σ e·d
+            out_ent[start:stop] = log_acc - pd / log_acc.exp()
     return out_lp, out_lse, out_ent
 
 
@@ -203,8 +207,8 @@ def backward(
 ) -> torch.Tensor:
     """Phase 2: ``dlogits`` of the given rows from per-row coefficients; other rows exact zeros.
 
-    For row ``i`` with ``s = z / T``, ``p = softmax(s)``, label ``y``, coefficient ``a`` on the
-    logprob and ``b`` on the entropy ``H``::
+    For row ``i`` with ``p = softmax(z / T)`` (``log p = (z - m) / T - log Σ`` from the saved
+    statistics), label ``y``, coefficient ``a`` on the logprob and ``b`` on the entropy ``H``::
 
         dL/dz = (a·(onehot(y) - p) - b·p·(log p + H)) / T
 
@@ -238,20 +242,16 @@ def backward(
         c = stop - start
         idx = rows[start:stop]
         inv_t = _chunk_inv_t(inv_temperature, rows, start, stop)
-        s, owned = _load_scaled(logits, rows, start, stop, inv_t, ws)
-        a = grad_logprobs[start:stop, None].to(cdtype)
-        # log p = s - lse, in place when s is a workspace buffer.
-        g = (
-            s.sub_(lse[start:stop, None])
-            if owned
-            else torch.sub(s, lse[start:stop, None], out=ws.get("a", c))
-        )
+        stats = lse[start:stop].to(cdtype)  # [c, 2] (m, log Σ)
+        d, _ = _load_shifted(logits, rows, start, stop, inv_t, ws, shift=stats[:, 0])  # [c, V]
+        a = grad_logprobs[start:stop, None].to(cdtype)  # [c, 1]
+        g = d.sub_(stats[:, 1:])  # [c, V] log p = (z - m) / T - log Σ, in place
         if grad_entropy is None:
             g.exp_().mul_(-a)  # -a·p
         else:
             assert entropy is not None, "entropy is required with grad_entropy"
-            b = grad_entropy[start:stop, None].to(cdtype)
-            p = torch.exp(g, out=ws.get("b", c))
+            b = grad_entropy[start:stop, None].to(cdtype)  # [c, 1]
+            p = torch.exp(g, out=ws.get("b", c))  # [c, V]
             # -p·(a + b·(log p + H)), reusing the log p buffer for the factor.
             g.clamp_(min=LOG_P_FLOOR).add_(entropy[start:stop, None]).mul_(b).add_(a)
             g = p.mul_(g).neg_()
