@@ -588,10 +588,10 @@ def render_attributed(
     if len(ids) != len(spans):  # escaped: region starts move with the inserted tokens
         region_tok = _retarget(region_tok, owner, regions.order)
     attribution = TokenAttribution(
-        message_indices=owner,
-        is_content=content,
-        message_roles=[m["role"] for m in msgs],
-        message_tool_names=names,
+        message_indices=tuple(owner),
+        is_content=tuple(content),
+        message_roles=tuple(str(m["role"]) for m in msgs),
+        message_tool_names=tuple(names),
     )
     out_spans = _message_spans(msgs, names, owner, content, regions, region_tok)
     return ChatRendering(text=full, token_ids=ids, attribution=attribution, spans=out_spans)

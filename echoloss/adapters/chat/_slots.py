@@ -14,6 +14,7 @@ depending on the payload fails it with an error naming the message.
 from __future__ import annotations
 
 import itertools
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,10 @@ class Slots:
     end: list[int]
     field: list[int]
     first: list[bool]
+
+
+def _has_colour(colour: Sequence[int], c: int, field: Field) -> bool:
+    return colour[field.index] == c
 
 
 def _describe(field: Field, messages: Sequence[Mapping[str, Any]]) -> str:
@@ -168,8 +173,8 @@ def locate_slots(
     gaps = [skeleton[bounds[2 * j] : bounds[2 * j + 1]] for j in range(len(found) + 1)]
     marks = [skeleton[s:e] for s, e, _ in found]
     real: dict[int, str] = {}
-    for c in sorted(set(colour[f] for f in order)):
-        text = render(substituted(messages, fields, lambda f, c=c: colour[f.index] == c))
+    for c in sorted({colour[f] for f in order}):
+        text = render(substituted(messages, fields, functools.partial(_has_colour, colour, c)))
         _read_values(text, gaps, marks, order, colour, c, real, flat, messages)
     # The real rendering is the scaffold with the real values put back: proven body spans.
     start: list[int] = []

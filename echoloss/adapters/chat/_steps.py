@@ -24,8 +24,8 @@ def _prompt_attribution(full: ChatRendering, length: int, k: int) -> TokenAttrib
     content = [c and i >= 0 for c, i in zip(att.is_content[:length], indices, strict=True)]
     names = att.message_tool_names
     return TokenAttribution(
-        message_indices=indices,
-        is_content=content,
+        message_indices=tuple(indices),
+        is_content=tuple(content),
         message_roles=att.message_roles[:k],
         message_tool_names=None if names is None else names[:k],
     )
