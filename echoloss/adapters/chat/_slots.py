@@ -13,8 +13,8 @@ depending on the payload fails it with an error naming the message.
 
 from __future__ import annotations
 
-import itertools
 import functools
+import itertools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
