@@ -152,9 +152,12 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, kee
     directory.
     """
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):  # a crash of an earlier save
+    # What a crash of an earlier save left: its directory, or the file that replaces `latest`.
+    for stale in root.glob(".tmp-*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
     name = f"step_{step:06d}"
     final = root / name
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-"))

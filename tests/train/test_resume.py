@@ -297,3 +297,15 @@ def test_outputs_of_a_resumed_run_are_cut_back_exactly(tmp_path):
     assert (out / "token_exports" / "step_2" / "rank_0.jsonl").is_file()
     assert not (out / "token_exports" / "step_3").exists()
     assert len(cut) == 2, cut
+
+
+def test_leftovers_of_a_killed_save_are_removed_by_the_next_one(tmp_path):
+    """A kill inside a save leaves a temporary directory, or the temporary file that replaces
+    `latest`; the next save removes both."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / ".tmp-step_000002-abc").mkdir()
+    (root / ".tmp-step_000002-abc" / "model.pt").write_bytes(b"half")
+    (root / ".tmp-latest-xyz").write_text("step_0000")
+    ckpt.save_checkpoint(root, 2, lambda d: (d / "state.json").write_text("{}"), keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]
