@@ -22,8 +22,15 @@ _echoloss_supported() {
 
 _echoloss_base_python() {
     local c
-    for c in "${ECHOLOSS_BASE_PYTHON:-}" python3 python3.12 python3.11 python3.10 python; do
-        [ -n "$c" ] || continue
+    if [ -n "${ECHOLOSS_BASE_PYTHON:-}" ]; then  # asked for by name: that one or an error
+        if _echoloss_supported "$ECHOLOSS_BASE_PYTHON"; then
+            command -v "$ECHOLOSS_BASE_PYTHON"
+            return 0
+        fi
+        _echoloss_say "ECHOLOSS_BASE_PYTHON=$ECHOLOSS_BASE_PYTHON is not a Python >= 3.10"
+        return 1
+    fi
+    for c in python3 python3.12 python3.11 python3.10 python; do
         if command -v "$c" >/dev/null 2>&1 && _echoloss_supported "$c"; then
             command -v "$c"
             return 0
@@ -63,7 +70,7 @@ PYEOF
 _echoloss_make_venv() {
     local dir="$1" base
     if ! base="$(_echoloss_base_python)"; then
-        _echoloss_say "no Python >= 3.10 found (tried python3, python3.12, python3.11, python3.10, python)."
+        _echoloss_say "no Python >= 3.10 to create $dir from (tried \$ECHOLOSS_BASE_PYTHON, or python3, python3.12, python3.11, python3.10, python)."
         _echoloss_say "Install one (e.g. 'apt install python3' on Debian 12 / Ubuntu 22.04+), or set PYTHON=/path/to/python."
         return 1
     fi

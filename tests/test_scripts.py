@@ -6,7 +6,6 @@ first use, from a Python ≥ 3.10, announced on stderr)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,13 +48,29 @@ def test_active_virtual_environment_is_used(tmp_path):
     assert f"using the active virtual environment {venv}" in res.stderr
 
 
-def test_unsupported_python_is_refused_with_the_version(tmp_path):
-    old = shutil.which("python3.9")
-    if old is None:
-        pytest.skip("no python3.9 on this machine")
-    res = _select({"PYTHON": old})
+def _old_python(tmp_path: Path) -> Path:
+    """A stand-in for a Python < 3.10: fails the version check the scripts run."""
+    fake = tmp_path / "python3.9"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_unsupported_python_is_refused(tmp_path):
+    res = _select({"PYTHON": str(_old_python(tmp_path))})
     assert res.returncode != 0
     assert "echoloss needs 3.10 or newer" in res.stderr
+
+
+def test_unsupported_base_python_is_refused_not_replaced(tmp_path):
+    env = {
+        "ECHOLOSS_VENV": str(tmp_path / "venv"),
+        "ECHOLOSS_BASE_PYTHON": str(_old_python(tmp_path)),
+    }
+    res = _select(env)
+    assert res.returncode != 0
+    assert "is not a Python >= 3.10" in res.stderr
+    assert not (tmp_path / "venv").exists()
 
 
 @pytest.mark.slow
