@@ -55,7 +55,9 @@ class _ToolCall(_In):
     function: _Function | None = None
 
     def fn_name(self) -> str | None:
-        return self.name if self.name is not None else (self.function and self.function.name)
+        if self.name is not None:
+            return self.name
+        return None if self.function is None else self.function.name
 
 
 class _Message(_In):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ def _check_key(key: Any, field: str) -> Hashable:
         raise TypeError(
             f"{field} = {key!r} is not hashable; use a str, int or a tuple of them, e.g. (env, role)"
         ) from err
-    return key
+    return cast(Hashable, key)
 
 
 def _check_errored(errored: Sequence[bool] | None, n: int) -> list[bool]:

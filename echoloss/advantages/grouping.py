@@ -142,7 +142,7 @@ def compute_advantages(
         survivors = [i for i in members if not failed[i]]
         if not survivors or (drop_group_on_error and len(survivors) < len(members)):
             continue
-        group_rewards = [values[i] for i in survivors]
+        group_rewards = [v for i in survivors if (v := values[i]) is not None]  # survivors: set
         try:
             if cost_list is not None:
                 costs = [cost_list[i] for i in survivors]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 __all__ = ["AdvantageFn", "list_advantage_fns", "register_advantage_fn", "resolve_advantage_fn"]
 
@@ -15,9 +15,10 @@ AdvantageFn = Callable[..., Sequence[float]]
 _REGISTRY: dict[str, AdvantageFn] = {}
 
 
-def register_advantage_fn(
-    name: str, *, overwrite: bool = False
-) -> Callable[[AdvantageFn], AdvantageFn]:
+_Fn = TypeVar("_Fn", bound=Callable[..., Sequence[float]])
+
+
+def register_advantage_fn(name: str, *, overwrite: bool = False) -> Callable[[_Fn], _Fn]:
     """Register a per-group advantage function under ``name`` (a decorator).
 
     The function must take one group's rewards as its first positional argument (``[G]``,
@@ -48,7 +49,7 @@ def register_advantage_fn(
             f"advantage fn name must be a non-empty str without ':' or '.', got {name!r}"
         )
 
-    def decorator(fn: AdvantageFn) -> AdvantageFn:
+    def decorator(fn: _Fn) -> _Fn:
         if not callable(fn):
             raise TypeError(f"register_advantage_fn({name!r}) needs a callable, got {fn!r}")
         if name in _REGISTRY and not overwrite and _REGISTRY[name] is not fn:
@@ -104,7 +105,7 @@ def _import_fn(path: str) -> AdvantageFn:
             ) from err
     if not callable(obj):
         raise TypeError(f"advantage fn {path!r} resolved to a non-callable {type(obj).__name__}")
-    return obj
+    return cast(AdvantageFn, obj)
 
 
 def resolve_advantage_fn(spec: str | AdvantageFn, **kwargs: Any) -> AdvantageFn:

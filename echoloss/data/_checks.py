@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from echoloss._validate import describe, finite_float_list, int_list, problem
+
+if TYPE_CHECKING:
+    from echoloss.data.echo_config import EchoConfig
 
 __all__ = [
     "FLOAT32_MAX",
@@ -201,7 +204,15 @@ def float32_weight(name: str, value: Any) -> float:
     return v
 
 
-def check_echo_config(name: str, config: Any, *, optional: bool) -> Any:
+@overload
+def check_echo_config(name: str, config: Any, *, optional: Literal[False]) -> EchoConfig: ...
+
+
+@overload
+def check_echo_config(name: str, config: Any, *, optional: Literal[True]) -> EchoConfig | None: ...
+
+
+def check_echo_config(name: str, config: Any, *, optional: bool) -> EchoConfig | None:
     """An [`EchoConfig`][echoloss.data.echo_config.EchoConfig] (a dict is validated into one), or None if ``optional``.
 
     Examples:

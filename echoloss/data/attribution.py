@@ -27,7 +27,7 @@ def _bool_list(name: str, values: Any) -> tuple[bool, ...]:
     return tuple(bool_list(f"TokenAttribution.{name}", values))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TokenAttribution:
     """Per-token attribution of a rendered prompt to chat messages.
 
@@ -64,15 +64,23 @@ class TokenAttribution:
     message_tool_names: tuple[str | None, ...] | None = None
     is_warning: tuple[bool, ...] | None = None
 
-    def __post_init__(self) -> None:
-        # Normalise to tuples so the instance is hashable and cannot be mutated behind our back.
-        object.__setattr__(self, "message_indices", self._indices(self.message_indices))
-        object.__setattr__(self, "is_content", _bool_list("is_content", self.is_content))
-        object.__setattr__(self, "message_roles", self._roles(self.message_roles))
-        if self.message_tool_names is not None:
-            object.__setattr__(self, "message_tool_names", self._names(self.message_tool_names))
-        if self.is_warning is not None:
-            object.__setattr__(self, "is_warning", _bool_list("is_warning", self.is_warning))
+    def __init__(
+        self,
+        message_indices: Sequence[int],
+        is_content: Sequence[bool],
+        message_roles: Sequence[str],
+        message_tool_names: Sequence[str | None] | None = None,
+        is_warning: Sequence[bool] | None = None,
+    ) -> None:
+        # Lists are accepted and normalised to tuples, so the instance is hashable and cannot be
+        # mutated behind our back.
+        object.__setattr__(self, "message_indices", self._indices(message_indices))
+        object.__setattr__(self, "is_content", _bool_list("is_content", is_content))
+        object.__setattr__(self, "message_roles", self._roles(message_roles))
+        names = None if message_tool_names is None else self._names(message_tool_names)
+        object.__setattr__(self, "message_tool_names", names)
+        warning = None if is_warning is None else _bool_list("is_warning", is_warning)
+        object.__setattr__(self, "is_warning", warning)
         self._check_lengths()
 
     # -- construction -------------------------------------------------------------------------

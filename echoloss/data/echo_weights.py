@@ -147,7 +147,7 @@ def select_step_echo(
         >>> s.weights, s.observation
         ([None, None, None], [False, False, True])
     """
-    config = check_echo_config("config", config, optional=False)
+    cfg = check_echo_config("config", config, optional=False)
     exact_int("prompt_len", prompt_len, minimum=0, maximum=MAX_TOKENS)
     exact_int("completion_len", completion_len, minimum=0, maximum=MAX_TOKENS - prompt_len)
     exact_int("seen_prefix_len", seen_prefix_len, minimum=0)
@@ -161,13 +161,13 @@ def select_step_echo(
         )
     weights: list[float | None] = [None] * n
     observation = [False] * n
-    roles = config.role_settings()
-    cap = config.max_tokens_per_message
+    roles = cfg.role_settings()
+    cap = cfg.max_tokens_per_message
     taken: dict[int, int] = {}  # message index (-2 = this step's completion) -> tokens echoed
 
     def mark(k: int, alpha: float, message: int, is_warning: bool) -> None:
         observation[k] = True
-        if is_warning and not config.echo_warnings:
+        if is_warning and not cfg.echo_warnings:
             return
         if keep is not None and not keep[k]:
             return  # the filter narrows only, and before the cap so the cap counts echoed tokens
@@ -177,18 +177,18 @@ def select_step_echo(
             taken[message] = taken.get(message, 0) + 1
         weights[k] = alpha
 
-    known = config.known_roles()
+    known = cfg.known_roles()
 
     if initial_prompt_len is None:
         initial_prompt_len = prompt_len  # the trajectory's first step: its whole prompt
-    first_eligible = max(seen_prefix_len if not config.reecho_restarted_prompts else 0, 0)
-    if config.skip_initial_prompt:
+    first_eligible = max(seen_prefix_len if not cfg.reecho_restarted_prompts else 0, 0)
+    if cfg.skip_initial_prompt:
         first_eligible = max(first_eligible, initial_prompt_len)
 
     att = _coerce_attribution(attribution)
-    if first_eligible < prompt_len and _usable_attribution(att, config, prompt_len):
+    if first_eligible < prompt_len and _usable_attribution(att, cfg, prompt_len):
         assert att is not None
-        content_only = config.target == "content"
+        content_only = cfg.target == "content"
         for k in range(first_eligible, prompt_len):
             mi = att.message_indices[k]
             if mi < 0 or (content_only and not att.is_content[k]):

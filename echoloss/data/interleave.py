@@ -316,7 +316,7 @@ def _resolve_keep_masks(
 def interleave(
     steps: Sequence[Step],
     *,
-    echo: EchoConfig | None = None,
+    echo: EchoConfig | Mapping[str, Any] | None = None,
     errored: bool = False,
     keep: Sequence[Sequence[bool]] | None = None,
     env_name: str = "",
@@ -384,7 +384,7 @@ def interleave(
             raise TypeError(
                 f"interleave: steps[{i}] must be an echoloss.Step, got {type(s).__name__}"
             )
-    echo = check_echo_config("interleave: echo", echo, optional=True)
+    echo_cfg = check_echo_config("interleave: echo", echo, optional=True)
     exact_bool("interleave: errored", errored, "True marks a rollout that failed")
     exact_bool("interleave: allow_import_paths", allow_import_paths)
     if not isinstance(env_name, str):
@@ -394,7 +394,7 @@ def interleave(
             raise TypeError(
                 problem("interleave: echo_filter", "a callable or None", describe(echo_filter))
             )
-        if echo is None:
+        if echo_cfg is None:
             raise ValueError(
                 "interleave: echo_filter is set but echo is None; a filter only narrows what the "
                 "echo roles select, so with no echo config it would never apply. Pass "
@@ -407,7 +407,7 @@ def interleave(
         return []
     if errored:
         return []
-    keep_masks = _resolve_keep_masks(steps, echo, keep, echo_filter, allow_import_paths)
+    keep_masks = _resolve_keep_masks(steps, echo_cfg, keep, echo_filter, allow_import_paths)
 
     samples: list[Sample] = []
     # One entry per sample: the prompt + completion of the last step merged into it.
@@ -430,7 +430,7 @@ def interleave(
                 f"{sorted(m[0] for m in matches)}); the longest prefix wins",
             )
         selection = None
-        if echo is not None:
+        if echo_cfg is not None:
             initial = (
                 None
                 if i == 0
@@ -445,7 +445,7 @@ def interleave(
             )
             selection = select_step_echo(
                 step.attribution,
-                echo,
+                echo_cfg,
                 prompt_len=p,
                 completion_len=c,
                 keep=keep_masks[i],
@@ -455,7 +455,7 @@ def interleave(
             )
         rl = [
             m and (selection is None or selection.weights[p + k] is None)
-            for k, m in enumerate(step.completion_mask)
+            for k, m in enumerate(step.completion_mask or [])
         ]
 
         if matches:
@@ -466,8 +466,8 @@ def interleave(
             samples.append(_new_sample(step, rl, selection, env_name))
             prefixes.append(tokens)
         seen_sequences.append(tokens)
-    for s in samples:
-        s.validate(where="interleave sample")
+    for sample in samples:
+        sample.validate(where="interleave sample")
     return samples
 
 

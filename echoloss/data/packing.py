@@ -9,8 +9,10 @@ without them stay aligned.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -89,11 +91,10 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         """A copy with every tensor on ``device``."""
-        moved = {
-            k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-            for k, v in self.__dict__.items()
+        moved: dict[str, Any] = {
+            k: v.to(device) for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)
         }
-        return PackedBatch(**moved)
+        return dataclasses.replace(self, **moved)
 
 
 def truncate_sample(sample: Sample, max_tokens: int) -> Sample:

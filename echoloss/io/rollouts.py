@@ -242,14 +242,15 @@ class RolloutRecord(BaseModel):
         from echoloss.adapters.chat import steps_from_messages
 
         assert self.messages is not None
-        messages, logprobs = [], []
+        messages: list[dict[str, Any]] = []
+        logprobs: list[list[float] | None] = []
         for m in self.messages:
             d = m.model_dump(exclude={"completion_logprobs"}, exclude_none=True)
             messages.append(d)
             if m.role == "assistant":
                 logprobs.append(m.completion_logprobs)
-        have = [lp is not None for lp in logprobs]
-        if any(have) and not all(have):
+        given = [lp for lp in logprobs if lp is not None]
+        if given and len(given) != len(logprobs):
             raise ValueError(
                 "some assistant messages carry completion_logprobs and some do not; give them "
                 "on every assistant message or on none"
@@ -258,7 +259,7 @@ class RolloutRecord(BaseModel):
             messages,
             tokenizer,
             tools=self.tools,
-            logprobs=logprobs if all(have) and logprobs else None,
+            logprobs=given or None,
             temperature=self.temperature,
             chat_template_kwargs=chat_template_kwargs,
             extra_roles=extra_roles,
@@ -422,7 +423,7 @@ def read_rollouts(
                 records.append(record)
     finally:
         if isinstance(source, (str, os.PathLike)):
-            lines.close()  # type: ignore[union-attr]
+            lines.close()  # type: ignore[attr-defined]  # a file object opened by _lines
     if errors:
         raise RolloutFileError(name, errors)
     return records

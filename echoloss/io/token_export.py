@@ -93,7 +93,7 @@ def _column(name: str, values: Any, length: int) -> list[Any]:
         raise ValueError(
             f"token stat {name!r} has length {len(values)}, expected {length} (the batch's tokens)"
         )
-    return values
+    return list(values)
 
 
 def token_records(
