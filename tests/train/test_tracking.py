@@ -155,3 +155,27 @@ def test_a_missing_tracker_library_names_the_extra(monkeypatch):
 def test_an_unknown_tracker_is_named():
     with pytest.raises(ConfigError, match=r"train\.report_to\.0: Input should be 'tensorboard'"):
         fast_config(Path("unused"), **{"train.report_to": ["mlflow"]})
+
+
+def test_wandb_resume_continues_the_same_run(tmp_path, wandb_offline, monkeypatch):
+    over = {**OVER, "train.report_to": ["wandb"]}
+    out = tmp_path / "run"
+    real, calls = recipe._save, [0]
+
+    def dying(*args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise Killed
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "_save", dying)
+    with pytest.raises(Killed):
+        train(fast_config(out, **over), log=lambda _: None)
+    monkeypatch.undo()
+    train(fast_config(out, **over), resume=out, log=lambda _: None)
+    run_id = (out / "wandb" / "run_id").read_text().strip()
+    first, second = sorted((out / "wandb").glob("offline-run-*"))
+    assert first.name.endswith(run_id) and second.name.endswith(run_id)
+    # The resumed part logs from the step after the checkpoint (2) to the end.
+    steps = [r["step"] for r in _rows(out)]
+    assert [h["_step"] for h in _wandb_history(second)] == steps[2:]
