@@ -449,7 +449,9 @@ def _appended_outputs(cfg: TrainConfig, rank: int) -> list[str]:
     return [*names, f"rollouts.rank{rank}.jsonl"] if cfg.train.save_rollouts else names
 
 
-def _load(path: Path, model: Any, opt: Any, rank: int, world: int) -> dict[str, Any]:
+def _load(
+    path: Path, model: Any, opt: Any, rank: int, world: int, cfg_model: dict[str, Any]
+) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -462,8 +464,20 @@ def _load(path: Path, model: Any, opt: Any, rank: int, world: int) -> dict[str, 
     model_sd, opt_sd, rngs = (
         ckpt.load_tensors(path / f) for f in ("model.pt", "optimizer.pt", "rng.pt")
     )
-    set_model_state_dict(model, model_sd, options=full)
-    set_optimizer_state_dict(model, opt, opt_sd, options=full)
+    try:
+        set_model_state_dict(model, model_sd, options=full)
+        set_optimizer_state_dict(model, opt, opt_sd, options=full)
+    except (RuntimeError, KeyError, ValueError) as err:
+        changed = [
+            c
+            for c in ckpt.config_changes(state.get("config", {}), {"model": cfg_model})
+            if c.startswith("model.")
+        ]
+        raise ckpt.CheckpointError(
+            f"--resume: checkpoint {str(path)!r} does not fit this model "
+            f"({str(err).strip().splitlines()[0]}); changed [model] settings: "
+            f"{'; '.join(changed) or 'none'}. Resume with the checkpoint's [model] settings"
+        ) from None
     if len(rngs) == world:
         ckpt.restore_rng(rngs[rank])
     else:
@@ -572,7 +586,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
     start = 0
     if resume is not None:
         path = ckpt.find_checkpoint(resume)  # verified (checksums); before anything is written
-        state = _load(path, model, opt, rank, world)
+        state = _load(path, model, opt, rank, world, cfg.model.model_dump(mode="json"))
         start = int(state["step"])
         if rae is not None and state.get("rae") is not None:
             rae.load_state_dict(state["rae"])

@@ -309,3 +309,13 @@ def test_leftovers_of_a_killed_save_are_removed_by_the_next_one(tmp_path):
     (root / ".tmp-latest-xyz").write_text("step_0000")
     ckpt.save_checkpoint(root, 2, lambda d: (d / "state.json").write_text("{}"), keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]
+
+
+def test_a_checkpoint_of_another_model_shape_is_a_clear_error(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(fast_config(out, **{**OVER, "train.max_steps": 1}), log=_quiet)
+    args = ["--config", str(FAST), "--output-dir", str(out), "--resume"]
+    args += ["--set", "model.hidden_size=48", "--set", "train.max_steps=2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "does not fit this model" in err and "model.hidden_size: 32 -> 48" in err, err
