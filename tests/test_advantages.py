@@ -810,3 +810,11 @@ def test_packed_and_padded_broadcast_agree(data):
     padded = broadcast_advantages(advantages, padded_mask)
     unpadded = torch.cat([padded[s, :length] for s, length in enumerate(lengths)])
     assert torch.equal(packed, unpadded)
+
+
+def test_nan_group_id_is_an_error():
+    # NaN != NaN, so NaN group ids would silently give singleton groups (advantage 0).
+    with pytest.raises(ValueError, match=r"group_ids\[1\] is NaN"):
+        compute_advantages([1.0, 0.0], ["a", float("nan")])
+    with pytest.raises(ValueError, match=r"keys\[0\] is NaN"):
+        RAE().advantages([float("nan")], [1.0])

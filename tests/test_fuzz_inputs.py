@@ -481,3 +481,82 @@ def test_verifiers_traces(data):
         or []
     ):
         assert_sample_ok(s)
+
+
+def _tensor_or_raw(value: Any, dtype: torch.dtype) -> Any:
+    """A tensor when the drawn value converts cleanly (the library's input), else the raw value."""
+    try:
+        t = torch.tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return value
+    return t.to(dtype) if t.dtype in (torch.bool, torch.int64) and t.dim() >= 1 else value
+
+
+@FUZZ
+@given(
+    advantages=maybe(st.lists(st.none() | st.floats(-3, 3), min_size=2, max_size=2)),
+    rows=maybe(st.lists(st.lists(st.booleans(), min_size=3, max_size=3), min_size=2, max_size=2)),
+    packed=maybe(st.sampled_from([[0, 1, 3], [0, 3, 3], [0, 2, 3]])),
+)
+def test_broadcast_advantages(advantages, rows, packed):
+    from echoloss import broadcast_advantages, broadcast_packed_advantages
+
+    names = ["advantages", "rl_mask", "cu_seqlens"]
+    mask = _tensor_or_raw(rows, torch.bool)
+    out = clear_error_or_result(lambda: broadcast_advantages(advantages, mask), names)
+    if out is not None:
+        assert out.shape == mask.shape and bool(torch.isfinite(out).all())
+    cu = _tensor_or_raw(packed, torch.int32)
+    flat = mask.reshape(-1)[:3] if isinstance(mask, torch.Tensor) else mask
+    out = clear_error_or_result(lambda: broadcast_packed_advantages(advantages, cu, flat), names)
+    if out is not None:
+        assert out.shape == (3,) and bool(torch.isfinite(out).all())
+
+
+@FUZZ
+@given(
+    decay=maybe(st.floats(0, 0.99)),
+    order=maybe(st.sampled_from(["score_then_update", "update_then_score"])),
+    keys=maybe(st.lists(st.sampled_from(["a", ("env", 1), 3]), min_size=3, max_size=3)),
+    rewards=maybe(st.lists(st.none() | st.floats(-5, 5), min_size=3, max_size=3)),
+    errored=maybe(st.none() | st.lists(st.booleans(), min_size=3, max_size=3)),
+)
+def test_rae(decay, order, keys, rewards, errored):
+    from echoloss import RAE
+
+    names = ["decay", "order", "keys", "rewards", "errored", "reward", "key"]
+    rae = clear_error_or_result(lambda: RAE(decay=decay, order=order), names)
+    if rae is None:
+        return
+    out = clear_error_or_result(lambda: rae.advantages(keys, rewards, errored=errored), names)
+    if out is not None:
+        assert len(out) == 3
+        assert_finite(out)
+        assert RAE.from_state_dict(json.loads(json.dumps(rae.state_dict()))).state_dict() == (
+            rae.state_dict()
+        )
+
+
+@FUZZ
+@given(
+    message_indices=maybe(st.lists(st.integers(-1, 1), max_size=3)),
+    is_content=maybe(st.lists(st.booleans(), max_size=3)),
+    message_roles=maybe(st.lists(st.sampled_from(["user", "tool"]), min_size=2, max_size=2)),
+    message_tool_names=maybe(st.none() | st.lists(st.none() | st.just("ls"), max_size=3)),
+    is_warning=maybe(st.none() | st.lists(st.booleans(), max_size=3)),
+)
+def test_token_attribution(
+    message_indices, is_content, message_roles, message_tool_names, is_warning
+):
+    att = clear_error_or_result(
+        lambda: TokenAttribution(
+            message_indices=message_indices,
+            is_content=is_content,
+            message_roles=message_roles,
+            message_tool_names=message_tool_names,
+            is_warning=is_warning,
+        ),
+        ["TokenAttribution"],
+    )
+    if att is not None:
+        assert isinstance(att.message_indices, tuple) and hash(att) == hash(att)

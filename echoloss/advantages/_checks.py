@@ -66,6 +66,9 @@ def _check_key(key: Any, field: str) -> Hashable:
         raise TypeError(
             f"{field} = {key!r} is not hashable; use a str, int or a tuple of them, e.g. (env, role)"
         ) from err
+    if isinstance(key, float) and math.isnan(key):
+        # NaN != NaN: two rollouts keyed by NaN would land in separate groups (or baselines).
+        raise ValueError(f"{field} is NaN; a NaN key never equals itself, so it groups nothing")
     return cast(Hashable, key)
 
 
