@@ -49,4 +49,3 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         return text if text.strip("`") == path else f"{text} (`{path}`)"
 
     return _LINK.sub(repl, markdown)
-
