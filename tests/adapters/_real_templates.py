@@ -72,7 +72,10 @@ class Family:
 
     def source(self) -> Path | None:
         if self.trl_file is not None:
-            p = trl_templates_dir() / self.trl_file
+            try:
+                p = trl_templates_dir() / self.trl_file
+            except ImportError:  # trl not installed: the shared copy, if any
+                p = SHARED / self.file
             if p.exists():
                 return p
         p = SHARED / self.file

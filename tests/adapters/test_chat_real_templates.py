@@ -84,38 +84,51 @@ def check_body(tok, style, r, k: int, text: str, *, controls: set[int]) -> None:
     lo = starts[owned[0]] if owned else 0
     hi = starts[owned[-1] + 1] if owned else len(data)
     anchor = starts[mine[0]] if mine else None
-    best = None
+    # The content in one of the forms a template writes it, at the body tokens: the first
+    # occurrence that satisfies every rule (a trimmed form can also be found one scaffold
+    # character early, e.g. "\na" when the template wrote "\n\n" + "a").
+    problems = []
     for form in _forms(text):
         at = data.find(form, max(0, (anchor if anchor is not None else lo) - len(form)))
-        while at >= 0 and at <= (anchor if anchor is not None else hi):
+        while 0 <= at <= (anchor if anchor is not None else hi):
             if anchor is None or at <= anchor < at + len(form):
-                best = (at, at + len(form))
-                break
+                problem = _occurrence_problem(
+                    att, ids, pieces, starts, data, k, text, at, at + len(form), mine, controls
+                )
+                if problem is None:
+                    return
+                problems.append(problem)
             at = data.find(form, at + 1)
-        if best:
-            break
-    assert best is not None, f"message {k}: content {text!r} not found at its body tokens"
-    a, z = best
+    raise AssertionError(
+        f"message {k}: content {text!r} is not attributed exactly: {problems or 'not found'}"
+    )
+
+
+def _occurrence_problem(att, ids, pieces, starts, data, k, text, a, z, mine, controls):
+    """Why the content occurrence ``data[a:z]`` is not exactly message ``k``'s body, or None."""
     for t in range(len(ids)):
         s, e = starts[t], starts[t + 1]
         if e <= a or s >= z or s == e:
             continue
         inside = a <= s and e <= z
         if not inside:
-            assert not att.is_content[t], f"message {k}: token {t} crosses the body border"
+            if att.is_content[t]:
+                return f"token {t} crosses the body border"
             continue
         if att.is_content[t]:
-            assert att.message_indices[t] == k
+            if att.message_indices[t] != k:
+                return f"token {t} is body of message {att.message_indices[t]}"
             continue
         # An inside token may be scaffold only as an excluded control token, or as part of a
         # character whose other bytes sit in a border-crossing token.
         split_char = not _char_boundary(data, s) or not _char_boundary(data, e)
-        assert ids[t] in controls or split_char, (
-            f"message {k}: token {t} {pieces[t]!r} lies inside the content {text!r} but is not body"
-        )
+        if not (ids[t] in controls or split_char):
+            return f"token {t} {pieces[t]!r} lies inside the content but is not body"
     # No body token of this message outside the content (other fields excepted by the caller).
     for t in mine:
-        assert a <= starts[t] and starts[t + 1] <= z, f"message {k}: body token {t} outside"
+        if not (a <= starts[t] and starts[t + 1] <= z):
+            return f"body token {t} lies outside the content"
+    return None
 
 
 def _check_rendering(f, style, tok, msgs, tools, gen, r) -> None:

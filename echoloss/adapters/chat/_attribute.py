@@ -500,7 +500,6 @@ def render_attributed(
     extra_roles: Sequence[str] = (),
     require_prefix_stability: bool = True,
     control_tokens: ControlTokens = "exclude",
-    _strict_missing: bool = True,
 ) -> ChatRendering:
     """Render ``messages`` with the tokenizer's chat template and attribute every token.
 
@@ -531,6 +530,33 @@ def render_attributed(
         >>> r.text[r.spans[1].body_start:r.spans[1].body_end]
         'a b'
     """
+    return _render_attributed(
+        messages,
+        tokenizer,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs=chat_template_kwargs,
+        extra_roles=extra_roles,
+        require_prefix_stability=require_prefix_stability,
+        control_tokens=control_tokens,
+    )
+
+
+def _render_attributed(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    extra_roles: Sequence[str] = (),
+    require_prefix_stability: bool = True,
+    control_tokens: ControlTokens = "exclude",
+    strict_missing: bool = True,
+) -> ChatRendering:
+    """[`render_attributed`][echoloss.adapters.chat.render_attributed]; ``strict_missing=False`` warns instead of raising when the
+    template leaves a message's content out (the per-generation steps render partial
+    conversations, where Mistral v0.3 leaves the system prompt out by design)."""
     if control_tokens not in CONTROL_TOKEN_POLICIES:
         raise ValueError(
             f"control_tokens must be one of {CONTROL_TOKEN_POLICIES}, got {control_tokens!r}"
@@ -549,7 +575,7 @@ def render_attributed(
         fields,
         full,
         lambda ms: renderer.text(ms, add_generation_prompt),
-        strict_missing=_strict_missing,
+        strict_missing=strict_missing,
     )
     flat = [f for fs in fields for f in fs]
     slot_message = [flat[fid].message for fid in slots.field]

@@ -11,7 +11,7 @@ from echoloss.adapters.chat._attribute import (
     ChatRendering,
     ControlTokens,
     MessageSpan,
-    render_attributed,
+    _render_attributed,
 )
 from echoloss.adapters.chat._messages import check_messages
 from echoloss.adapters.chat._tokenizer import Renderer, encode
@@ -158,9 +158,9 @@ def steps_from_messages(
         # A template that renders a message only in some positions (Mistral v0.3's system
         # prompt with the last user turn) renders each prompt right even where the whole
         # conversation or a finished turn leaves it out.
-        "_strict_missing": False,
+        "strict_missing": False,
     }
-    full = render_attributed(msgs, tokenizer, **common)
+    full = _render_attributed(msgs, tokenizer, **common)
     renderer = Renderer(tokenizer, tools, common["chat_template_kwargs"])
     eos, special = _stop_ids(tokenizer)
     steps: list[Step] = []
@@ -182,7 +182,7 @@ def steps_from_messages(
             completion = full.token_ids[n:end]
         else:
             # Per-generation: the prompt as the model saw it, the turn rendered as the last one.
-            head = render_attributed(msgs[:k], tokenizer, add_generation_prompt=True, **common)
+            head = _render_attributed(msgs[:k], tokenizer, add_generation_prompt=True, **common)
             prompt, attribution = head.token_ids, head.attribution
             completion = _bridged_completion(msgs, tokenizer, k, head, common, eos, special)
         if logprobs is None:
@@ -228,7 +228,7 @@ def _bridged_completion(
     the generation prompt inside message ``k``'s leading scaffold (where the template writes it
     differently, after the part the two share: DeepSeek-R1's prompt ends ``<think>\n``, its
     history turns do not) and ends with the end-of-turn token."""
-    turn = render_attributed(msgs[: k + 1], tokenizer, **common)
+    turn = _render_attributed(msgs[: k + 1], tokenizer, **common)
     span = turn.spans[k]
     has_body = span.body_end > span.body_start
     lead = turn.token_ids[span.start : span.body_start if has_body else span.end]
