@@ -31,7 +31,6 @@ def compiler_disable(fn: F) -> F:
         and ``fn`` runs eagerly under ``torch.compiler.disable``.
 
     Example:
-        >>> import sys
         >>> @compiler_disable
         ... def double(x: int) -> int:
         ...     return 2 * x
@@ -47,7 +46,7 @@ def compiler_disable(fn: F) -> F:
         if not disabled:
             import torch
 
-            disabled.append(torch.compiler.disable(fn))
+            disabled.append(torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
         return disabled[0](*args, **kwargs)
 
     # dynamo reads this marker with inspect.getattr_static: a compiled caller does not inline the
