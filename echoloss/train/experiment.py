@@ -182,6 +182,17 @@ def main(argv: list[str] | None = None) -> int:
         print("echoloss-train experiment: the echo arm needs alpha > 0", file=sys.stderr)
         return 2
     out = Path(args.output_dir)
+    if args.summarize_only:
+        runs = [out / f"{arm}-seed{seed}" / "metrics.jsonl" for seed in args.seeds for arm in ARMS]
+        missing = [str(m) for m in runs if not m.is_file()]
+        if missing:
+            print(
+                f"echoloss-train experiment: --summarize-only: {len(missing)} of {len(runs)} runs "
+                f"have no metrics ({', '.join(missing)}); run the experiment first, or give the "
+                "--output-dir and --seeds of a finished one",
+                file=sys.stderr,
+            )
+            return 2
     out.mkdir(parents=True, exist_ok=True)
     jobs = []
     for seed in args.seeds:
