@@ -7,7 +7,7 @@ default) is used; ``configs/`` has annotated examples.
 Examples:
     >>> cfg = load_config(None, overrides={"train.max_steps": 3})
     >>> cfg.train.max_steps, cfg.model.arch, cfg.echo.alpha
-    (3, 'qwen3', 0.05)
+    (3, 'qwen3', 0.01)
     >>> parse_config({"optim": {"lr": "fast"}})
     Traceback (most recent call last):
     ...
@@ -146,9 +146,11 @@ class ModelConfig(_Section):
 
 
 class EnvConfig(_Section):
-    """``[env]``: the built-in tool environment."""
+    """``[env]``: the built-in tool environment (`echoloss.train.envs`)."""
 
-    name: Literal["gridwalk"] = "gridwalk"
+    # mirrorgrid: secretly mirrored controls; -shown / -noise: its two controls; gridwalk: the
+    # first demo env (its observations print the optimal move: it cannot test echo)
+    name: Literal["mirrorgrid", "mirrorgrid-shown", "mirrorgrid-noise", "gridwalk"] = "mirrorgrid"
     size: int = Field(4, ge=2, le=10)
     max_turns: int | None = Field(None, ge=1)
 
@@ -212,17 +214,27 @@ class DataConfig(_Section):
 
 
 class WarmupConfig(_Section):
-    """``[warmup]``: SFT on scripted demonstrations (assistant tokens only) before RL."""
+    """``[warmup]``: SFT on scripted demonstrations before RL (steps not counted in
+    ``train.max_steps``)."""
 
     steps: int = Field(60, ge=0)
     demos_per_step: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)  # SFT tolerates (and needs) a far larger step than RL
+    lr_ramp_steps: int = Field(10, ge=0)  # linear lr ramp over the first steps (0 = none)
+    # CE weight of the observation tokens in the warm-up (0 = assistant tokens only; > 0 keeps
+    # them calibrated; 1 with a short warm-up is the ActObs-style arm of the experiment)
+    obs_weight: float = Field(0.1, ge=0)
 
 
 class EchoSection(_Section):
     """``[echo]``: the echo term on tool observations (``alpha = 0`` is plain RL)."""
 
     alpha: float = Field(0.05, ge=0)  # echo weight of tool-message tokens; 0 = no echo
+    # λ over RL steps (echoloss.schedules.echo_alpha): constant, warmup (linear ramp up over
+    # schedule_steps) or decay (linear to final_alpha over schedule_steps)
+    schedule: Literal["constant", "warmup", "decay"] = "constant"
+    schedule_steps: int = Field(0, ge=0)
+    final_alpha: float = Field(0.0, ge=0)
     target: Literal["content", "message"] = "content"
     echo_warnings: bool = False
     max_tokens_per_message: int | None = Field(None, ge=1)
@@ -285,10 +297,14 @@ class OptimConfig(_Section):
 class TrainSection(_Section):
     """``[train]``: the run."""
 
-    max_steps: int = Field(150, ge=1)  # optimiser steps, warm-up included
+    max_steps: int = Field(150, ge=0)  # RL optimiser steps, after the warmup.steps warm-up
     seed: int = Field(0, ge=0, le=MAX_SEED)
     output_dir: str = "runs/echoloss-train"
-    eval_every: int = Field(10, ge=1)  # held-out observation CE every N steps (and at the end)
+    eval_every: int = Field(10, ge=1)  # held-out evaluation every N RL steps (and start, end)
+    # sampled episodes per held-out task at the RL start and end (every evaluation also plays
+    # each task once greedily): 240 tasks x (1 + 4) = 1,200 episodes on mirrorgrid 4x4
+    eval_samples: int = Field(4, ge=0)
+    eval_at_start: bool = True  # evaluate before the first RL step
     checkpoint_every: int = Field(50, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     plots: bool = True
@@ -372,6 +388,14 @@ class TrainConfig(_Section):
             raise ValueError("warmup.steps must be 0 with data.source = 'jsonl' (no env to script)")
         if _is_import_path(self.advantages.fn) and not self.train.allow_import_paths:
             raise ValueError(_import_path_refused(self.advantages.fn))
+        e = self.echo
+        if e.schedule != "constant" and e.schedule_steps < 1:
+            raise ValueError(
+                f"echo.schedule_steps must be >= 1 for echo.schedule = {e.schedule!r} (the ramp's "
+                f"length in RL steps), got {e.schedule_steps}"
+            )
+        if self.warmup.steps == 0 and self.train.max_steps == 0:
+            raise ValueError("warmup.steps and train.max_steps are both 0: nothing to train")
         return self
 
 
@@ -392,13 +416,27 @@ def advantage_fn(cfg: TrainConfig) -> str | Callable[..., Any]:
 
 # The embedded default: what `echoloss-train` runs with no --config (mirrors configs/default.toml).
 DEFAULT_TOML = """\
-# echoloss-train embedded default: a tiny Qwen3-style model learns gridwalk with GRPO + echo on CPU.
-# 60 warm-start steps (SFT on demonstrations), then 90 RL steps of 4 prompts x 8 rollouts.
+# echoloss-train embedded default: a tiny Qwen3-style model learns mirrorgrid (secretly mirrored
+# controls) with GRPO + echo on CPU: 80 warm-start steps (SFT on demonstrations), then 60 RL steps
+# of 4 prompts x 8 rollouts. configs/default.toml spells every key out.
 [model]
 arch = "qwen3"
 
+[warmup]
+steps = 80
+lr = 1e-2
+
+[echo]
+alpha = 0.01
+
+[optim]
+lr = 3e-4
+
+[data]
+heldout_size = 64
+
 [train]
-max_steps = 150
+max_steps = 60
 threads = 1   # a tiny model runs fastest on one thread (two leave a core to the OS / a 2nd run)
 """
 

@@ -9,6 +9,7 @@ env. Everything downstream (advantages, ``interleave``, ``pack``, the loss) is t
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,11 +19,13 @@ import torch
 
 import echoloss
 from echoloss.adapters.chat import attribute, render_attributed, steps_from_messages
-from echoloss.train.env import GridWalk, Task, demonstration, random_walk
+from echoloss.train.envs import imagined_observation
 
 __all__ = [
+    "EvalResult",
     "Rollout",
     "demo_rollouts",
+    "evaluate_policy",
     "generate_rollouts",
     "heldout_conversations",
     "read_rollout_groups",
@@ -76,6 +79,7 @@ def _sample(
     max_new_tokens: int,
     synced: bool,
     device: torch.device,
+    greedy: bool = False,
 ) -> list[tuple[list[int], list[float]]]:
     """Sample one completion per prompt with HF ``generate``; returns ``(ids, logprobs)`` pairs.
 
@@ -89,11 +93,10 @@ def _sample(
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
     ids, mask = _left_pad(prompts, pad, device)
+    sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if not greedy else {}
     gen = GenerationConfig(
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
+        do_sample=not greedy,
+        **sampling,
         max_new_tokens=max_new_tokens,
         eos_token_id=eos,
         pad_token_id=pad,
@@ -153,11 +156,133 @@ def _prompt_attributions(
     return out
 
 
+def _reply_text(tokenizer: Any, completion: list[int]) -> str:
+    """The reply as written, special tokens included (its closing end-of-turn token removed):
+    what the imagined-observation diagnostic reads."""
+    eos = tokenizer.eos_token_id
+    ids = completion[:-1] if completion and completion[-1] == eos else completion
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _play(
+    model: Any,
+    tokenizer: Any,
+    env: Any,
+    episodes: list[Any],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    device: torch.device,
+    world_size: int = 1,
+    greedy: bool = False,
+) -> list[list[tuple[list[int], list[int], list[float]]]]:
+    """Play ``episodes`` to the end, turn by turn, all live conversations in one ``generate``
+    call per turn. Returns every model call's ``(prompt ids, completion ids, logprobs)`` per
+    episode; counts imagined observations in each episode's ``stats["imagined"]``."""
+    import torch.distributed as dist
+
+    calls: list[list[tuple[list[int], list[int], list[float]]]] = [[] for _ in episodes]
+    for ep in episodes:
+        ep.stats.setdefault("imagined", 0.0)
+    synced = world_size > 1
+    was_training = model.training
+    model.eval()
+    while True:
+        live = [i for i, ep in enumerate(episodes) if not ep.done]
+        if synced:
+            flag = torch.tensor([len(live)], dtype=torch.long, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if int(flag) == 0:
+                break
+        elif not live:
+            break
+        prompts = [_render_ids(tokenizer, episodes[i].messages) for i in live]
+        outs = _sample(
+            model,
+            tokenizer,
+            prompts or [[tokenizer.eos_token_id]],  # a dummy row keeps this rank in step
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            synced=synced,
+            device=device,
+            greedy=greedy,
+        )
+        for i, prompt, (comp, lp) in zip(live, prompts, outs, strict=False):
+            calls[i].append((prompt, comp, lp))
+            ep = episodes[i]
+            ep.stats["imagined"] += float(imagined_observation(_reply_text(tokenizer, comp)))
+            env.act(ep, tokenizer.decode(comp, skip_special_tokens=True))
+    model.train(was_training)
+    return calls
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Success on a fixed task set, greedy and sampled, with the reply diagnostics.
+
+    Attributes:
+        success_greedy: mean reward of one greedy episode per task.
+        success_sampled: mean reward of ``samples`` sampled episodes per task.
+        episodes: episodes played in all (greedy + sampled).
+        invalid_rate: replies that are not a move or ``done``, per assistant turn (sampled).
+        imagined_rate: replies with scaffold or observation-like text, per assistant turn
+            (sampled; see `echoloss.train.envs.imagined_observation`).
+    """
+
+    success_greedy: float
+    success_sampled: float
+    episodes: int
+    invalid_rate: float
+    imagined_rate: float
+
+
+def evaluate_policy(
+    model: Any,
+    tokenizer: Any,
+    env: Any,
+    tasks: Sequence[Any],
+    *,
+    samples: int,
+    temperature: float,
+    max_new_tokens: int,
+    device: torch.device,
+    chunk: int = 512,
+) -> EvalResult:
+    """Play every task once greedily and ``samples`` times sampled (batched ``chunk`` episodes
+    per ``generate`` call); nothing is trained. ``len(tasks) * (1 + samples)`` episodes."""
+    greedy_eps = [env.start(t) for t in tasks]
+    sampled_eps = [env.start(t) for t in tasks for _ in range(samples)]
+    for eps, greedy in ((greedy_eps, True), (sampled_eps, False)):
+        for k in range(0, len(eps), chunk):
+            _play(
+                model,
+                tokenizer,
+                env,
+                eps[k : k + chunk],
+                temperature=temperature,
+                max_new_tokens=max_new_tokens,
+                device=device,
+                greedy=greedy,
+            )
+    turns = sum(ep.turns for ep in sampled_eps) or math.nan  # no sampled episodes: no rates
+
+    def mean(eps: list[Any]) -> float:
+        return sum(ep.reward for ep in eps) / len(eps) if eps else float("nan")
+
+    return EvalResult(
+        success_greedy=mean(greedy_eps),
+        success_sampled=mean(sampled_eps),
+        episodes=len(greedy_eps) + len(sampled_eps),
+        invalid_rate=sum(ep.stats.get("invalid", 0.0) for ep in sampled_eps) / turns,
+        imagined_rate=sum(ep.stats["imagined"] for ep in sampled_eps) / turns,
+    )
+
+
 def generate_rollouts(
     model: Any,
     tokenizer: Any,
-    env: GridWalk,
-    tasks: Sequence[tuple[Any, Task]],
+    env: Any,
+    tasks: Sequence[tuple[Any, Any]],
     *,
     group_size: int,
     temperature: float,
@@ -179,36 +304,17 @@ def generate_rollouts(
     calling ``generate`` (on a one-row dummy batch when they have nothing left) until no rank has
     a live conversation, because FSDP gathers parameters inside every forward.
     """
-    import torch.distributed as dist
-
     episodes = [(gid, env.start(task)) for gid, task in tasks for _ in range(group_size)]
-    calls: list[list[tuple[list[int], list[int], list[float]]]] = [[] for _ in episodes]
-    synced = world_size > 1
-    was_training = model.training
-    model.eval()
-    while True:
-        live = [i for i, (_, ep) in enumerate(episodes) if not ep.done]
-        if synced:
-            flag = torch.tensor([len(live)], dtype=torch.long, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if int(flag) == 0:
-                break
-        elif not live:
-            break
-        prompts = [_render_ids(tokenizer, episodes[i][1].messages) for i in live]
-        outs = _sample(
-            model,
-            tokenizer,
-            prompts or [[tokenizer.eos_token_id]],  # a dummy row keeps this rank in step
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-            synced=synced,
-            device=device,
-        )
-        for i, prompt, (comp, lp) in zip(live, prompts, outs, strict=False):
-            calls[i].append((prompt, comp, lp))
-            env.act(episodes[i][1], tokenizer.decode(comp, skip_special_tokens=True))
-    model.train(was_training)
+    calls = _play(
+        model,
+        tokenizer,
+        env,
+        [ep for _, ep in episodes],
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        device=device,
+        world_size=world_size,
+    )
     rollouts = []
     for (gid, ep), turns in zip(episodes, calls, strict=True):
         atts = _prompt_attributions(tokenizer, ep.messages, [p for p, _, _ in turns])
@@ -246,12 +352,12 @@ def scripted_steps(messages: list[dict[str, Any]], tokenizer: Any) -> list[echol
 
 
 def demo_rollouts(
-    env: GridWalk, tokenizer: Any, tasks: Sequence[tuple[Any, Task]], seed: int
+    env: Any, tokenizer: Any, tasks: Sequence[tuple[Any, Any]], seed: int
 ) -> list[Rollout]:
-    """Scripted shortest-path conversations (the warm-start's demonstrations), as rollouts."""
+    """The env's scripted demonstrations (the warm-start's data), as rollouts."""
     out = []
     for gid, task in tasks:
-        messages = demonstration(env, task, random.Random(f"demo/{seed}/{gid}"))
+        messages = env.demonstration(task, random.Random(f"demo/{seed}/{gid}"))
         out.append(
             Rollout(
                 steps=scripted_steps(messages, tokenizer),
@@ -264,15 +370,16 @@ def demo_rollouts(
     return out
 
 
-def heldout_conversations(env: GridWalk, *, seed: int, count: int) -> list[list[dict[str, Any]]]:
+def heldout_conversations(env: Any, *, count: int) -> list[list[dict[str, Any]]]:
     """The fixed held-out set for the observation cross-entropy: random walks (walls included)
-    on tasks from a stream no training step draws from. Random, not scripted or on-policy, so
-    the metric measures the world model and not whether the policy's own moves are predictable."""
+    on the env's held-out tasks, the same for every seed and arm. Random, not scripted or
+    on-policy, so the metric measures the world model and not whether the policy's own moves are
+    predictable."""
     out = []
     for i in range(count):
-        task = env.task(seed=-1 - seed, index=i)  # training streams use seed >= 0
-        rng = random.Random(f"heldout/{seed}/{i}")
-        out.append(random_walk(env, task, rng, turns=rng.randint(2, env.turn_limit - 1)))
+        rng = random.Random(f"heldout/{i}")
+        task = env.heldout_task(index=i)
+        out.append(env.random_walk(task, rng, turns=rng.randint(2, env.turn_limit - 1)))
     return out
 
 

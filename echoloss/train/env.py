@@ -127,6 +127,28 @@ class GridWalk:
         start, goal = rng.sample(cells, 2)
         return Task(start=start, goal=goal)
 
+    def heldout_task(self, *, index: int) -> Task:
+        """Held-out task ``index`` (a stream no training step draws from; the pairs overlap the
+        training pairs: gridwalk has no disjoint split)."""
+        return self.task(seed=-1, index=index)
+
+    def eval_tasks(self) -> list[Task]:
+        """No fixed held-out evaluation set (gridwalk's 240 pairs are all training pairs)."""
+        return []
+
+    def observation_nats(self, messages: list[dict[str, Any]]) -> float:
+        """The Bayes-optimal NLL of the observations: 0 (every observation is deterministic)."""
+        del messages
+        return 0.0
+
+    def demonstration(self, task: Task, rng: random.Random) -> list[dict[str, Any]]:
+        """`demonstration` as a method (the interface every built-in env shares)."""
+        return demonstration(self, task, rng)
+
+    def random_walk(self, task: Task, rng: random.Random, turns: int) -> list[dict[str, Any]]:
+        """`random_walk` as a method (the interface every built-in env shares)."""
+        return random_walk(self, task, rng, turns)
+
     def start(self, task: Task) -> Episode:
         """A new episode on ``task``: the system and user messages."""
         (sx, sy), (gx, gy) = task.start, task.goal

@@ -1,155 +1,489 @@
-"""The ECHO experiment: GRPO alone vs GRPO + echo, same seeds, same everything else.
+"""The ECHO experiment in one command: GRPO, GRPO + echo at several λ, and an ActObs-style arm,
+paired over seeds, evaluated on held-out tasks.
 
 ::
 
-    echoloss-train experiment --output-dir runs/echo-experiment          # embedded default, 3 seeds
-    echoloss-train experiment --config my.toml --seeds 0 1 --alpha 0.2 --jobs 2
+    echoloss-train experiment --mode quick --output-dir runs/echo-quick     # minutes on 2 cores
+    echoloss-train experiment --mode full --output-dir runs/echo-full       # the committed result
+    echoloss-train experiment --summarize-only --output-dir runs/echo-full  # tables + plots again
 
-For each seed it runs two arms that differ **only** in ``echo.alpha`` (``0`` for GRPO, the given
-value for echo), each as its own ``echoloss-train`` process (``--jobs`` at a time), then writes
-``comparison.png`` (held-out observation cross-entropy and reward against the step, per seed and
-averaged) and ``results.md`` / ``results.json`` (the table). The claim under test (the ECHO paper's main result):
-echo lowers the held-out observation-token CE sharply while GRPO alone barely moves it, at no cost
-in reward.
+For every seed, two warm-starts are trained once and shared:
+
+* ``base``: SFT on the env's demonstrations (assistant tokens, plus the observation tokens at
+  the small weight ``warmup.obs_weight`` so that they start calibrated);
+* ``actobs``: the same with the observation CE at weight `ACTOBS_WEIGHT` (an ActObs-style
+  warm-start: actions + weighted CE on observations).
+
+Then every arm continues from its warm-start with RL, differing **only** in λ (``echo.alpha``):
+``grpo`` (λ = 0), ``echo-<λ>`` for each λ of ``--alphas``, and ``actobs`` (λ = 0 after the
+``actobs`` warm-start). Same seed, same tasks, same sampling stream across arms: the
+comparisons are paired. The runs go to ``--jobs`` worker processes (one CPU thread each; a worker
+imports torch once and runs ``echoloss-train`` runs one after another, each with its own log);
+a finished run's row is appended to ``results.jsonl`` at once, so a cut-off experiment keeps
+what it measured. At the end (or with ``--summarize-only``) it writes
+``results.json`` (one object per run), ``summary.json`` / ``summary.md`` (means and 95 %
+confidence intervals over seeds of the paired differences against ``grpo``) and
+``comparison.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import math
+import statistics
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from echoloss.train.plots import read_metrics
+__all__ = ["MODES", "main", "paired_ci", "runs_table", "steps_to", "summarize"]
 
-__all__ = ["main", "summarize"]
+ACTOBS_WEIGHT = 1.0  # the ActObs-style warm-start's observation CE weight
+THRESHOLD = 0.8  # "steps to 80 %": the first evaluation at or above this held-out success
+MARGIN = -0.03  # pre-registered non-inferiority margin for echo vs GRPO (success, absolute)
 
-ARMS = ("grpo", "echo")
+# Per mode: seeds, λ of the echo arms, and --set overrides for every run.
+MODES: dict[str, dict[str, Any]] = {
+    "quick": {  # the shape of the full experiment at a fraction of its cost
+        "seeds": [0, 1],
+        "alphas": [0.05],
+        "set": [
+            "warmup.steps=40",
+            "train.max_steps=10",
+            "train.eval_every=10",
+            "train.eval_samples=1",
+            "data.heldout_size=32",
+        ],
+    },
+    "full": {
+        "seeds": list(range(8)),
+        "alphas": [0.005, 0.01, 0.05],
+        "set": ["train.max_steps=30", "train.eval_every=15"],
+    },
+}
 
-
-def _run(args: list[str], log: Path) -> int:
-    with open(log, "w") as f:
-        return subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
-
-
-def _window_mean(rows: list[dict[str, Any]], key: str, frac: float) -> float | None:
-    vals = [r[key] for r in rows if key in r]
-    if not vals:
-        return None
-    k = max(1, round(len(vals) * frac))
-    return sum(vals[-k:]) / k
-
-
-def summarize(out: Path, seeds: list[int]) -> dict[str, Any]:
-    """Read every arm's ``metrics.jsonl`` under ``out`` and build the result table."""
-    table: dict[str, Any] = {"seeds": seeds, "arms": {}}
-    for arm in ARMS:
-        per_seed = []
-        for seed in seeds:
-            rows = read_metrics(out / f"{arm}-seed{seed}" / "metrics.jsonl")
-            rl = [r for r in rows if r.get("phase") == "rl"]
-            ce = [r for r in rows if "heldout_obs_ce" in r]
-            start = [r for r in ce if r["step"] <= (rl[0]["step"] - 1 if rl else 0)]
-            per_seed.append(
-                {
-                    "seed": seed,
-                    "obs_ce_start": (start[-1] if start else ce[0])["heldout_obs_ce"],
-                    "obs_ce_end": ce[-1]["heldout_obs_ce"],
-                    "reward_first": _first_mean(rl, "reward", 0.2),
-                    "reward_last": _window_mean(rl, "reward", 0.2),
-                    "steps": rows[-1]["step"],
-                }
-            )
-        mean = {
-            k: sum(p[k] for p in per_seed) / len(per_seed)
-            for k in ("obs_ce_start", "obs_ce_end", "reward_first", "reward_last")
-        }
-        table["arms"][arm] = {"per_seed": per_seed, "mean": mean}
-    return table
+# Two-sided 95 % Student t quantiles t_{0.975, df} (df = n − 1 seeds).
+_T975 = {
+    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+    10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
+    18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042,
+}  # fmt: skip
 
 
-def _first_mean(rows: list[dict[str, Any]], key: str, frac: float) -> float:
-    vals = [r[key] for r in rows if key in r]
-    k = max(1, round(len(vals) * frac))
-    return sum(vals[:k]) / k if vals else float("nan")
+def _t975(df: int) -> float:
+    if df in _T975:
+        return _T975[df]
+    below = [d for d in _T975 if d <= df]
+    return _T975[max(below)] if df < 30 else 1.96  # conservative between tabulated df
 
 
-def _markdown(table: dict[str, Any], alpha: float) -> str:
-    lines = [
-        f"Seeds {table['seeds']}; echo arm alpha = {alpha}. Held-out observation CE in nats/token "
-        "on the fixed held-out random-walk set; reward = mean training-rollout reward over the "
-        "first / last 20% of the RL steps.",
-        "",
-        "| arm | seed | obs CE at RL start | obs CE at end | reward (first 20%) | reward (last 20%) |",
-        "|---|---|---|---|---|---|",
+def paired_ci(diffs: list[float]) -> dict[str, float]:
+    """Mean and two-sided 95 % t confidence interval of paired differences (one per seed).
+
+    Examples:
+        >>> r = paired_ci([0.1, 0.2, 0.3])
+        >>> round(r["mean"], 3), round(r["lo"], 3), round(r["hi"], 3), r["n"]
+        (0.2, -0.048, 0.448, 3)
+    """
+    n = len(diffs)
+    if n == 0:
+        return {"mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
+    mean = sum(diffs) / n
+    if n == 1:
+        return {"mean": mean, "lo": math.nan, "hi": math.nan, "n": 1}
+    half = _t975(n - 1) * statistics.stdev(diffs) / math.sqrt(n)
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
+
+
+def steps_to(evals: list[dict[str, Any]], key: str, threshold: float) -> int | None:
+    """The first RL step whose evaluation has ``key >= threshold`` (None: never reached).
+
+    Examples:
+        >>> steps_to([{"rl_step": 0, "s": 0.5}, {"rl_step": 10, "s": 0.85}], "s", 0.8)
+        10
+    """
+    for e in sorted(evals, key=lambda e: e["rl_step"]):
+        if e.get(key, -math.inf) >= threshold:
+            return int(e["rl_step"])
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# The runs
+
+
+@dataclass
+class _Job:
+    name: str
+    args: list[str]
+    needs: str | None = None  # the job whose final model this one starts from
+    state: str = "todo"  # todo, running, done, failed
+    wall: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
+    """The result row of one finished arm: held-out numbers at RL start (from its warm-start's
+    evaluation) and at the end, and the RL curve's landmarks."""
+    start = [e for e in _read_jsonl(out / job.needs / "eval.jsonl") if e["rl_step"] == 0]  # type: ignore[operator]
+    evals = _read_jsonl(out / job.name / "eval.jsonl")
+    first = start[-1] if start else {}
+    everything = [{**first, "rl_step": 0}, *evals] if first else evals
+    last = max(evals, key=lambda e: e["rl_step"]) if evals else {}
+    metrics = _read_jsonl(out / job.name / "metrics.jsonl")
+    rl = [m for m in metrics if m.get("phase") == "rl"]
+    tail = rl[-max(1, len(rl) // 5) :]
+
+    def mean(key: str, rows: list[dict[str, Any]]) -> float | None:
+        vals = [r[key] for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else None
+
+    return {
+        "env": env,
+        "arm": job.meta["arm"],
+        "alpha": job.meta["alpha"],
+        "seed": job.meta["seed"],
+        "warmup": job.meta["warmup"],
+        "rl_steps": int(last.get("rl_step", 0)),
+        "eval_success_start": first.get("eval_success_greedy"),
+        "eval_success_end": last.get("eval_success_greedy"),
+        "eval_success_sampled_start": first.get("eval_success_sampled"),
+        "eval_success_sampled_end": last.get("eval_success_sampled"),
+        "eval_episodes": last.get("eval_episodes"),
+        "steps_to_80": steps_to(everything, "eval_success_greedy", THRESHOLD),
+        "heldout_obs_ce_start": first.get("heldout_obs_ce"),
+        "heldout_obs_ce_end": last.get("heldout_obs_ce"),
+        "obs_ce_floor": last.get("obs_ce_floor"),
+        "imagined_obs_rate_start": first.get("eval_imagined_rate"),
+        "imagined_obs_rate_end": last.get("eval_imagined_rate"),
+        "invalid_reply_rate_start": first.get("eval_invalid_rate"),
+        "invalid_reply_rate_end": last.get("eval_invalid_rate"),
+        "train_reward_last20": mean("reward", tail),
+        "curve": [
+            {
+                k: e.get(k)
+                for k in (
+                    "rl_step",
+                    "eval_success_greedy",
+                    "eval_success_sampled",
+                    "heldout_obs_ce",
+                    "eval_imagined_rate",
+                    "eval_invalid_rate",
+                )
+            }
+            for e in everything
+        ],
+        "wall_s": round(job.wall, 1),
+    }
+
+
+def _jobs(args: argparse.Namespace, mode: dict[str, Any], base_cmd: list[str]) -> list[_Job]:
+    sets = [*mode["set"], *args.set, "train.threads=1", "train.progress=false"]
+    jobs: list[_Job] = []
+    for seed in args.seeds:
+        for warm, weight in (("base", None), ("actobs", ACTOBS_WEIGHT)):
+            if warm == "actobs" and args.no_actobs:
+                continue
+            extra = ["train.max_steps=0", "train.plots=false"]
+            if weight is not None:
+                extra.append(f"warmup.obs_weight={weight}")
+            name = f"warm-{warm}-seed{seed}"
+            cmd = [*base_cmd, "--seed", str(seed), "--output-dir", str(args.output_dir / name)]
+            for item in [*sets, *extra]:
+                cmd += ["--set", item]
+            jobs.append(_Job(name, cmd, meta={"seed": seed, "kind": "warm"}))
+        arms = [("grpo", 0.0, "base")]
+        arms += [(f"echo-{a:g}", a, "base") for a in args.alphas]
+        if not args.no_actobs:
+            arms.append(("actobs", 0.0, "actobs"))
+        for arm, alpha, warm in arms:
+            name = f"{arm}-seed{seed}"
+            needs = f"warm-{warm}-seed{seed}"
+            cmd = [*base_cmd, "--seed", str(seed), "--output-dir", str(args.output_dir / name)]
+            extra = [
+                f"model.path={args.output_dir / needs / 'final-model'}",
+                "warmup.steps=0",
+                "train.eval_at_start=false",  # the warm-start's evaluation is the RL start
+                f"echo.alpha={alpha}",
+            ]
+            for item in [*sets, *extra]:
+                cmd += ["--set", item]
+            meta = {"seed": seed, "kind": "arm", "arm": arm, "alpha": alpha, "warmup": warm}
+            jobs.append(_Job(name, cmd, needs=needs, meta=meta))
+    return jobs
+
+
+def _run_one(args: list[str], log: str) -> int:
+    """One ``echoloss-train`` run inside a worker process, its output in ``log``."""
+    import contextlib
+    import traceback
+
+    from echoloss.train.cli import main as cli_main
+
+    with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        try:
+            return cli_main(args)
+        except BaseException:  # the run failed: its log says why, the experiment goes on
+            traceback.print_exc()
+            return 1
+
+
+def _run_all(jobs: list[_Job], out: Path, workers: int, env: str) -> list[str]:
+    """Run the jobs, ``workers`` at a time, each after the job it needs; stream finished arms'
+    rows to ``results.jsonl``. Returns the names of failed jobs."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    lock = threading.Condition()
+    bar = _progress(len(jobs))
+    results = out / "results.jsonl"
+
+    def next_job() -> _Job | None:
+        with lock:
+            while True:
+                by_name = {j.name: j for j in jobs}
+                todo = [j for j in jobs if j.state == "todo"]
+                if not todo:
+                    return None
+                for j in todo:
+                    dep = by_name.get(j.needs) if j.needs else None
+                    if dep is not None and dep.state == "failed":
+                        j.state = "failed"  # its warm-start failed: it cannot run
+                        bar.update(1)
+                        lock.notify_all()
+                        break
+                    if dep is None or dep.state == "done":
+                        j.state = "running"
+                        return j
+                else:
+                    lock.wait()
+
+    def worker() -> None:
+        while (job := next_job()) is not None:
+            t = time.perf_counter()
+            code = pool.submit(_run_one, job.args, str(out / f"{job.name}.log")).result()
+            job.wall = time.perf_counter() - t
+            with lock:
+                job.state = "done" if code == 0 else "failed"
+                if job.state == "done" and job.meta["kind"] == "arm":
+                    with open(results, "a") as f:
+                        f.write(json.dumps(_arm_row(out, job, env)) + "\n")
+                bar.update(1)
+                bar.set_postfix_str(f"last: {job.name} {job.wall:.0f}s")
+                lock.notify_all()
+
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    pool.shutdown()
+    bar.close()
+    return [j.name for j in jobs if j.state == "failed"]
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="experiment", unit="run", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# The summary
+
+
+def runs_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (arm, seed): the last row written for it wins (a re-run replaces a row)."""
+    keyed = {(r["arm"], r["seed"]): r for r in rows}
+    return [keyed[k] for k in sorted(keyed, key=lambda k: (k[1], k[0]))]
+
+
+def _diff(rows: list[dict[str, Any]], arm: str, key: str) -> tuple[list[float], list[float]]:
+    """Per-seed values of ``key`` for ``arm`` and paired differences against ``grpo``."""
+    by = {(r["arm"], r["seed"]): r for r in rows}
+    vals, diffs = [], []
+    for (a, seed), r in sorted(by.items()):
+        if a != arm or r.get(key) is None:
+            continue
+        vals.append(float(r[key]))
+        ref = by.get(("grpo", seed))
+        if ref is not None and ref.get(key) is not None:
+            diffs.append(float(r[key]) - float(ref[key]))
+    return vals, diffs
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per arm: means over seeds and paired 95 % CIs of the difference against ``grpo``, for
+    held-out success (greedy, sampled), its gain over RL, steps to 80 % (runs that never got
+    there count as their last RL step + eval interval... reported separately as ``reached``),
+    held-out observation CE and its drop."""
+    for r in rows:
+        for k in ("eval_success", "eval_success_sampled"):
+            if r.get(f"{k}_start") is not None and r.get(f"{k}_end") is not None:
+                r[f"{k}_gain"] = r[f"{k}_end"] - r[f"{k}_start"]
+        if r.get("heldout_obs_ce_start") is not None and r.get("heldout_obs_ce_end") is not None:
+            r["heldout_obs_ce_drop"] = r["heldout_obs_ce_start"] - r["heldout_obs_ce_end"]
+            if r.get("obs_ce_floor"):
+                r["obs_ce_over_floor_end"] = r["heldout_obs_ce_end"] / r["obs_ce_floor"]
+        r["steps_to_80_or_censored"] = (
+            r["steps_to_80"] if r.get("steps_to_80") is not None else r.get("rl_steps")
+        )
+    keys = [
+        "eval_success_start",
+        "eval_success_end",
+        "eval_success_gain",
+        "eval_success_sampled_end",
+        "eval_success_sampled_gain",
+        "steps_to_80_or_censored",
+        "heldout_obs_ce_start",
+        "heldout_obs_ce_end",
+        "heldout_obs_ce_drop",
+        "obs_ce_over_floor_end",
+        "imagined_obs_rate_end",
+        "invalid_reply_rate_end",
     ]
-    for arm in ARMS:
-        a = table["arms"][arm]
-        for p in a["per_seed"]:
-            lines.append(
-                f"| {arm} | {p['seed']} | {p['obs_ce_start']:.3f} | {p['obs_ce_end']:.3f} | "
-                f"{p['reward_first']:.3f} | {p['reward_last']:.3f} |"
-            )
-        m = a["mean"]
+    arms = sorted({r["arm"] for r in rows}, key=_arm_order)
+    out: dict[str, Any] = {"threshold": THRESHOLD, "margin": MARGIN, "arms": {}}
+    for arm in arms:
+        entry: dict[str, Any] = {
+            "seeds": sorted(r["seed"] for r in rows if r["arm"] == arm),
+            "reached_80": sum(
+                1 for r in rows if r["arm"] == arm and r.get("steps_to_80") is not None
+            ),
+        }
+        for key in keys:
+            vals, diffs = _diff(rows, arm, key)
+            entry[key] = {"mean": sum(vals) / len(vals) if vals else None, "n": len(vals)}
+            if arm != "grpo":
+                entry[key]["diff_vs_grpo"] = paired_ci(diffs)
+        out["arms"][arm] = entry
+    floors = [r["obs_ce_floor"] for r in rows if r.get("obs_ce_floor") is not None]
+    out["obs_ce_floor"] = floors[0] if floors else None
+    return out
+
+
+def _arm_order(arm: str) -> tuple[int, float]:
+    if arm == "grpo":
+        return (0, 0.0)
+    if arm.startswith("echo-"):
+        return (1, float(arm.removeprefix("echo-")))
+    return (2, 0.0)
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _markdown(summary: dict[str, Any]) -> str:
+    def ci(d: dict[str, float] | None, scale: float = 1.0, digits: int = 3) -> str:
+        if not d or d.get("n", 0) == 0:
+            return "–"
+        m, lo, hi = (d[k] * scale for k in ("mean", "lo", "hi"))
+        return f"{m:+.{digits}f} [{_fmt(lo, digits)}, {_fmt(hi, digits)}]"
+
+    lines = [
+        f"Held-out success: greedy, on the fixed held-out task set; observation CE in nats/token "
+        f"on held-out random walks (floor {_fmt(summary.get('obs_ce_floor'), 4)}). Differences "
+        "are paired by seed against `grpo`, mean [95 % t CI].",
+        "",
+        "| arm | seeds | success start → end | Δ end vs grpo | sampled end | steps to 80 % "
+        "(reached) | obs CE start → end | Δ CE end vs grpo | imagined / invalid (end) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, e in summary["arms"].items():
         lines.append(
-            f"| **{arm}** | mean | {m['obs_ce_start']:.3f} | **{m['obs_ce_end']:.3f}** | "
-            f"{m['reward_first']:.3f} | **{m['reward_last']:.3f}** |"
+            f"| {arm} | {len(e['seeds'])} | {_fmt(e['eval_success_start']['mean'])} → "
+            f"{_fmt(e['eval_success_end']['mean'])} | {ci(e['eval_success_end'].get('diff_vs_grpo'))}"
+            f" | {_fmt(e['eval_success_sampled_end']['mean'])} | "
+            f"{_fmt(e['steps_to_80_or_censored']['mean'], 1)} ({e['reached_80']}) | "
+            f"{_fmt(e['heldout_obs_ce_start']['mean'])} → {_fmt(e['heldout_obs_ce_end']['mean'])} | "
+            f"{ci(e['heldout_obs_ce_end'].get('diff_vs_grpo'))} | "
+            f"{_fmt(e['imagined_obs_rate_end']['mean'])} / {_fmt(e['invalid_reply_rate_end']['mean'])} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def plot(out: Path, seeds: list[int], path: Path) -> None:
-    """``comparison.png``: held-out observation CE and reward per arm (thin: seeds, thick: mean)."""
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """``comparison.png``: held-out success, held-out observation CE (with its floor), and the
+    imagined-observation and invalid-reply rates against the RL step; mean over seeds per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), constrained_layout=True)
-    colors = {"grpo": "tab:blue", "echo": "tab:orange"}
-    for arm in ARMS:
-        curves = {"heldout_obs_ce": [], "reward": []}
-        for seed in seeds:
-            rows = read_metrics(out / f"{arm}-seed{seed}" / "metrics.jsonl")
-            for key, ax in zip(curves, axes, strict=True):
-                pts = [(r["step"], r[key]) for r in rows if key in r]
-                if key == "reward":  # smooth the noisy per-step reward a little
-                    pts = _smooth(pts, 5)
-                curves[key].append(dict(pts))
-                ax.plot(*zip(*pts, strict=True), color=colors[arm], alpha=0.25, lw=0.8)
-        for key, ax in zip(curves, axes, strict=True):
-            steps = sorted(set.intersection(*(set(c) for c in curves[key])))
-            mean = [sum(c[s] for c in curves[key]) / len(curves[key]) for s in steps]
-            ax.plot(steps, mean, color=colors[arm], lw=2.2, label=f"{arm} (mean of {len(seeds)})")
-    warm = [
-        r["step"]
-        for r in read_metrics(out / f"grpo-seed{seeds[0]}" / "metrics.jsonl")
-        if r.get("phase") == "warmup"
+    panels = [
+        ("eval_success_greedy", "held-out success (greedy)"),
+        ("heldout_obs_ce", "held-out observation CE (nats/token)"),
+        ("eval_imagined_rate", "imagined observations (per reply, sampled)"),
+        ("eval_invalid_rate", "invalid replies (per reply, sampled)"),
     ]
-    for ax, title in zip(
-        axes,
-        ("held-out observation CE (nats/token)", "reward (training rollouts, 5-step mean)"),
-        strict=True,
-    ):
-        if warm:
-            ax.axvspan(0, max(warm), color="0.9", zorder=0, label="warm-start (shared)")
-        ax.set_title(title)
-        ax.set_xlabel("step")
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4), constrained_layout=True)
+    arms = sorted({r["arm"] for r in rows}, key=_arm_order)
+    cmap = plt.get_cmap("tab10")
+    for i, arm in enumerate(arms):
+        runs = [r for r in rows if r["arm"] == arm]
+        for ax, (key, _) in zip(axes, panels, strict=True):
+            curves = [
+                {c["rl_step"]: c[key] for c in r["curve"] if c.get(key) is not None} for r in runs
+            ]
+            steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+            for c in curves:
+                xs = sorted(c)
+                ax.plot(xs, [c[x] for x in xs], color=cmap(i), alpha=0.15, lw=0.8)
+            if steps:
+                mean = [sum(c[s] for c in curves) / len(curves) for s in steps]
+                ax.plot(steps, mean, color=cmap(i), lw=2.2, marker="o", ms=3,
+                        label=f"{arm} (n={len(curves)})")  # fmt: skip
+    floors = [r["obs_ce_floor"] for r in rows if r.get("obs_ce_floor")]
+    if floors:
+        axes[1].axhline(floors[0], color="k", ls="--", lw=1, label=f"floor {floors[0]:.3f}")
+        axes[1].set_yscale("log")
+    for ax, (_, title) in zip(axes, panels, strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
-        ax.legend()
+    axes[0].axhline(THRESHOLD, color="0.5", ls=":", lw=1)
+    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def _smooth(pts: list[tuple[int, float]], k: int) -> list[tuple[int, float]]:
-    out = []
-    for i, (s, _) in enumerate(pts):
-        window = [v for _, v in pts[max(0, i - k + 1) : i + 1]]
-        out.append((s, sum(window) / len(window)))
-    return out
+def _write_summary(out: Path) -> int:
+    rows = runs_table(_read_jsonl(out / "results.jsonl"))
+    if not rows:
+        print(
+            f"echoloss-train experiment: no finished runs in {str(out)!r} (no results.jsonl rows); "
+            "run the experiment first",
+            file=sys.stderr,
+        )
+        return 2
+    summary = summarize(rows)
+    (out / "results.json").write_text(
+        json.dumps(
+            [{k: v for k, v in r.items() if k != "curve"} | {"curve": r["curve"]} for r in rows],
+            indent=1,
+        )
+    )
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    md = _markdown(summary)
+    (out / "summary.md").write_text(md)
+    plot(rows, out / "comparison.png")
+    print(md)
+    print(f"wrote {out}/results.json, summary.json, summary.md, comparison.png")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,18 +491,29 @@ def main(argv: list[str] | None = None) -> int:
         prog="echoloss-train experiment", description=__doc__.split("::")[0]
     )
     p.add_argument("--config", help="base TOML (default: the embedded default)")
-    p.add_argument("--output-dir", default="runs/echo-experiment")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--output-dir", type=Path, default=Path("runs/echo-experiment"))
+    p.add_argument("--mode", choices=sorted(MODES), default="quick")
+    p.add_argument("--seeds", type=int, nargs="+", help="default: the mode's")
     p.add_argument(
-        "--alpha", type=float, default=None, help="echo arm's echo.alpha (default: the config's)"
+        "--alphas", type=float, nargs="+", help="λ of the echo arms (default: the mode's)"
     )
-    p.add_argument("--max-steps", type=int)
+    p.add_argument("--no-actobs", action="store_true", help="leave out the ActObs-style arm")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (each uses one CPU thread)")
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run"
     )
-    p.add_argument("--summarize-only", action="store_true", help="only rebuild the table and plot")
+    p.add_argument("--summarize-only", action="store_true", help="only rebuild tables and plots")
     args = p.parse_args(argv)
+    mode = MODES[args.mode]
+    args.seeds = args.seeds if args.seeds is not None else mode["seeds"]
+    args.alphas = args.alphas if args.alphas is not None else mode["alphas"]
+    if any(a <= 0 for a in args.alphas):
+        print(f"echoloss-train experiment: --alphas must be > 0 (got {args.alphas}); "
+              "λ = 0 is the grpo arm, always run", file=sys.stderr)  # fmt: skip
+        return 2
+    out: Path = args.output_dir
+    if args.summarize_only:
+        return _write_summary(out)
 
     from echoloss.train.config import ConfigError, load_config
 
@@ -177,53 +522,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"echoloss-train experiment: {err}", file=sys.stderr)
         return 2
-    alpha = args.alpha if args.alpha is not None else base.echo.alpha
-    if alpha <= 0:
-        print("echoloss-train experiment: the echo arm needs alpha > 0", file=sys.stderr)
-        return 2
-    out = Path(args.output_dir)
-    if args.summarize_only:
-        runs = [out / f"{arm}-seed{seed}" / "metrics.jsonl" for seed in args.seeds for arm in ARMS]
-        missing = [str(m) for m in runs if not m.is_file()]
-        if missing:
-            print(
-                f"echoloss-train experiment: --summarize-only: {len(missing)} of {len(runs)} runs "
-                f"have no metrics ({', '.join(missing)}); run the experiment first, or give the "
-                "--output-dir and --seeds of a finished one",
-                file=sys.stderr,
-            )
-            return 2
     out.mkdir(parents=True, exist_ok=True)
-    jobs = []
-    for seed in args.seeds:
-        for arm in ARMS:
-            cmd = [sys.executable, "-m", "echoloss.train.cli"]
-            if args.config:
-                cmd += ["--config", args.config]
-            cmd += ["--seed", str(seed), "--output-dir", str(out / f"{arm}-seed{seed}")]
-            if args.max_steps:
-                cmd += ["--max-steps", str(args.max_steps)]
-            for item in [*args.set, "train.threads=1", "train.progress=false"]:
-                cmd += ["--set", item]
-            cmd += ["--set", f"echo.alpha={alpha if arm == 'echo' else 0.0}"]
-            jobs.append((cmd, out / f"{arm}-seed{seed}.log"))
-    if not args.summarize_only:
-        print(f"running {len(jobs)} runs, {args.jobs} at a time; logs in {out}/*.log", flush=True)
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            codes = list(pool.map(lambda j: _run(*j), jobs))
-        failed = [str(log) for (_, log), c in zip(jobs, codes, strict=True) if c != 0]
-        if failed:
-            print(f"echoloss-train experiment: runs failed, see {failed}", file=sys.stderr)
-            return 1
-    table = summarize(out, args.seeds)
-    table["alpha"] = alpha
-    (out / "results.json").write_text(json.dumps(table, indent=1))
-    md = _markdown(table, alpha)
-    (out / "results.md").write_text(md)
-    plot(out, args.seeds, out / "comparison.png")
-    print(md)
-    print(f"wrote {out}/comparison.png, {out}/results.md, {out}/results.json")
-    return 0
+    (out / "results.jsonl").unlink(missing_ok=True)
+    base_cmd: list[str] = []
+    if args.config:
+        base_cmd += ["--config", args.config]
+    jobs = _jobs(args, mode, base_cmd)
+    print(
+        f"experiment ({args.mode}): env {base.env.name}, seeds {args.seeds}, λ {args.alphas}"
+        f"{'' if args.no_actobs else ' + actobs'}; {len(jobs)} runs, {args.jobs} at a time; "
+        f"logs in {out}/*.log, rows streamed to {out}/results.jsonl",
+        flush=True,
+    )
+    t = time.perf_counter()
+    failed = _run_all(jobs, out, args.jobs, base.env.name)
+    print(f"{len(jobs) - len(failed)}/{len(jobs)} runs finished in {time.perf_counter() - t:.0f}s")
+    if failed:
+        print(f"echoloss-train experiment: runs failed, see {[f + '.log' for f in failed]}",
+              file=sys.stderr)  # fmt: skip
+    code = _write_summary(out)
+    return 1 if failed else code
 
 
 if __name__ == "__main__":

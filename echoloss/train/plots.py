@@ -11,14 +11,16 @@ __all__ = ["PANELS", "plot_run", "read_metrics"]
 
 # (title, metric keys) per panel of the run plot.
 PANELS: list[tuple[str, list[str]]] = [
+    ("held-out success (fixed held-out tasks)", ["eval_success_greedy", "eval_success_sampled"]),
     ("reward (training rollouts)", ["reward"]),
-    ("held-out observation CE (nats/token)", ["heldout_obs_ce"]),
-    ("loss terms", ["loss_rl", "loss_echo"]),
-    ("echo NLL on trained observations", ["echo_nll"]),
+    ("held-out observation CE (nats/token)", ["heldout_obs_ce", "obs_ce_floor"]),
+    ("imagined observations / invalid replies", ["imagined_obs_rate", "invalid_reply_rate"]),
+    ("loss terms", ["loss_sft", "loss_obs", "loss_rl", "loss_echo"]),
+    ("observation NLL on trained observations", ["obs_nll", "echo_nll"]),
     ("policy entropy (RL tokens)", ["entropy"]),
     ("gradient norm (before clipping)", ["grad_norm"]),
     ("mismatch KL (trainer vs sampler)", ["mismatch_kl"]),
-    ("throughput (tokens/s, training)", ["tokens_per_s"]),
+    ("echo weight λ", ["echo_alpha"]),
 ]
 
 
@@ -57,18 +59,20 @@ def plot_run(metrics: str | Path, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     warm_end = max((r["step"] for r in rows if r.get("phase") == "warmup"), default=0)
-    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5), constrained_layout=True)
+    fig, axes = plt.subplots(2, 5, figsize=(22, 7.5), constrained_layout=True)
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
         for key in keys:
             xs, ys = _series(rows, key)
             if xs:
                 ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=key)
+        if title.startswith("held-out observation CE") and _series(rows, keys[0])[0]:
+            ax.set_yscale("log")  # the floor is far below the start
         if warm_end:
             ax.axvspan(0, warm_end, color="0.9", zorder=0, label="warm-start")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if len(keys) > 1 or warm_end:
+        if ax.get_legend_handles_labels()[0] and (len(keys) > 1 or warm_end):
             ax.legend(fontsize=8)
     path = out / "training.png"
     fig.savefig(path, dpi=90)

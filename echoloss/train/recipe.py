@@ -56,19 +56,22 @@ from echoloss.loss import (
     echo_loss,
     undo_data_parallel_averaging,
 )
+from echoloss.schedules import echo_alpha
 from echoloss.train import checkpoint as ckpt
 from echoloss.train import tracking
 from echoloss.train.config import TrainConfig, advantage_fn, parse_config
 from echoloss.train.data import (
+    EvalResult,
     Rollout,
     demo_rollouts,
+    evaluate_policy,
     generate_rollouts,
     heldout_conversations,
     read_rollout_groups,
     rollout_record,
     scripted_steps,
 )
-from echoloss.train.env import GridWalk
+from echoloss.train.envs import make_env
 from echoloss.train.model import build_tiny_model, build_tokenizer, load_model, packed_logits
 
 __all__ = ["train"]
@@ -157,7 +160,7 @@ class Batches:
     an uninterrupted run would. Groups are dealt to ranks round-robin.
     """
 
-    def __init__(self, cfg: TrainConfig, env: GridWalk, tok: Any, rank: int, world: int) -> None:
+    def __init__(self, cfg: TrainConfig, env: Any, tok: Any, rank: int, world: int) -> None:
         self.cfg, self.env, self.tok, self.rank, self.world = cfg, env, tok, rank, world
         self.groups: list[list[Rollout]] | None = None
         if cfg.data.source == "jsonl":
@@ -239,12 +242,13 @@ def _advantages(
     return adv[start : start + len(mine)]
 
 
-def _echo_config(cfg: TrainConfig) -> echoloss.EchoConfig | None:
+def _echo_config(cfg: TrainConfig, alpha: float) -> echoloss.EchoConfig | None:
+    """The echo config of one RL step, with that step's λ (``alpha``) from the schedule."""
     e = cfg.echo
-    if e.alpha == 0:
+    if alpha == 0:
         return None  # plain RL: no echo weights at all
     return echoloss.EchoConfig(
-        tool=echoloss.RoleEcho(alpha=e.alpha),
+        tool=echoloss.RoleEcho(alpha=alpha),
         target=e.target,
         echo_warnings=e.echo_warnings,
         max_tokens_per_message=e.max_tokens_per_message,
@@ -352,17 +356,64 @@ def heldout_observation_ce(model: Any, batches: list[echoloss.PackedBatch], attn
 
 
 def _heldout_batches(
-    cfg: TrainConfig, env: GridWalk, tok: Any, device: torch.device
-) -> list[echoloss.PackedBatch]:
+    cfg: TrainConfig, env: Any, tok: Any, device: torch.device
+) -> tuple[list[echoloss.PackedBatch], float]:
+    """The held-out observation set, packed, and its exact CE floor (nats/token): the env's
+    Bayes-optimal NLL of all observation bodies over their token count."""
     if cfg.data.heldout_size == 0 or cfg.data.source == "jsonl":
-        return []
+        return [], math.nan
     probe = echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=1.0))
     samples = []
-    for messages in heldout_conversations(env, seed=cfg.train.seed, count=cfg.data.heldout_size):
+    nats = 0.0
+    for messages in heldout_conversations(env, count=cfg.data.heldout_size):
+        nats += env.observation_nats(messages)
         for s in echoloss.interleave(scripted_steps(messages, tok), echo=probe):
             s.advantage = 0.0
             samples.append(s)
-    return [b.to(device) for b in echoloss.pack(samples, max_tokens=cfg.optim.micro_batch_tokens)]
+    tokens = sum(sum(1 for w in (s.echo_weights or []) if w) for s in samples)
+    batches = echoloss.pack(samples, max_tokens=cfg.optim.micro_batch_tokens)
+    return [b.to(device) for b in batches], nats / max(tokens, 1)
+
+
+def _evaluate(
+    cfg: TrainConfig,
+    model: Any,
+    tok: Any,
+    env: Any,
+    heldout: list[echoloss.PackedBatch],
+    floor: float,
+    device: torch.device,
+    full: bool,
+) -> dict[str, float]:
+    """Held-out success on the env's fixed evaluation tasks (one greedy episode each, plus
+    ``train.eval_samples`` sampled ones when ``full``: at the RL start and end) and the held-out
+    observation CE with its floor. Keys absent when they do not apply."""
+    out: dict[str, float] = {}
+    tasks = env.eval_tasks()
+    if tasks and cfg.data.source != "jsonl":
+        r: EvalResult = evaluate_policy(
+            model,
+            tok,
+            env,
+            tasks,
+            samples=cfg.train.eval_samples if full else 0,
+            temperature=cfg.data.temperature,
+            max_new_tokens=cfg.data.max_new_tokens,
+            device=device,
+        )
+        out.update(eval_success_greedy=r.success_greedy, eval_episodes=float(r.episodes))
+        if full and cfg.train.eval_samples:
+            out.update(
+                eval_success_sampled=r.success_sampled,
+                eval_invalid_rate=r.invalid_rate,
+                eval_imagined_rate=r.imagined_rate,
+            )
+    if heldout:
+        out["heldout_obs_ce"] = heldout_observation_ce(
+            model, heldout, cfg.model.attn_implementation
+        )
+        out["obs_ce_floor"] = floor
+    return out
 
 
 def _rollout_metrics(
@@ -387,6 +438,10 @@ def _rollout_metrics(
         advantage_abs=float(np.abs(adv).mean()),
         rollouts=float(len(rows)),
     )
+    turns = sum(s.get("turns", 0.0) for _, _, _, s, _ in rows)
+    if turns:  # per assistant turn: replies that are no action, and those that imagine the env
+        out["invalid_reply_rate"] = sum(s.get("invalid", 0.0) for _, _, _, s, _ in rows) / turns
+        out["imagined_obs_rate"] = sum(s.get("imagined", 0.0) for _, _, _, s, _ in rows) / turns
     by_env: dict[str, list[tuple[float, dict[str, float], int]]] = defaultdict(list)
     for env, r, _, stats, n_steps in rows:
         by_env[env].append((r, stats, n_steps))
@@ -571,15 +626,16 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )
-    env = GridWalk(size=cfg.env.size, max_turns=cfg.env.max_turns, name=cfg.env.name)
+    env = make_env(cfg.env.name, size=cfg.env.size, max_turns=cfg.env.max_turns)
     data = Batches(cfg, env, tok, rank, world)
-    echo = _echo_config(cfg)
+    warm_steps = cfg.warmup.steps if cfg.data.source != "jsonl" else 0
+    total = warm_steps + cfg.train.max_steps  # the warm-up comes before the RL steps
     rae = (
         echoloss.RAE(decay=cfg.advantages.rae_decay)
         if cfg.advantages.rae_decay is not None
         else None
     )
-    heldout = _heldout_batches(cfg, env, tok, device)
+    heldout, floor = _heldout_batches(cfg, env, tok, device)
     pad_id = tok.pad_token_id
 
     # -- resume ----------------------------------------------------------------------------------
@@ -609,6 +665,9 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
             )
         if rank == 0:
             log(f"resumed from {path} at step {start}")
+    if rank == 0:
+        log(_banner(cfg, model, env, device, out, None if resume is None else str(path), start))
+
     # Everything that can fail on bad input (config, model, data, checkpoint) has run: now write.
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -632,13 +691,47 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         from tqdm import tqdm
 
         bar = files.enter_context(
-            tqdm(total=cfg.train.max_steps, initial=start, desc="echoloss-train", unit="step")
+            tqdm(total=total, initial=start, desc="echoloss-train", unit="step")
         )
 
     # -- the loop --------------------------------------------------------------------------------
-    for step in range(start, cfg.train.max_steps):
+    eval_file = files.enter_context(open(out / "eval.jsonl", "a")) if rank == 0 else None  # noqa: SIM115
+    if rank == 0 and start == 0:
+        eval_file.truncate(0)  # type: ignore[union-attr]
+
+    def evaluate(step: int, rl_step: int, full: bool) -> dict[str, float]:
+        t = time.perf_counter()
+        # Its own seeded RNG: evaluating never shifts the training run's sampling stream (a
+        # resumed run stays bit-identical), and every arm samples the same way at a given step.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(cfg.train.seed * 1_000_003 + step)
+            ev = _evaluate(cfg, model, tok, env, heldout, floor, device, full)
+        if ev and eval_file is not None:
+            row = {"step": step, "rl_step": rl_step, **ev, "eval_time": time.perf_counter() - t}
+            eval_file.write(json.dumps(row) + "\n")
+            eval_file.flush()
+        return ev
+
+    if start == 0 and warm_steps == 0 and cfg.train.eval_at_start:
+        evaluate(
+            start, 0, True
+        )  # the RL start, before any update (with a warm-up: after its last step)
+    for step in range(start, total):
         t0 = time.perf_counter()
-        warm = step < cfg.warmup.steps
+        warm = step < warm_steps
+        rl_step = step - warm_steps  # 0-based RL step (negative in the warm-up)
+        alpha = (
+            0.0
+            if warm
+            else echo_alpha(
+                rl_step,
+                alpha=cfg.echo.alpha,
+                schedule=cfg.echo.schedule,
+                steps=cfg.echo.schedule_steps,
+                final_alpha=cfg.echo.final_alpha,
+            )
+        )
+        echo = _observation_config(cfg.warmup.obs_weight) if warm else _echo_config(cfg, alpha)
 
         # 1. Rollouts for this step (this rank's share of the global batch).
         rollouts = data.get(step, model, device)
@@ -656,7 +749,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
             if a is None:
                 continue  # errored, or a group without survivors: trains nothing
             for s in echoloss.interleave(
-                r.steps, echo=None if warm else echo, errored=r.errored, env_name=r.env_name
+                r.steps, echo=echo, errored=r.errored, env_name=r.env_name
             ):
                 s.advantage = a
                 samples.append(s)
@@ -685,14 +778,28 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         # 4. Forward + backward per micro-batch; gradients accumulate (sum) in .grad.
         loss_cfg = SFT if warm else cfg.loss
         for group in opt.param_groups:  # Adam makes steps ~lr whatever the gradient's scale
-            group["lr"] = cfg.warmup.lr if warm else cfg.optim.lr
-        agg = _Metrics()
+            group["lr"] = _warmup_lr(cfg, step) if warm else cfg.optim.lr
+        agg, agg_obs = _Metrics(), _Metrics()
         tokens = 0
         for i, (b, t) in enumerate(zip(batches, targets, strict=True)):
             sync = model.set_requires_gradient_sync if world > 1 else None
             if sync is not None:
                 sync(i == len(batches) - 1)  # reduce-scatter once, after the last micro-batch
             logits = packed_logits(model, b, attn_implementation=attn)
+            if warm and echo is not None:  # the warm-up's observation CE (SFT mode has no echo)
+                obs = echo_loss(
+                    logits,
+                    t.labels,
+                    rl_mask=torch.zeros_like(t.rl_mask),
+                    echo_weights=t.echo_weights,
+                    config=cfg.loss.model_copy(update={"compute_entropy": False}),
+                    normalizers=norms,
+                    sequence_ids=t.sequence_ids,
+                    observation_mask=t.observation_mask,
+                )
+                obs.loss.backward(retain_graph=True)
+                if i < real:
+                    agg_obs.add(obs.metrics)
             res = echo_loss(
                 logits,
                 t.labels,
@@ -735,35 +842,55 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         m = agg.result(world)
         total_tokens = sum(_gather(tokens, world))
         row: dict[str, Any] = {"step": step + 1, "phase": "warmup" if warm else "rl"}
-        if not warm:
+        if warm:  # the warm-up: SFT on actions (+ observation CE); no policy-gradient metrics
+            row.update(warmup_step=step + 1, loss_sft=m.get("loss_rl/all", math.nan))
+            if echo is not None:
+                o = agg_obs.result(world)
+                row.update(
+                    loss_obs=o.get("loss_echo/all", math.nan),
+                    obs_nll=o.get("echo_nll_mean/all", math.nan),
+                )
+            row["loss"] = row["loss_sft"] + row.get("loss_obs", 0.0)
+        else:
+            row["rl_step"] = rl_step + 1
             row.update(_rollout_metrics(rollouts, advantages, world))
+            row.update(
+                loss_rl=m.get("loss_rl/all", math.nan),
+                entropy=m.get("entropy/all", math.nan),
+                mismatch_kl=m.get("mismatch_kl/all", math.nan),
+                echo_alpha=alpha,
+            )
+            if echo is not None:  # echo on at this step
+                row.update(
+                    loss_echo=m.get("loss_echo/all", math.nan),
+                    echo_nll=m.get("echo_nll_mean/all", math.nan),
+                )
+            row["loss"] = row["loss_rl"] + row.get("loss_echo", 0.0)
         row.update(
-            loss=m.get("loss_rl/all", 0.0) + m.get("loss_echo/all", 0.0),
-            loss_rl=m.get("loss_rl/all", 0.0),
-            loss_echo=m.get("loss_echo/all", 0.0),
-            echo_nll=m.get("echo_nll_mean/all", 0.0),
             rl_tokens=norms.rl_tokens,
             echo_tokens=norms.echo_tokens,
             sequences=norms.sequences,
             tokens=total_tokens,
-            entropy=m.get("entropy/all", 0.0),
-            mismatch_kl=m.get("mismatch_kl/all", 0.0),
             grad_norm=float(grad_norm),
             lr=opt.param_groups[0]["lr"],
             gen_time=t_gen,
             step_time=step_time,
             tokens_per_s=total_tokens / max(step_time - t_gen, 1e-9),
         )
-        row.update({f"loss/{k}": v for k, v in sorted(m.items())})
-        last = step + 1 == cfg.train.max_steps
-        if heldout and ((step + 1) % cfg.train.eval_every == 0 or last or step == start):
-            row["heldout_obs_ce"] = heldout_observation_ce(model, heldout, attn)
+        # the loss's per-env metrics; echo ones only on steps with echo (nothing logged as 0.0)
+        no_echo = warm or echo is None
+        row.update({f"loss/{k}": v for k, v in sorted(m.items()) if not (no_echo and "echo" in k)})
+        last = step + 1 == total
+        at_start = step + 1 == warm_steps and cfg.train.max_steps > 0 and cfg.train.eval_at_start
+        periodic = not warm and ((rl_step + 1) % cfg.train.eval_every == 0 or last)
+        if at_start or periodic or (warm and last):
+            row.update(evaluate(step + 1, max(rl_step + 1, 0), full=at_start or last))
         if metrics_file is not None:
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
-            line = _summary(row, cfg.train.max_steps)
             if trackers is not None:
                 trackers.log(row)
+            line = _summary(row, total)
             if bar is not None:
                 bar.update(1)
                 bar.write(line)
@@ -777,7 +904,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
     # -- the end: final weights as an HF directory, plots ------------------------------------------
     files.close()
     exported = _gather(ckpt.final_model_complete(out / "final-model"), world)[0]
-    if start < cfg.train.max_steps or not exported:  # (re-)export after a crash during export
+    if start < total or not exported:  # (re-)export after a crash during export
         _export_model(out, model, tok, rank)
     if rank == 0 and cfg.train.plots:
         from echoloss.train.plots import plot_run
@@ -799,11 +926,70 @@ def _summary(row: dict[str, Any], total: int) -> str:
         ("grad_norm", "|g| {:.2f}"),
         ("step_time", "{:.2f}s"),
     ):
-        if key in row and not (key == "loss_rl" and row["phase"] == "warmup"):
+        if key in row:
             parts.append(fmt.format(row[key]))
     if row["phase"] == "warmup":
-        parts.append(f"sft {row['loss_rl']:.4f}")
+        parts.append(f"sft {row['loss_sft']:.4f}")
+        if "loss_obs" in row:
+            parts.append(f"obs {row['loss_obs']:.4f}")
+    if "eval_success_greedy" in row:
+        parts.append(f"heldout success {row['eval_success_greedy']:.3f}")
     return "  ".join(parts)
+
+
+def _observation_config(weight: float) -> echoloss.EchoConfig | None:
+    """The warm-up's observation-token CE (weight ``warmup.obs_weight``), or None when 0."""
+    return None if weight == 0 else echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=weight))
+
+
+def _warmup_lr(cfg: TrainConfig, step: int) -> float:
+    """The warm-up lr: a linear ramp over ``warmup.lr_ramp_steps``, then ``warmup.lr``. A cold
+    start at the full SFT lr spikes the gradient norm (43 at lr 3e-3 on a random-init model)."""
+    ramp = cfg.warmup.lr_ramp_steps
+    return cfg.warmup.lr * (min(step + 1, ramp) / ramp if ramp else 1.0)
+
+
+def _banner(
+    cfg: TrainConfig,
+    model: Any,
+    env: Any,
+    device: torch.device,
+    out: Path,
+    resumed: str | None,
+    start: int,
+) -> str:
+    """What this run is, before it starts: device, dtype, model, env, λ, steps, output."""
+    params = sum(p.numel() for p in model.parameters())
+    what = cfg.model.path or f"tiny {cfg.model.arch} ({cfg.model.num_layers} layers)"
+    e = cfg.echo
+    lam = (
+        f"{e.alpha:g}"
+        if e.schedule == "constant"
+        else (
+            f"{e.alpha:g} ({e.schedule} over {e.schedule_steps} RL steps"
+            + (f" to {e.final_alpha:g})" if e.schedule == "decay" else ")")
+        )
+    )
+    tasks = len(env.eval_tasks())
+    lines = [
+        "echoloss-train",
+        f"  device {device} ({_dtype(cfg, device)}), {torch.get_num_threads()} CPU thread(s)",
+        f"  model  {what}, {params / 1e6:.3g}M parameters",
+        f"  env    {cfg.env.name} {cfg.env.size}x{cfg.env.size}, turn limit {env.turn_limit}"
+        + (f", {tasks} held-out tasks" if tasks else ""),
+        f"  steps  {cfg.warmup.steps if cfg.data.source != 'jsonl' else 0} warm-up "
+        f"(lr {cfg.warmup.lr:g}, obs weight {cfg.warmup.obs_weight:g}) + "
+        f"{cfg.train.max_steps} RL (lr {cfg.optim.lr:g}), "
+        f"{cfg.data.prompts_per_step}x{cfg.data.group_size} rollouts/step",
+        f"  echo   λ = {lam}" + (" (GRPO only)" if e.alpha == 0 else ""),
+        f"  output {out}",
+        f"  resume {resumed} (from step {start})" if resumed else "  resume no (fresh start)",
+    ]
+    if cfg.train.max_steps == 0:
+        lines.append("  NOTE   train.max_steps = 0: warm-up only, no RL step")
+    if device.type == "cpu" and params > 50e6:
+        lines.append(f"  NOTE   a {params / 1e6:.0f}M-parameter model on CPU: expect slow steps")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # pragma: no cover

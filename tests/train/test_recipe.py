@@ -19,6 +19,12 @@ from echoloss.train.recipe import train
 KEYS = {
     "step",
     "phase",
+    "rl_step",
+    "echo_alpha",
+    "invalid_reply_rate",
+    "imagined_obs_rate",
+    "obs_ce_floor",
+    "eval_success_greedy",
     "reward",
     "reward_std",
     "advantage_mean",
@@ -36,12 +42,15 @@ KEYS = {
     "grad_norm",
     "step_time",
     "tokens_per_s",
-    "env/gridwalk/reward",
-    "env/gridwalk/turns",
-    "env/gridwalk/walls",
-    "env/gridwalk/invalid",
-    "loss/echo_nll_mean/gridwalk",
+    "env/mirrorgrid/reward",
+    "env/mirrorgrid/turns",
+    "env/mirrorgrid/walls",
+    "env/mirrorgrid/invalid",
+    "env/mirrorgrid/imagined",
+    "loss/echo_nll_mean/mirrorgrid",
 }
+# Metrics of the RL phase only: a warm-up row leaves them out (it is SFT: no policy gradient).
+RL_ONLY = {"loss_rl", "entropy", "mismatch_kl", "reward", "loss_echo", "echo_nll", "echo_alpha"}
 COMPARED = (
     "loss",
     "loss_rl",
@@ -80,6 +89,10 @@ def test_two_step_run_trains_every_parameter_and_writes_everything(tmp_path):
     assert [r["phase"] for r in rows] == ["warmup", "rl"]
     rl = rows[-1]
     assert set(rl) >= KEYS, KEYS - set(rl)
+    warm = rows[0]
+    assert {"loss_sft", "loss_obs", "obs_nll", "warmup_step"} <= set(warm)
+    assert not RL_ONLY & set(warm), RL_ONLY & set(warm)
+    assert not [k for k in warm if k.startswith("loss/") and "echo" in k]
     for r in rows:
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
     assert rl["echo_tokens"] > 0 and rl["loss_echo"] > 0 and rl["rl_tokens"] > 0
@@ -111,20 +124,20 @@ def test_two_step_run_trains_every_parameter_and_writes_everything(tmp_path):
 
 
 def test_resume_gives_exactly_the_same_losses(tmp_path):
-    # Warm-up step 1, RL steps 2-4; the interrupted run stops after step 2 and resumes.
-    over = {"train.max_steps": 4, "train.checkpoint_every": 2, "train.plots": False}
+    # Warm-up step 1, RL steps 2-5; the interrupted run stops after step 3 and resumes.
+    over = {"train.max_steps": 4, "train.checkpoint_every": 3, "train.plots": False}
     straight = train(fast_config(tmp_path / "a", **over), log=lambda _: None)
     half = train(fast_config(tmp_path / "b", **{**over, "train.max_steps": 2}), log=lambda _: None)
     resumed = train(fast_config(tmp_path / "b", **over), resume=half, log=lambda _: None)
     a = read_metrics(straight / "metrics.jsonl")
     b = read_metrics(resumed / "metrics.jsonl")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4, 5]
     for ra, rb in zip(a, b, strict=True):
         for key in COMPARED:
             assert ra.get(key) == rb.get(key), (ra["step"], key, ra.get(key), rb.get(key))
     assert any(r["loss_rl"] != 0 for r in a[1:]) or any(r["loss_echo"] != 0 for r in a[1:])
-    wa = torch.load(straight / "checkpoints" / "step_000004" / "model.pt", weights_only=True)
-    wb = torch.load(resumed / "checkpoints" / "step_000004" / "model.pt", weights_only=True)
+    wa = torch.load(straight / "checkpoints" / "step_000005" / "model.pt", weights_only=True)
+    wb = torch.load(resumed / "checkpoints" / "step_000005" / "model.pt", weights_only=True)
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
 
@@ -190,3 +203,54 @@ def test_jsonl_source_trains_and_bad_lines_are_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "1 bad rollout record" in err and "line 2: invalid JSON" in err, err
     assert not out.exists()  # nothing half-written
+
+
+def test_rl_steps_are_counted_after_the_warm_up_and_evaluated_on_held_out_tasks(tmp_path):
+    lines: list[str] = []
+    over = {
+        "warmup.steps": 3,
+        "train.max_steps": 2,
+        "train.plots": False,
+        "train.eval_every": 2,
+        "echo.alpha": 0.2,
+        "echo.schedule": "warmup",
+        "echo.schedule_steps": 2,
+    }
+    out = train(fast_config(tmp_path / "run", **over), log=lines.append)
+    rows = read_metrics(out / "metrics.jsonl")
+    # 3 warm-up steps, then exactly train.max_steps = 2 RL steps.
+    assert [r["phase"] for r in rows] == ["warmup"] * 3 + ["rl"] * 2
+    assert [r.get("rl_step") for r in rows] == [None, None, None, 1, 2]
+    # The λ schedule: a linear ramp over 2 RL steps.
+    assert [r["echo_alpha"] for r in rows[3:]] == [0.1, 0.2]
+    # The banner says what runs, before the first step.
+    banner = lines[0]
+    for text in ("device cpu", "env    mirrorgrid 2x2", "3 warm-up", "2 RL", "λ = 0.2 (warmup",
+                 str(tmp_path / "run"), "resume no"):  # fmt: skip
+        assert text in banner, (text, banner)
+    assert lines[1].startswith("step    1/5 warmup")
+    # Held-out evaluations: at the RL start (full: greedy + sampled) and at the end.
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["rl_step"] for e in evals] == [0, 2]
+    env_tasks = 3 * 4  # mirrorgrid 2x2: 3 held-out pairs x 4 mirrorings
+    for e in evals:
+        assert e["eval_episodes"] == env_tasks * 2  # one greedy + eval_samples = 1 sampled
+        assert 0 <= e["eval_success_greedy"] <= 1 and 0 <= e["eval_imagined_rate"] <= 1
+        assert e["obs_ce_floor"] > 0 and e["heldout_obs_ce"] > 0
+
+
+def test_max_steps_zero_is_a_warm_up_only_run_and_says_so(tmp_path):
+    lines: list[str] = []
+    out = train(
+        fast_config(
+            tmp_path / "w", **{"train.max_steps": 0, "warmup.steps": 2, "train.plots": False}
+        ),
+        log=lines.append,
+    )
+    assert "train.max_steps = 0: warm-up only, no RL step" in lines[0]
+    assert [r["phase"] for r in read_metrics(out / "metrics.jsonl")] == ["warmup"] * 2
+    assert (out / "final-model" / "config.json").is_file()
+    from echoloss.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="nothing to train"):
+        fast_config(tmp_path / "x", **{"train.max_steps": 0, "warmup.steps": 0})

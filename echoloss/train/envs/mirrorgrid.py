@@ -1,0 +1,365 @@
+"""``mirrorgrid``: a grid whose controls are secretly mirrored, per episode and per axis.
+
+The agent must walk from a start cell to a goal cell and say ``done`` there. Each episode draws,
+independently and uniformly, whether the x controls are mirrored (``right`` moves left) and
+whether the y controls are (``down`` moves up). Nothing says which: the only observation is
+where the goal now is, relative to the agent (``goal dx,dy``, signed)::
+
+    system     mirrorgrid 4
+    user       start 1,2 goal +2,-2     <- the start cell, and the goal relative to it
+    assistant  right
+    tool       goal +3,-2               <- x is mirrored: "right" moved left
+    assistant  left
+    tool       goal +2,-2
+    ...
+    assistant  done                     -> reward 1 if the agent stands on the goal, else 0
+
+Relative observations keep the *policy* simple for a tiny model (the sign says where the goal
+is) and put all the difficulty where the experiment wants it: the mirroring, which only the
+outcomes of the agent's own moves reveal.
+
+Why this environment tests the echo claim (``docs/experiment.md``):
+
+* **The observation carries what the agent needs.** One move per axis reveals that axis's
+  mirroring; acting well afterwards needs exactly that knowledge, and predicting the next
+  ``goal dx,dy`` needs the same knowledge. A world model (what echo trains) and a policy (what RL
+  trains) share one hidden variable.
+* **The observation CE has an exact floor** (`MirrorGrid.observation_nats`): the first move
+  along an axis is a fair coin for the x or y digit (``log 2`` nats: both outcomes are distinct
+  cells, or a cell and the wall), every later observation is deterministic given the moves seen
+  (walls included: the start cell is in the first message).
+  Under the uniform prior this equals ``log 4 − log(#mirrorings consistent with the episode)``,
+  which `consistent_mirrorings` computes by enumeration.
+* **Held-out tasks are really held out**: the (start, goal) pairs are split once, by a fixed
+  seed, into training pairs (warm-up and RL) and evaluation pairs (`MirrorGrid.eval_tasks`),
+  with all four mirrorings of each evaluation pair in the evaluation set.
+
+Two controls, same dynamics:
+
+* ``variant="shown"`` prints the mirroring in the first user message (``flip 1,0``): nothing is
+  hidden, every observation is deterministic (floor 0): echo should cost nothing and help little.
+* ``variant="noise"`` appends one uniformly random digit to every observation (``goal +3,-2 7``):
+  ``log 10`` nats per observation that no model can learn. If echo helped through generic
+  regularisation it would help here as much; it can only help through the world model.
+
+Tasks are pure functions of ``(seed, index)``: a resumed run sees exactly the tasks an
+uninterrupted run would.
+
+Examples:
+    >>> env = MirrorGrid(size=4)
+    >>> task = MirrorTask(start=(1, 2), goal=(3, 0), flip=(True, False))
+    >>> episode = env.start(task)
+    >>> episode.messages[-1]["content"]
+    'start 1,2 goal +2,-2'
+    >>> env.act(episode, "right"), env.act(episode, "left"), env.act(episode, "left")
+    ('goal +3,-2', 'goal +2,-2', 'goal +1,-2')
+    >>> env.act(episode, "up"), env.act(episode, "jump")
+    ('goal +1,-1', 'error')
+    >>> round(env.observation_nats(episode.messages), 6) == round(2 * math.log(2), 6)
+    True
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["MirrorGrid", "MirrorTask", "consistent_mirrorings", "imagined_observation"]
+
+MOVES: dict[str, tuple[int, int]] = {
+    "up": (0, -1),
+    "down": (0, 1),
+    "left": (-1, 0),
+    "right": (1, 0),
+}
+TOOL_NAME = "move"
+Variant = Literal["hidden", "shown", "noise"]
+_SPLIT_SEED = "mirrorgrid-split-v1"  # fixed: the evaluation pairs never depend on the run's seed
+
+
+@dataclass(frozen=True)
+class MirrorTask:
+    """Start and goal ``(x, y)`` (x right, y down) and the hidden mirroring per axis."""
+
+    start: tuple[int, int]
+    goal: tuple[int, int]
+    flip: tuple[bool, bool]
+
+
+@dataclass
+class MirrorEpisode:
+    """A conversation in progress (same fields as `echoloss.train.env.Episode`)."""
+
+    task: MirrorTask
+    messages: list[dict[str, Any]]
+    pos: tuple[int, int]
+    rng: random.Random
+    turns: int = 0
+    done: bool = False
+    reward: float = 0.0
+    stats: dict[str, float] = field(default_factory=lambda: {"walls": 0.0, "invalid": 0.0})
+
+
+def _step(size: int, pos: tuple[int, int], action: str, flip: tuple[bool, bool]) -> tuple[int, int]:
+    """Where ``action`` leads from ``pos`` under ``flip`` (a wall keeps the agent in place)."""
+    dx, dy = MOVES[action]
+    if flip[0]:
+        dx = -dx
+    if flip[1]:
+        dy = -dy
+    x, y = pos[0] + dx, pos[1] + dy
+    return (x, y) if 0 <= x < size and 0 <= y < size else pos
+
+
+def consistent_mirrorings(size: int, messages: list[dict[str, Any]]) -> list[tuple[bool, bool]]:
+    """The mirrorings under which every ``pos`` observation of ``messages`` is what the dynamics
+    give (by enumeration of the four; used to check `MirrorGrid.observation_nats`).
+
+    Examples:
+        >>> msgs = [{"role": "user", "content": "start 0,0 goal +1,+1"},
+        ...         {"role": "assistant", "content": "right"}, {"role": "tool", "content": "goal +1,+1"}]
+        >>> consistent_mirrorings(2, msgs)
+        [(True, False), (True, True)]
+    """
+    start, goal = _parse_start(messages)
+    out = []
+    for flip in [(False, False), (True, False), (False, True), (True, True)]:
+        pos, ok = start, True
+        for action, obs in _moves_and_observations(messages):
+            if action in MOVES:
+                pos = _step(size, pos, action, flip)
+                ok = ok and obs.split()[1] == _relative(pos, goal)
+        if ok:
+            out.append(flip)
+    return out
+
+
+def _relative(pos: tuple[int, int], goal: tuple[int, int]) -> str:
+    """``+2,-1``: the goal relative to ``pos`` (a signed number per axis, ``0`` unsigned)."""
+
+    def signed(d: int) -> str:
+        return f"{d:+d}" if d else "0"
+
+    return f"{signed(goal[0] - pos[0])},{signed(goal[1] - pos[1])}"
+
+
+def _parse_start(messages: list[dict[str, Any]]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The start cell and the goal cell from the first user message."""
+    words = next(m["content"] for m in messages if m["role"] == "user").split()
+    sx, sy = (int(v) for v in words[1].split(","))
+    dx, dy = (int(v) for v in words[3].split(","))
+    return (sx, sy), (sx + dx, sy + dy)
+
+
+def _moves_and_observations(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """``(assistant reply, tool answer)`` pairs, in order (the reply before each tool message)."""
+    pairs = []
+    for prev, msg in itertools.pairwise(messages):
+        if msg["role"] == "tool" and prev["role"] == "assistant":
+            pairs.append((prev["content"].strip(), msg["content"]))
+    return pairs
+
+
+@dataclass(frozen=True)
+class MirrorGrid:
+    """Walk to the goal with secretly mirrored controls (see the module docstring).
+
+    Args:
+        size: the grid's side (2 to 10: one digit per coordinate).
+        max_turns: assistant turns before the episode ends with reward 0 (None = the longest
+            shortest path, one probing move and one return move per axis, ``done`` and one spare).
+        variant: ``"hidden"`` (the experiment), ``"shown"`` (mirroring printed: the no-cost
+            control) or ``"noise"`` (a random digit after every observation: the regulariser
+            control).
+        eval_fraction: the share of (start, goal) pairs held out for evaluation.
+        name: the env name used for per-env metrics.
+    """
+
+    size: int = 4
+    max_turns: int | None = None
+    variant: Variant = "hidden"
+    eval_fraction: float = 0.25
+    name: str = "mirrorgrid"
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.size <= 10:
+            raise ValueError(
+                f"MirrorGrid.size must be in [2, 10] (one digit per coordinate), got {self.size}"
+            )
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"MirrorGrid.max_turns must be ≥ 1, got {self.max_turns}")
+        if self.variant not in ("hidden", "shown", "noise"):
+            raise ValueError(
+                f"MirrorGrid.variant must be 'hidden', 'shown' or 'noise', got {self.variant!r}"
+            )
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(
+                f"MirrorGrid.eval_fraction must be in (0, 1), got {self.eval_fraction}"
+            )
+
+    @property
+    def turn_limit(self) -> int:
+        return self.max_turns if self.max_turns is not None else 2 * (self.size - 1) + 6
+
+    @property
+    def system_prompt(self) -> str:
+        return f"mirrorgrid {self.size}"
+
+    # -- tasks ------------------------------------------------------------------------------------
+
+    def _pairs(self) -> tuple[list[tuple[tuple[int, int], tuple[int, int]]], ...]:
+        cells = [(x, y) for x in range(self.size) for y in range(self.size)]
+        pairs = [(s, g) for s in cells for g in cells if s != g]
+        random.Random(f"{_SPLIT_SEED}/{self.size}").shuffle(pairs)
+        k = max(1, round(len(pairs) * self.eval_fraction))
+        return sorted(pairs[k:]), sorted(pairs[:k])
+
+    def train_pairs(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """The (start, goal) pairs of warm-up and RL tasks (disjoint from `eval_pairs`)."""
+        return self._pairs()[0]
+
+    def eval_pairs(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """The held-out (start, goal) pairs: no warm-up or RL task uses one."""
+        return self._pairs()[1]
+
+    def task(self, *, seed: int, index: int) -> MirrorTask:
+        """Training task ``index`` of the stream ``seed`` (a pure function: resumable)."""
+        rng = random.Random(f"mirrorgrid/{self.size}/{seed}/{index}")
+        start, goal = rng.choice(self.train_pairs())
+        return MirrorTask(start, goal, (rng.random() < 0.5, rng.random() < 0.5))
+
+    def eval_tasks(self) -> list[MirrorTask]:
+        """The fixed evaluation set: every held-out pair under each of the four mirrorings."""
+        return [
+            MirrorTask(s, g, (fx, fy))
+            for s, g in self.eval_pairs()
+            for fx in (False, True)
+            for fy in (False, True)
+        ]
+
+    def heldout_task(self, *, index: int) -> MirrorTask:
+        """Held-out task ``index`` for the observation CE (evaluation pairs, seeded mirroring)."""
+        rng = random.Random(f"mirrorgrid-heldout/{self.size}/{index}")
+        start, goal = rng.choice(self.eval_pairs())
+        return MirrorTask(start, goal, (rng.random() < 0.5, rng.random() < 0.5))
+
+    # -- the episode ------------------------------------------------------------------------------
+
+    def start(self, task: MirrorTask) -> MirrorEpisode:
+        """A new episode on ``task``: the system and user messages."""
+        sx, sy = task.start
+        text = f"start {sx},{sy} goal {_relative(task.start, task.goal)}"
+        if self.variant == "shown":
+            text += f" flip {int(task.flip[0])},{int(task.flip[1])}"
+        messages = [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": text},
+        ]
+        rng = random.Random(f"mirrorgrid-noise/{task}")  # noise digits: a function of the task
+        return MirrorEpisode(task=task, messages=messages, pos=task.start, rng=rng)
+
+    def act(self, episode: MirrorEpisode, text: str) -> str | None:
+        """Apply the assistant's reply; returns the tool's observation, or None when it ends."""
+        if episode.done:
+            raise RuntimeError("act() on a finished episode")
+        episode.messages.append({"role": "assistant", "content": text})
+        episode.turns += 1
+        action = text.strip()
+        if action == "done":
+            episode.done = True
+            episode.reward = float(episode.pos == episode.task.goal)
+            return None
+        if action in MOVES:
+            new = _step(self.size, episode.pos, action, episode.task.flip)
+            episode.stats["walls"] += float(new == episode.pos)
+            episode.pos = new
+            obs = f"goal {_relative(new, episode.task.goal)}"
+            if self.variant == "noise":
+                obs += f" {episode.rng.randrange(10)}"
+        else:
+            episode.stats["invalid"] += 1
+            obs = "error"
+        if episode.turns >= self.turn_limit:
+            episode.done = True  # out of turns: the last observation is never shown to the model
+            episode.reward = 0.0
+            return None
+        episode.messages.append({"role": "tool", "name": TOOL_NAME, "content": obs})
+        return obs
+
+    # -- scripted conversations -------------------------------------------------------------------
+
+    def demonstration(self, task: MirrorTask, rng: random.Random) -> list[dict[str, Any]]:
+        """The Bayes-optimal scripted conversation, which does *not* know the mirroring: per axis
+        (x, then y) press the key that would move towards the goal unmirrored; if the agent moved
+        the wrong way (or hit a wall), switch keys; then ``done``. ``rng`` is unused."""
+        episode = self.start(task)
+        for axis, (plus, minus) in enumerate((("right", "left"), ("down", "up"))):
+            known = self.variant == "shown"
+            flipped = task.flip[axis] if known else False
+            while episode.pos[axis] != task.goal[axis] and not episode.done:
+                toward = plus if task.goal[axis] > episode.pos[axis] else minus
+                key = (minus if toward == plus else plus) if flipped else toward
+                before = episode.pos[axis]
+                self.act(episode, key)
+                if not known:
+                    moved_toward = (episode.pos[axis] - before) * (
+                        1 if task.goal[axis] > before else -1
+                    ) > 0
+                    flipped, known = not moved_toward, True
+        if not episode.done:
+            self.act(episode, "done")
+        return episode.messages
+
+    def random_walk(self, task: MirrorTask, rng: random.Random, turns: int) -> list[dict[str, Any]]:
+        """``turns`` uniformly random moves, then ``done``: held-out data for the observation CE,
+        independent of any policy."""
+        episode = self.start(task)
+        for _ in range(min(turns, self.turn_limit - 1)):
+            self.act(episode, rng.choice(list(MOVES)))
+        self.act(episode, "done")
+        return episode.messages
+
+    # -- the floor --------------------------------------------------------------------------------
+
+    def observation_nats(self, messages: list[dict[str, Any]]) -> float:
+        """The Bayes-optimal total NLL (nats) of the conversation's observation bodies given
+        everything before each: ``log 2`` for the first move along each axis (``hidden`` and
+        ``noise``), ``log 10`` per noise digit, 0 otherwise. Divide by the number of observation
+        tokens for the floor in nats/token."""
+        nats = 0.0
+        seen = [self.variant == "shown"] * 2
+        for action, obs in _moves_and_observations(messages):
+            if action in MOVES:
+                axis = 0 if action in ("left", "right") else 1
+                if not seen[axis]:
+                    nats += math.log(2)
+                    seen[axis] = True
+                if self.variant == "noise":
+                    nats += math.log(10)
+            del obs
+        return nats
+
+
+def imagined_observation(text: str) -> bool:
+    """Whether an assistant reply contains environment scaffold or observation-like text: chat
+    or tool tags, a role name, ``pos``/``error``/``start``/``goal``, or a coordinate pair
+    (``1,2``, ``+1,-2``).
+
+    Examples:
+        >>> imagined_observation("left"), imagined_observation("pos 1,2"), imagined_observation("h8|")
+        (False, True, False)
+        >>> imagined_observation("</tool_response>")
+        True
+    """
+    import re
+
+    return bool(
+        re.search(
+            r"<\|?/?(tool_response|im_start|im_end)|\b(pos|error|start|goal|user|system|tool)\b"
+            r"|\d\s*,\s*[+-]?\d",
+            text,
+        )
+    )
