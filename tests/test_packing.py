@@ -320,3 +320,12 @@ def test_pack_argument_errors_name_the_argument():
         sample([-5], [2])
     with pytest.raises(ValueError, match=r"completion_logprobs\[0\] must be a log-probability"):
         sample([1], [2], lp=[2.3])
+
+
+def test_observation_at_position_zero_is_cleared():
+    # docs/spec.md §7: position 0 is never an observation either (it would count in Z = |O|).
+    s = sample([1], [2], mask=[False], echo=[None, 0.5], obs=[True, True])
+    assert s.token_observation_mask() == [False, True]
+    [b] = pack([s], max_tokens=2)
+    assert b.observation_mask.tolist() == [False, True]
+    assert next_token_targets(b).observation_mask.tolist() == [True, False]
