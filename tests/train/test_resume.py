@@ -178,7 +178,7 @@ def test_resume_after_completion_re_exports_a_missing_model(tmp_path, straight, 
     for k, v in OVER.items():
         args += ["--set", f"{k}={json.dumps(v)}"]
     assert main(args) == 0
-    assert "done" in capsys.readouterr().out
+    assert "\ndone: " in "\n" + capsys.readouterr().out
     _assert_same(out, straight)
 
 
@@ -319,3 +319,16 @@ def test_a_checkpoint_of_another_model_shape_is_a_clear_error(tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "does not fit this model" in err and "model.hidden_size: 32 -> 48" in err, err
+
+
+def test_done_is_printed_only_with_a_model(tmp_path, monkeypatch, capsys):
+    """Whatever goes wrong in the export, the command never reports success without weights."""
+    monkeypatch.setattr(
+        recipe, "_export_model", lambda *a, **k: None
+    )  # an export that wrote nothing
+    out = tmp_path / "run"
+    args = ["--config", str(FAST), "--output-dir", str(out), "--set", "train.max_steps=1"]
+    assert main([*args, "--set", "train.plots=false"]) == 1
+    captured = capsys.readouterr()
+    assert "\ndone: " not in "\n" + captured.out, captured.out
+    assert "no complete model" in captured.err, captured.err
