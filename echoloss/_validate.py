@@ -19,7 +19,7 @@ This module imports nothing from echoloss, so every layer may use it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -189,7 +189,7 @@ def check_bool(name: str, v: Any) -> bool:
     return v
 
 
-_KIND_OK = {
+_KIND_OK: dict[str, Callable[[torch.dtype], bool]] = {
     "bool": lambda d: d == torch.bool,
     "int": lambda d: not d.is_floating_point and not d.is_complex and d != torch.bool,
     "float": lambda d: d.is_floating_point,
@@ -218,19 +218,22 @@ def check_per_token(
         ...
         TypeError: rl_mask must be a bool mask (True = this token participates), got float32 [2] on cpu; pass mask.bool()
     """
-    t = check_tensor(name, t)
-    if not _KIND_OK[kind](t.dtype):
+    tensor = check_tensor(name, t)
+    if not _KIND_OK[kind](tensor.dtype):
         expected, hint = _KIND_HINT[kind]
-        raise TypeError(problem(name, expected, describe(t), hint))
-    if t.shape != shape:
-        raise ValueError(problem(name, f"of shape {list(shape)} ({what})", describe(t), fix))
-    if t.device != device:
+        raise TypeError(problem(name, expected, describe(tensor), hint))
+    if tensor.shape != shape:
+        raise ValueError(problem(name, f"of shape {list(shape)} ({what})", describe(tensor), fix))
+    if tensor.device != device:
         raise ValueError(
             problem(
-                name, f"on {device}", f"a tensor on {t.device}", f"move it with .to('{device}')"
+                name,
+                f"on {device}",
+                f"a tensor on {tensor.device}",
+                f"move it with .to('{device}')",
             )
         )
-    return t
+    return tensor
 
 
 def check_finite(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ class Normalizers:
     def __radd__(self, other: object) -> Normalizers:
         if other == 0:  # sum() starts from 0
             return self
-        return NotImplemented  # type: ignore[return-value]
+        return NotImplemented
 
     def as_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[6]`` int64 in field order (what [`all_reduce_normalizers`][echoloss.loss.normalization.all_reduce_normalizers] reduces)."""
@@ -160,7 +161,7 @@ def count_normalizers(
 def all_reduce_normalizers(
     normalizers: Normalizers,
     *,
-    group: object | None = None,
+    group: Any = None,
     device: torch.device | str | None = None,
 ) -> Normalizers:
     """SUM-all-reduce the counts over the data-parallel group (one int64 collective).

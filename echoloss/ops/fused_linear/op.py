@@ -81,7 +81,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
     per-row statistics."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -301,7 +301,10 @@ def _apply(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = resolve_backend(backend, hidden.device)
     cs = chunk_size if chunk_size is not None else default_linear_chunk_size(weight.shape[0])
-    return _LinearLogprobsFn.apply(hidden, weight, labels, rows, inv_t, need_entropy, cs, impl)
+    out: tuple[torch.Tensor, torch.Tensor] = _LinearLogprobsFn.apply(  # type: ignore[no-untyped-call]
+        hidden, weight, labels, rows, inv_t, need_entropy, cs, impl
+    )
+    return out
 
 
 def linear_logprobs_rows(

@@ -85,7 +85,7 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
     """Phase 1 in forward, phase 2 in backward; nothing ``[N, V]``-sized is saved but the input."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         logits: torch.Tensor,
         labels: torch.Tensor,
@@ -262,9 +262,10 @@ def selective_logprobs(
     else:
         inv_t = 1.0 / temp
     cs = chunk_size if chunk_size is not None else reference.default_chunk_size(v)
-    lp, ent = _SelectiveLogprobsFn.apply(
+    out: tuple[torch.Tensor, torch.Tensor] = _SelectiveLogprobsFn.apply(  # type: ignore[no-untyped-call]
         logits_in, flat_labels, rows, inv_t, return_entropy, cs, impl
     )
+    lp, ent = out
     lp = lp.view(lead)
     if return_entropy:
         return lp, ent.view(lead)

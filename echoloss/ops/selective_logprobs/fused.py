@@ -19,6 +19,7 @@ Triton interpreter: ``TRITON_INTERPRET=1`` must be set before this module is fir
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import triton
@@ -244,7 +245,7 @@ def _inv_t_args(
     return dummy, float(inv_temperature), False
 
 
-def _launch_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager:
+def _launch_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     # Triton launches on the current CUDA device: make it the tensor's (logits on cuda:1).
     if t.device.type == "cuda":
         return torch.cuda.device(t.device)
@@ -252,7 +253,7 @@ def _launch_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def _block(v: int, cap: int) -> int:
-    return max(16, min(cap, triton.next_power_of_2(max(1, v))))
+    return max(16, min(cap, int(triton.next_power_of_2(max(1, v)))))
 
 
 def _wide(v: int, stride_v: int) -> bool:

@@ -102,7 +102,8 @@ def _load_shifted(
     if rows is None and logits.dim() == 2:
         x.copy_(logits[start:stop])
     elif logits.dim() == 2:
-        idx = rows[start:stop] if rows is not None else None
+        assert rows is not None  # the branch above takes rows is None
+        idx = rows[start:stop]
         if logits.dtype == cdtype:
             torch.index_select(logits, 0, idx, out=x)
         else:
