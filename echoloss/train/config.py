@@ -371,10 +371,13 @@ class TrainConfig(_Section):
             if isinstance(x, float) and not math.isfinite(x)
         ]
         if v.policy == "custom":
+            from echoloss.loss import POLICIES
+
+            names = ", ".join(n for n in POLICIES if n != "custom")
             problems.append(
                 "policy = 'custom' needs a policy function passed to echo_loss in Python, which "
-                "a config cannot name; choose a built-in policy (dppo, ppo_clip, cispo, gspo, "
-                "reinforce)"
+                f"a config cannot name; choose a registered policy ({names}), or register yours "
+                "by name with echoloss.loss.register_policy before calling train()"
             )
         if v.mode != "rl":
             problems.append("mode must be 'rl' (the warm-start uses SFT by itself)")
