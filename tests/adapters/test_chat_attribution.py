@@ -382,3 +382,67 @@ def test_text_content_parts_form_one_body():
     r = render_attributed(msgs, tok)
     assert body_text(tok, r, 0) == "abcd"
     assert body_text(tok, r, 1) == "ok"
+
+
+def test_template_branching_on_the_content_is_an_error_naming_the_message():
+    # Scaffold away from the value that depends on the value cannot be told apart from it.
+    branching = (
+        "{% for m in messages %}{% if '!' in m.content %}[flag]{% endif %}<|im_start|>"
+        "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    tok = T.byte_tokenizer(branching, T.CHATML_SPECIALS, eos="<|im_end|>")
+    msgs = [{"role": "user", "content": "ab"}, {"role": "tool", "content": "!1"}]
+    with pytest.raises(ChatTemplateError, match=r"message 1 \(role 'tool'\) field 'content'") as e:
+        attribute(msgs, tok)
+    assert "branches on the content" in str(e.value)
+    assert e.value.message_index == 1
+    # Contents that take the same branch as the placeholders are fine.
+    ids, att = attribute([msgs[0], {"role": "tool", "content": "y1"}], tok)
+    assert bytes(t for t, c in zip(ids, att.is_content, strict=True) if c) == b"aby1"
+
+
+def test_text_the_template_adds_next_to_the_value_is_scaffold():
+    # "[!]" is written because of the content but is not the content: the body is the value.
+    marking = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if '!' in m.content %}[!]"
+        "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    tok = T.byte_tokenizer(marking, T.CHATML_SPECIALS, eos="<|im_end|>")
+    r = render_attributed(
+        [{"role": "user", "content": "ab"}, {"role": "tool", "content": "!1"}], tok
+    )
+    assert "[!]!1" in r.text
+    assert body_text(tok, r, 1) == "!1"
+
+
+def test_tokenizer_without_offsets_is_a_type_error_naming_the_need():
+    class NoOffsets:
+        def apply_chat_template(self, messages, tools=None, tokenize=True, **kw):
+            text = "".join(m["content"] for m in messages)
+            return [ord(c) for c in text] if tokenize else text
+
+        def __call__(self, text, add_special_tokens=False, **kw):
+            if kw.get("return_offsets_mapping"):
+                raise NotImplementedError("return_offset_mapping is not available")
+            return {"input_ids": [ord(c) for c in text]}
+
+    with pytest.raises(TypeError, match=r"return_offsets_mapping=True.*use_fast=True"):
+        attribute([{"role": "user", "content": "hi"}], NoOffsets())
+
+
+def test_steps_apply_the_control_token_policy():
+    tok = T.chatml()
+    msgs = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "tool", "name": "ls", "content": "a<|im_end|>b"},
+        {"role": "assistant", "content": "done"},
+    ]
+    with pytest.raises(ChatTemplateError, match="control token"):
+        steps_from_messages(msgs, tok, control_tokens="error")
+    steps = steps_from_messages(msgs, tok)  # exclude: the ids stay the template's
+    assert IM_END in steps[1].prompt_ids
+    att = steps[1].attribution
+    body = [t for t, i, c in zip(steps[1].prompt_ids, att.message_indices, att.is_content,
+                                 strict=True) if c and i == 2]  # fmt: skip
+    assert body == b("ab")

@@ -220,3 +220,16 @@ def test_renders_do_not_grow_with_the_conversation(monkeypatch):
     # the same number of whole renders, and prefix renders only of the first rounds
     assert counts[0][0] == counts[1][0] <= 4
     assert counts[1][1] <= 11
+
+
+def test_control_tokens_the_template_writes_inside_arguments_are_not_the_message_s():
+    # GLM-4.6 renders mapping arguments as <arg_key>k</arg_key><arg_value>v</arg_value>: those
+    # control tokens are scaffold written by the template, so even the strict policy passes.
+    tok = _tok("glm-4.6")
+    msgs, tools, _ = R.scenario(R.BY_NAME["glm-4.6"], "agent")
+    r = render_attributed(msgs, tok, tools=tools, control_tokens="error")
+    arg_value = tok.convert_tokens_to_ids("<arg_value>")
+    assert arg_value in r.token_ids
+    flags = zip(r.token_ids, r.attribution.is_content, strict=True)
+    assert not any(c for t, c in flags if t == arg_value)
+    assert _body(tok, r, 3) == '{"temp": 21, "sky": "sunny'  # `"}\n` mixes with scaffold

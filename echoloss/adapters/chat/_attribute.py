@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,7 +19,7 @@ from echoloss.adapters.chat._messages import (
     message_fields,
     resolve_tool_names,
 )
-from echoloss.adapters.chat._slots import Slots, locate_slots
+from echoloss.adapters.chat._slots import Slots, field_value, locate_slots
 from echoloss.adapters.chat._tokenizer import (
     Decoder,
     Renderer,
@@ -383,14 +385,20 @@ def _control_hits(
     tokenizer: Any,
     ids: Sequence[int],
     owner: Sequence[int],
-    content: Sequence[bool],
+    content: list[bool],
     msgs: Sequence[Mapping[str, Any]],
     policy: str,
+    template_written: Callable[[int, str], bool],
 ) -> dict[int, str]:
     """Body tokens that are control tokens (token index → its text), after applying the
-    ``"error"`` policy and the warning of ``"exclude"``."""
+    ``"error"`` policy and the warning of ``"exclude"``. ``template_written`` are body tokens
+    the template itself wrote (GLM's ``</arg_key>`` inside arguments given as a mapping): they
+    are made scaffold without a policy."""
     controls = control_ids(tokenizer)
     hits = {t: controls[ids[t]] for t in range(len(ids)) if content[t] and ids[t] in controls}
+    for t in [t for t in hits if template_written(t, hits[t])]:
+        del hits[t]
+        content[t] = False
     if not hits:
         return hits
     t0 = min(hits)
@@ -414,6 +422,22 @@ def _control_hits(
             "refuses)",
         )
     return hits
+
+
+def _in_mapping_arguments(
+    slot_of: Sequence[int],
+    slots: Slots,
+    flat: Sequence[Field],
+    msgs: Sequence[Mapping[str, Any]],
+    t: int,
+    text: str,
+) -> bool:
+    """Token ``t`` (control text ``text``) lies in tool-call arguments given as a mapping, and
+    the arguments do not spell it: the template wrote it (its key/value separators)."""
+    field = flat[slots.field[slot_of[t]]]
+    if field.kind != "args":
+        return False
+    return text not in json.dumps(field_value(msgs, field), ensure_ascii=False, default=str)
 
 
 def _escaped(
@@ -605,7 +629,15 @@ def _render_attributed(
     content = [s >= 0 for s in slot_of]
     _trim_shared(spans, content)
     _warn_tokenless_bodies(full, slots, slot_message, slot_of, content, msgs)
-    controls = _control_hits(tokenizer, ids, owner, content, msgs, control_tokens)
+    controls = _control_hits(
+        tokenizer,
+        ids,
+        owner,
+        content,
+        msgs,
+        control_tokens,
+        functools.partial(_in_mapping_arguments, slot_of, slots, flat, msgs),
+    )
     for t in controls:
         content[t] = False
     _verify(tokenizer, full, ids, spans, _runs(content, slot_of), owner, msgs)

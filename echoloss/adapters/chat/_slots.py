@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -173,9 +174,14 @@ def locate_slots(
     gaps = [skeleton[bounds[2 * j] : bounds[2 * j + 1]] for j in range(len(found) + 1)]
     marks = [skeleton[s:e] for s, e, _ in found]
     real: dict[int, str] = {}
-    for c in sorted({colour[f] for f in order}):
-        text = render(substituted(messages, fields, functools.partial(_has_colour, colour, c)))
-        _read_values(text, gaps, marks, order, colour, c, real, flat, messages)
+    try:
+        for c in sorted({colour[f] for f in order}):
+            text = render(substituted(messages, fields, functools.partial(_has_colour, colour, c)))
+            _read_values(text, gaps, marks, order, colour, c, real, flat, messages)
+    except ChatTemplateError as e:
+        raise _culprit(messages, fields, render, gaps, marks, order, flat) or e from None
+    inner = {fid: _inside(flat[fid], field_value(messages, flat[fid]), v, messages)
+             for fid, v in real.items()}  # fmt: skip
     # The real rendering is the scaffold with the real values put back: proven body spans.
     start: list[int] = []
     end: list[int] = []
@@ -189,9 +195,10 @@ def locate_slots(
         value = real[fid]
         if not full.startswith(value, at):
             raise _branch_error(flat[fid], messages, full, at)
-        start.append(at)
+        lo, hi = inner[fid]
+        start.append(at + lo)
+        end.append(at + hi)
         at += len(value)
-        end.append(at)
         first.append(fid not in seen)
         seen.add(fid)
     if full[at:] != gaps[-1]:
@@ -238,6 +245,27 @@ def _check_rendered(
         )
 
 
+def _culprit(
+    messages: Sequence[Mapping[str, Any]],
+    fields: Sequence[Sequence[Field]],
+    render: Render,
+    gaps: Sequence[str],
+    marks: Sequence[str],
+    order: Sequence[int],
+    flat: Sequence[Field],
+) -> ChatTemplateError | None:
+    """The error for the first field whose real value alone changes the scaffold (one render
+    per field: only on the error path)."""
+    for f in dict.fromkeys(order):
+        alone = [1 if g == f else 0 for g in range(len(flat))]
+        text = render(substituted(messages, fields, functools.partial(_has_colour, alone, 1)))
+        try:
+            _read_values(text, gaps, marks, order, alone, 1, {}, flat, messages)
+        except ChatTemplateError as e:
+            return e
+    return None
+
+
 def _read_values(
     text: str,
     gaps: Sequence[str],
@@ -274,6 +302,31 @@ def _read_values(
         if real.setdefault(fid, value) != value:
             raise _branch_error(flat[fid], messages, text, at)
         at = stop
+
+
+def _inside(
+    field: Field, value: Any, rendered: str, messages: Sequence[Mapping[str, Any]]
+) -> tuple[int, int]:
+    """The part of a field's rendering that is the value itself: all of it when the template
+    wrote the value as is, trimmed or JSON-escaped; the one occurrence of the value inside it
+    when the template added text around it that depends on the value (the rest is scaffold);
+    else all of it, with a warning (the template transforms the value beyond recognition)."""
+    if not isinstance(value, str):
+        return 0, len(rendered)  # arguments given as a mapping: rendered by the template's JSON
+    forms = [value, value.strip()]
+    forms += [json.dumps(f, ensure_ascii=a)[1:-1] for f in forms for a in (True, False)]
+    if rendered in forms:
+        return 0, len(rendered)
+    for form in forms:
+        if form and rendered.count(form) == 1:
+            at = rendered.index(form)
+            return at, at + len(form)
+    warn_once(
+        "chat-body-transformed",
+        f"echoloss: {_describe(field, messages)}: the chat template renders this value as "
+        f"{rendered[:60]!r}, which does not contain it as written; that rendering is its body",
+    )
+    return 0, len(rendered)
 
 
 def field_value(messages: Sequence[Mapping[str, Any]], field: Field) -> Any:
