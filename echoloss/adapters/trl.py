@@ -160,7 +160,7 @@ def completion_echo(
     eos_id = getattr(tokenizer, "eos_token_id", None)
     for j, ((a, b), group) in enumerate(zip(runs, groups, strict=True)):
         name = group[0].get("name")
-        dummy = [
+        dummy: list[dict[str, Any]] = [
             {"role": "user", "content": "dummy"},
             {
                 "role": "assistant",
@@ -234,8 +234,11 @@ def _build_classes() -> None:
     trl = _import_trl()
     from echoloss import RoleEcho, echo_loss_from_logprobs, selective_logprobs
 
+    config_base: Any = trl.GRPOConfig
+    trainer_base: Any = trl.GRPOTrainer
+
     @dataclass
-    class EchoGRPOConfig(trl.GRPOConfig):  # type: ignore[misc, valid-type]
+    class EchoGRPOConfig(config_base):  # type: ignore[misc]
         """``trl.GRPOConfig`` plus the echo settings, so that ``TrlParser`` reads them from YAML
         and the command line (``--echo_tool_alpha 0.05``).
 
@@ -312,9 +315,9 @@ def _build_classes() -> None:
                 assistant = RoleEcho(alpha=self.echo_assistant_alpha)
             if tool is None and assistant is None:
                 return None
-            return EchoConfig(tool=tool, assistant=assistant, target=self.echo_target)  # type: ignore[arg-type]
+            return EchoConfig(tool=tool, assistant=assistant, target=self.echo_target)
 
-    class EchoGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc, valid-type]
+    class EchoGRPOTrainer(trainer_base):  # type: ignore[misc]
         """``trl.GRPOTrainer`` whose loss is TRL's own objective (every ``loss_type`` mapped
         exactly, see [`grpo_loss_mapping`][echoloss.nn.grpo.grpo_loss_mapping]) plus the echo cross-entropy on tool-result bodies.
 
@@ -385,7 +388,7 @@ def _build_classes() -> None:
                 )
             self._echo_pending: tuple[list[list[float]], list[list[bool]]] | None = None
 
-        def _generate(self, prompts: list) -> Any:
+        def _generate(self, prompts: list[Any]) -> Any:
             out = super()._generate(prompts)
             _, completion_ids, tool_mask, completions, _, extra_fields, _, _ = out
             given = extra_fields.pop("echo_weights", None)

@@ -154,9 +154,10 @@ def echo_agg_loss(
         return (log_prob * 0.0).sum()
     # Zero outside the mask before the product: -log_prob may be inf on unused rows.
     loss_mat = torch.where(mask, -log_prob * w, torch.zeros_like(log_prob))
-    return _core_algos().agg_loss(
+    loss: torch.Tensor = _core_algos().agg_loss(
         loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **info
     )
+    return loss
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ normaliser is folded into the echo weights by `scale_echo_weights`. Pure PyTorch
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,7 +236,7 @@ def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> 
             "mismatch_max": float(hi),
             "mismatch_min": args.vllm_importance_sampling_clip_min,
         }
-    policy_fn = None
+    policy_fn: Callable[[PolicyInputs, LossConfig], PolicyOutput] | None = None
     fields: dict[str, Any] = {
         "kl_tau": 0.0,
         "kl_coef": beta,
