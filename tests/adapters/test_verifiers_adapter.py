@@ -388,3 +388,23 @@ def test_trace_with_a_positive_log_probability_is_an_error():
     }
     with pytest.raises(ValueError, match=r"must be a log-probability \(<= 0\), got float 1.5"):
         samples_from_trace(record, echo=None)
+
+
+def test_generation_prompt_of_a_sampled_node_is_scaffold_of_no_message():
+    # The unsampled head of a sampled assistant node (the generation prompt) belongs to no message:
+    # even whole-message assistant echo must not train it.
+    record = {"version": 1, "ok": True, "nodes": [
+        {"message": {"role": "user"}, "token_ids": [1, 2], "mask": [False, False],
+         "is_content": [False, True]},
+        {"parent": 0, "sampled": True, "token_ids": [3, 4, 5], "mask": [False, True, True],
+         "is_content": [False, True, True], "logprobs": [-0.5, -0.1],
+         "message": {"role": "assistant"}},
+        {"parent": 1, "token_ids": [6, 7, 8], "mask": [False, False, False],
+         "is_content": [False, True, True], "message": {"role": "tool", "name": "ls"}},
+        {"parent": 2, "sampled": True, "token_ids": [9, 10], "mask": [False, True],
+         "is_content": [False, True], "logprobs": [-0.2], "message": {"role": "assistant"}},
+    ]}  # fmt: skip
+    cfg = EchoConfig(assistant=RoleEcho(alpha=0.1), target="message")
+    [s] = samples_from_trace(record, echo=cfg)
+    assert s.token_ids == list(range(1, 11))
+    assert s.echo_weights == [None, None, None, 0.1, 0.1, None, None, None, None, 0.1]
