@@ -389,7 +389,7 @@ def kl_tau_penalty(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor
     if clamp is None:
         return log_ratio * log_ratio
     a = log_ratio.abs()  # [n]
-    return torch.where(a <= clamp, log_ratio * log_ratio, 2.0 * clamp * a - clamp * clamp)
+    return torch.where(a <= clamp, log_ratio * log_ratio, 2.0 * clamp * a - clamp * clamp)  # [n]
 
 
 def _rl_per_token(
@@ -500,17 +500,17 @@ def _rl_term(
     """``L_RL``: ``per_tok [n_rl]`` normalised by ``cfg.rl_normalization`` (0-dim)."""
     mode = cfg.rl_normalization
     if mode == "token_mean":
-        return per_tok.sum() / max(norms.rl_tokens, 1)
+        return per_tok.sum() / max(norms.rl_tokens, 1)  # 0-dim
     if mode == "token_sum_constant":
         assert cfg.rl_normalization_constant is not None  # LossConfig
-        return per_tok.sum() / cfg.rl_normalization_constant
+        return per_tok.sum() / cfg.rl_normalization_constant  # 0-dim
     assert seqs.rl_index is not None  # _check_requirements
     if mode == "sequence_mean_token_sum":
-        return per_tok.sum() / max(norms.rl_sequences, 1)
+        return per_tok.sum() / max(norms.rl_sequences, 1)  # 0-dim
     # sequence_mean_token_mean: Σ_i (Σ_{t∈RL_i} ℓ_t / |RL_i|) / S_RL
     counts = torch.bincount(seqs.rl_index, minlength=seqs.num).to(per_tok.dtype)  # [S]
     per_seq = per_tok.new_zeros(seqs.num).index_add(0, seqs.rl_index, per_tok)  # [S]
-    return (per_seq / counts.clamp(min=1)).sum() / max(norms.rl_sequences, 1)
+    return (per_seq / counts.clamp(min=1)).sum() / max(norms.rl_sequences, 1)  # 0-dim
 
 
 def _observation_counts(x: LossInputs, seqs: _Sequences) -> torch.Tensor:
@@ -522,7 +522,9 @@ def _observation_counts(x: LossInputs, seqs: _Sequences) -> torch.Tensor:
     counted = sid[(x.observation_mask.reshape(-1) | x.echo) & (sid >= 0)]  # [m] Z_i ≥ |O'_i|
     pos = torch.searchsorted(seqs.ids, counted).clamp(max=max(seqs.num - 1, 0))  # [m]
     local = seqs.num > 0
-    hit = (seqs.ids[pos] == counted) if local else torch.zeros_like(counted, dtype=torch.bool)
+    hit = (
+        (seqs.ids[pos] == counted) if local else torch.zeros_like(counted, dtype=torch.bool)
+    )  # [m]
     return torch.bincount(pos[hit], minlength=seqs.num)  # [S] sequences without a row: skipped
 
 
@@ -536,18 +538,18 @@ def _echo_term(
     """``L_echo``: ``per_tok = w·(-log p) [n_echo]`` normalised by ``cfg.echo_normalization``."""
     mode = cfg.echo_normalization
     if mode == "token_mean":
-        return per_tok.sum() / max(norms.echo_tokens, 1)
+        return per_tok.sum() / max(norms.echo_tokens, 1)  # 0-dim
     if mode == "sum":
-        return per_tok.sum()
+        return per_tok.sum()  # 0-dim
     if mode == "batch_token_mean":
-        return per_tok.sum() / max(per_tok.numel(), 1) / max(norms.echo_batches, 1)
+        return per_tok.sum() / max(per_tok.numel(), 1) / max(norms.echo_batches, 1)  # 0-dim
     # sequence_mean: Σ_i (Σ_{t∈O'_i} w_t·nll_t / (Z_i + ε)) / S_echo
     assert seqs.echo_index is not None  # _check_requirements
     z = _observation_counts(x, seqs)  # [S]
     per_seq = per_tok.new_zeros(seqs.num).index_add(0, seqs.echo_index, per_tok)  # [S]
     denom = z.to(per_tok.dtype) + cfg.echo_z_epsilon  # [S]
     denom = denom.masked_fill(z == 0, 1.0)  # [S] a sequence without echo rows contributes 0
-    return (per_seq / denom).sum() / max(norms.echo_sequences, 1)
+    return (per_seq / denom).sum() / max(norms.echo_sequences, 1)  # 0-dim
 
 
 # ---------------------------------------------------------------- 7. metrics

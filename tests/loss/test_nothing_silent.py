@@ -294,3 +294,34 @@ def test_fp16_logits_at_extreme_temperature_with_kl_tau_give_finite_gradients():
     assert torch.isfinite(out.loss)
     out.loss.backward()
     assert torch.isfinite(logits.grad).all()
+
+
+def test_huge_sequence_ids_allocate_nothing_id_sized():
+    """Sequence ids are renumbered locally (unique), never used to size a table: ids near 1e12
+    (8 TB as an int64 table) work and give the same loss as ids 0 and 1."""
+    lp = torch.tensor([-0.5, -1.0, -2.0], dtype=F64)
+    cfg = LossConfig(policy="reinforce", rl_normalization="sequence_mean_token_mean")
+    losses = []
+    for ids in ([0, 0, 1], [10**12, 10**12, 10**12 + 7]):
+        x = LossInputs(
+            rl_mask=torch.ones(3, dtype=torch.bool),
+            advantages=torch.ones(3, dtype=F64),
+            sequence_ids=torch.tensor(ids),
+        )
+        losses.append(echo_loss_from_logprobs(lp, x, config=cfg).loss.item())
+    # (mean(0.5, 1.0) + 2.0) / 2 sequences
+    assert losses == [pytest.approx((0.75 + 2.0) / 2, rel=1e-15)] * 2
+
+
+def test_the_keyword_form_and_the_record_have_the_same_fields():
+    """The keyword shim builds the record: every keyword is a record field (a new per-token
+    input is one record field; the keyword form need not grow)."""
+    import inspect
+
+    from echoloss.loss.core import _KEYWORD_FIELDS
+
+    record = {f.name for f in LossInputs.__dataclass_fields__.values() if f.init}
+    assert set(_KEYWORD_FIELDS) == record
+    params = inspect.signature(echo_loss).parameters
+    assert set(_KEYWORD_FIELDS) <= set(params)
+    assert {f.name for f in LossInputs.per_token_fields()} <= record
