@@ -34,6 +34,7 @@ __all__ = [
     "check_temperature",
     "check_tensor",
     "describe",
+    "finite_float",
     "finite_float_list",
     "int_list",
     "problem",
@@ -142,6 +143,25 @@ def finite_float_list(field: str, values: Any) -> list[float]:
         if not math.isfinite(v):
             raise ValueError(problem(f"{field}[{i}]", "a finite float", repr(v)))
         out[i] = float(v)
+    return out
+
+
+def finite_float(name: str, value: Any, fix: str = "") -> float:
+    """One finite real number (``bool`` is refused), as a float.
+
+    Examples:
+        >>> finite_float("reward", 2)
+        2.0
+        >>> finite_float("reward", float("nan"), "drop the rollout or pass errored=True")
+        Traceback (most recent call last):
+        ...
+        ValueError: reward must be a finite real number, got float nan; drop the rollout or pass errored=True
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(problem(name, "a finite real number", describe(value), fix))
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(problem(name, "a finite real number", describe(out), fix))
     return out
 
 
