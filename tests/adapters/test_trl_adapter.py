@@ -106,8 +106,13 @@ def test_completion_echo_marks_exactly_the_tool_result_body():
         completion_echo(ids, mask, messages, tok, echo=cfg)
 
 
-def test_one_grpo_step_with_tool_echo(tmp_path):
-    from echoloss.adapters.trl import EchoGRPOTrainer
+@pytest.mark.parametrize(
+    "from_fields", [False, True], ids=["echo_argument", "config_fields_accumulated"]
+)
+def test_one_grpo_step_with_tool_echo(tmp_path, from_fields):
+    """``echo=EchoConfig(...)`` with one micro-batch, or ``EchoGRPOConfig.echo_tool_alpha`` with
+    two accumulated micro-batches of one completion each (TRL splits the generation batch)."""
+    from echoloss.adapters.trl import EchoGRPOConfig, EchoGRPOTrainer
 
     tok = _tokenizer()
     torch.manual_seed(0)
@@ -147,9 +152,10 @@ def test_one_grpo_step_with_tool_echo(tmp_path):
     def reward(completions, **kwargs):
         return [float(i) for i in range(len(completions))]
 
-    args = trl.GRPOConfig(
+    fields = {"echo_tool_alpha": 0.05, "gradient_accumulation_steps": 2} if from_fields else {}
+    args = EchoGRPOConfig(
         output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
+        per_device_train_batch_size=1 if from_fields else 2,
         num_generations=2,
         max_completion_length=256,
         max_steps=1,
@@ -159,6 +165,7 @@ def test_one_grpo_step_with_tool_echo(tmp_path):
         use_cpu=True,
         save_strategy="no",
         beta=0.0,
+        **fields,
     )
     dataset = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": "Weather in Paris?"}]}] * 2
@@ -170,20 +177,25 @@ def test_one_grpo_step_with_tool_echo(tmp_path):
         train_dataset=dataset,
         processing_class=tok,
         tools=[get_weather],
-        echo=EchoConfig(tool=RoleEcho(alpha=0.05)),
+        echo=None if from_fields else EchoConfig(tool=RoleEcho(alpha=0.05)),
     )
     trainer.train()
 
-    [inputs] = seen
-    ids, echo = inputs["completion_ids"], inputs["echo_weights"]
+    assert len(seen) == (2 if from_fields else 1)
+    ids = torch.cat([x["completion_ids"] for x in seen])
+    echo = torch.cat([x["echo_weights"] for x in seen])
+    tool_mask = torch.cat([x["tool_mask"] for x in seen])
+    # The echo-token count of the whole generation batch reaches every micro-batch.
+    assert all(int(x["num_echo_items_in_batch"]) == 2 * len(b"Sunny in Paris") for x in seen)
     for row in range(ids.shape[0]):
         echoed = ids[row][echo[row] > 0].tolist()
         assert echoed == list(b"Sunny in Paris")
         # RL never touches the tool tokens; echo only touches tool tokens.
-        assert not (inputs["tool_mask"][row].bool() & (echo[row] > 0)).any()
+        assert not (tool_mask[row].bool() & (echo[row] > 0)).any()
     assert torch.allclose(echo[echo > 0], torch.tensor(0.05))
     logged = trainer.state.log_history[0]
-    assert logged["echoloss/echo_tokens"] == 2 * len(b"Sunny in Paris")
+    # Logged per micro-batch and averaged: the tokens of one micro-batch.
+    assert logged["echoloss/echo_tokens"] == 2 * len(b"Sunny in Paris") / len(seen)
     assert logged["echoloss/rl_tokens"] > 0
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert changed, "one optimisation step must update the parameters"
