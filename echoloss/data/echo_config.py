@@ -143,7 +143,15 @@ def register_echo_filter(
 
 
 def list_echo_filters() -> list[str]:
-    """Registered echo filter names, sorted."""
+    """Registered echo filter names, sorted (what ``EchoFilter(import_path=name)`` resolves).
+
+    Examples:
+        >>> @register_echo_filter("keep_everything_doc_example")
+        ... def keep_everything(steps):
+        ...     return [[True] * (len(s.prompt_ids) + len(s.completion_ids)) for s in steps]
+        >>> "keep_everything_doc_example" in list_echo_filters()
+        True
+    """
     return sorted(_FILTERS)
 
 
