@@ -266,6 +266,11 @@ def echo_weights(
     Returns:
         ``list[float | None]`` of length ``P + C``: the echo weight, or ``None`` for "not echoed".
 
+    Raises:
+        TypeError: a length argument that is not an exact int, or ``config`` that is neither an
+            :class:`EchoConfig` nor its dict form.
+        ValueError: a negative length, or a ``keep`` mask of the wrong length.
+
     Examples:
         >>> from echoloss import EchoConfig, RoleEcho
         >>> att = {"message_indices": [0, 0, 1, 1, 2, 2],

@@ -351,6 +351,12 @@ def interleave(
         ``echo.reecho_restarted_prompts``, a new sample does not echo tokens an earlier sample of
         the trajectory already covered.
 
+    Raises:
+        TypeError: ``steps`` is not a list of :class:`Step` (a single ``Step`` included), or an
+            argument has the wrong type (``errored="no"``, a non-callable ``echo_filter``).
+        ValueError: ``echo_filter`` without ``echo``, an import-path filter without
+            ``allow_import_paths=True``, or filter/keep masks of the wrong count or length.
+
     Examples:
         >>> from echoloss import EchoConfig, RoleEcho
         >>> s0 = Step(prompt_ids=[10, 11], completion_ids=[20, 21], completion_logprobs=[-1.0, -1.0],

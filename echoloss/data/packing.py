@@ -172,6 +172,12 @@ def pack(
     Returns:
         ``list[PackedBatch]``, fullest first.
 
+    Raises:
+        TypeError: an argument of the wrong type (``pad_to_multiple_of="4"``,
+            ``pad_token_id=1.7``, a single ``Sample`` instead of a list).
+        ValueError: a sample longer than ``max_tokens`` without ``truncate``, RL tokens without an
+            advantage, a token id at or above ``vocab_size``, or an out-of-range argument.
+
     Examples:
         >>> from echoloss import Sample
         >>> a = Sample(prompt_ids=[1, 2], completion_ids=[3], completion_mask=[True],
