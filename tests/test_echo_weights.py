@@ -416,9 +416,13 @@ def test_unknown_role_string_warns_once_naming_the_known_roles(caplog):
 
 def test_echo_weights_argument_errors_name_the_argument():
     c = cfg(tool=RoleEcho(alpha=0.5))
-    with pytest.raises(TypeError, match=r"prompt_len must be an int >= 0 and <= 2147483647, got float 2.5"):
+    with pytest.raises(
+        TypeError, match=r"prompt_len must be an int >= 0 and <= 2147483647, got float 2.5"
+    ):
         echo_weights(None, c, prompt_len=2.5, completion_len=0)
-    with pytest.raises(ValueError, match=r"completion_len must be an int >= 0 and <= 2147483646, got int -1"):
+    with pytest.raises(
+        ValueError, match=r"completion_len must be an int >= 0 and <= 2147483646, got int -1"
+    ):
         echo_weights(None, c, prompt_len=1, completion_len=-1)
     with pytest.raises(TypeError, match=r"config must be an EchoConfig, got None"):
         echo_weights(None, None, prompt_len=1, completion_len=0)
