@@ -377,6 +377,8 @@ def test_echo_filter_argument_is_called_without_a_config_filter():
     assert sample.echo_weights is None
     with pytest.raises(ValueError, match="echo_filter is set but echo is None"):
         interleave(worked_example_steps(), echo_filter=drop_everything)
+    with pytest.raises(ValueError, match="keep is set but echo is None"):
+        interleave(worked_example_steps(), keep=[[False] * 4, [False] * 7])
     with pytest.raises(TypeError, match="echo_filter must be a callable or None"):
         interleave(worked_example_steps(), echo=TOOL, echo_filter="my_module:fn")
 

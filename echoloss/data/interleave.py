@@ -395,6 +395,12 @@ def interleave(
     exact_bool("interleave: allow_import_paths", allow_import_paths)
     if not isinstance(env_name, str):
         raise TypeError(problem("interleave: env_name", "a str", describe(env_name)))
+    if keep is not None and echo_cfg is None:
+        raise ValueError(
+            "interleave: keep is set but echo is None; keep masks only narrow what the echo roles "
+            "select, so with no echo config they would never apply. Pass echo=EchoConfig(...), or "
+            "drop keep"
+        )
     if echo_filter is not None:
         if not callable(echo_filter):
             raise TypeError(
