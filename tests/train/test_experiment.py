@@ -1,0 +1,92 @@
+"""The experiment's statistics and summary (pure functions on result rows), and the
+imagined-observation diagnostic as the trainer reads it from sampled token ids."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from echoloss.train.experiment import paired_ci, runs_table, steps_to, summarize
+
+
+def test_paired_ci_by_hand():
+    d = [0.02, -0.01, 0.05, 0.0]
+    r = paired_ci(d)
+    half = 3.182 * statistics.stdev(d) / 2  # t_{0.975, 3} * s / sqrt(4)
+    assert r["mean"] == pytest.approx(0.015, abs=1e-15)
+    assert (r["lo"], r["hi"]) == pytest.approx((0.015 - half, 0.015 + half), abs=1e-15)
+    assert r["n"] == 4
+    one = paired_ci([0.3])
+    assert one["mean"] == 0.3 and math.isnan(one["lo"]) and math.isnan(one["hi"])
+    assert paired_ci([])["n"] == 0
+
+
+def test_steps_to_threshold():
+    evals = [{"rl_step": 30, "s": 0.9}, {"rl_step": 0, "s": 0.5}, {"rl_step": 15, "s": 0.79}]
+    assert steps_to(evals, "s", 0.8) == 30
+    assert steps_to(evals, "s", 0.95) is None
+    assert steps_to(evals, "s", 0.5) == 0
+
+
+def _row(arm, seed, start, end, ce_start, ce_end, reached=None):
+    return {
+        "env": "mirrorgrid", "arm": arm, "alpha": 0.0 if arm == "grpo" else 0.01, "seed": seed,
+        "rl_steps": 30, "eval_success_start": start, "eval_success_end": end,
+        "eval_success_sampled_start": start, "eval_success_sampled_end": end,
+        "steps_to_80": reached, "heldout_obs_ce_start": ce_start, "heldout_obs_ce_end": ce_end,
+        "obs_ce_floor": 0.03, "imagined_obs_rate_end": 0.0, "invalid_reply_rate_end": 0.0,
+        "curve": [],
+    }  # fmt: skip
+
+
+def test_summary_pairs_by_seed_and_censors_steps():
+    rows = runs_table(
+        [
+            _row("grpo", 0, 0.4, 0.5, 0.8, 0.7),
+            _row("grpo", 1, 0.5, 0.7, 0.9, 0.85, reached=15),
+            _row("echo-0.01", 0, 0.4, 0.6, 0.8, 0.3),
+            _row("echo-0.01", 1, 0.5, 0.6, 0.9, 0.4),
+            _row("echo-0.01", 1, 0.5, 0.65, 0.9, 0.4),  # a re-run: the last row wins
+        ]
+    )
+    assert [(r["arm"], r["seed"]) for r in rows] == [
+        ("echo-0.01", 0), ("grpo", 0), ("echo-0.01", 1), ("grpo", 1)
+    ]  # fmt: skip
+    s = summarize(rows)
+    e = s["arms"]["echo-0.01"]
+    diff = e["eval_success_end"]["diff_vs_grpo"]  # (0.6 - 0.5, 0.65 - 0.7)
+    assert diff["mean"] == pytest.approx(0.025) and diff["n"] == 2
+    assert e["heldout_obs_ce_drop"]["mean"] == pytest.approx(0.5)  # (0.5 + 0.5) / 2
+    assert s["arms"]["grpo"]["heldout_obs_ce_drop"]["mean"] == pytest.approx(0.075)
+    # Steps to 80 %: a run that never reached it counts at its last RL step (30).
+    assert s["arms"]["grpo"]["steps_to_80_or_censored"]["mean"] == pytest.approx(22.5)
+    assert s["arms"]["grpo"]["reached_80"] == 1 and e["reached_80"] == 0
+    assert "diff_vs_grpo" not in s["arms"]["grpo"]["eval_success_end"]
+
+
+def test_summarize_only_on_an_empty_directory_is_a_clear_error(tmp_path, capsys):
+    from echoloss.train.experiment import main
+
+    assert main(["--summarize-only", "--output-dir", str(tmp_path)]) == 2
+    assert "no finished runs" in capsys.readouterr().err
+
+
+def test_imagined_observations_are_read_with_special_tokens():
+    from echoloss.train.data import _reply_text
+    from echoloss.train.envs import imagined_observation
+    from echoloss.train.model import build_tokenizer
+
+    tok = build_tokenizer()
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    eos = [tok.eos_token_id]
+    assert _reply_text(tok, ids("left") + eos) == "left"
+    # Special tokens stay in the text the diagnostic reads (decoding would drop them).
+    scaffold = [*ids("left"), tok.convert_tokens_to_ids("<|im_start|>"), *ids("user")]
+    assert tok.decode(scaffold, skip_special_tokens=True) == "leftuser"
+    assert imagined_observation(_reply_text(tok, scaffold))
+    assert not imagined_observation(_reply_text(tok, ids("left") + eos))
