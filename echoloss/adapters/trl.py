@@ -232,7 +232,7 @@ def _import_trl() -> Any:
 
 def _build_classes() -> None:
     trl = _import_trl()
-    from echoloss import RoleEcho, echo_loss_from_logprobs, selective_logprobs
+    from echoloss import LossInputs, RoleEcho, echo_loss_from_logprobs, selective_logprobs
 
     config_base: Any = trl.GRPOConfig
     trainer_base: Any = trl.GRPOTrainer
@@ -540,19 +540,23 @@ def _build_classes() -> None:
                 sampling = inputs["sampling_per_token_logps"].float()
                 # TRL gives a token whose sampling logprob is NaN an importance ratio of 1.
                 inference = torch.where(torch.isnan(sampling), old, sampling)
-            result = echo_loss_from_logprobs(
-                lp,
+            ref = inputs.get("ref_per_token_logps") if cfg.kl_coef > 0 else None
+            record = LossInputs(
                 rl_mask=rl,
                 echo_weights=scaled_echo,
                 advantages=adv,
                 inference_logprobs=inference,
+                old_logprobs=old,
+                ref_logprobs=None if ref is None else ref.float(),
+                sequence_ids=torch.arange(b, device=lp.device).unsqueeze(1).expand(b, t),
+                observation_mask=observation,
+            )
+            result = echo_loss_from_logprobs(
+                lp,
+                record,
                 entropy=ent.detach(),
                 config=cfg,
                 normalizers=norms,
-                old_logprobs=old,
-                ref_logprobs=inputs.get("ref_per_token_logps") if cfg.kl_coef > 0 else None,
-                sequence_ids=torch.arange(b, device=lp.device).unsqueeze(1).expand(b, t),
-                observation_mask=observation,
                 policy_fn=mapping.policy_fn,
             )
             mode = "train" if training else "eval"

@@ -24,6 +24,7 @@ from torch import nn
 
 from echoloss import (
     LossConfig,
+    LossInputs,
     LossOutput,
     Normalizers,
     echo_loss_from_logprobs,
@@ -267,20 +268,23 @@ class EchoGRPOLoss(nn.Module):
                 "logprobs); or set beta=0.0"
             )
         old = lp.detach() if old_per_token_logps is None else old_per_token_logps.float()
-        return echo_loss_from_logprobs(
-            lp,
+        record = LossInputs(
             rl_mask=rl,
             echo_weights=echo_w,
             advantages=adv,
             inference_logprobs=inference_logprobs,
-            entropy=entropy.detach(),
-            config=cfg,
-            normalizers=norms,
             old_logprobs=old,
             ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
             sequence_ids=torch.arange(b, device=lp.device).unsqueeze(1).expand(b, t),
             observation_mask=obs,
-            env_names=env_names,
+            env_names=None if env_names is None else tuple(env_names),
+        )
+        return echo_loss_from_logprobs(
+            lp,
+            record,
+            entropy=entropy.detach(),
+            config=cfg,
+            normalizers=norms,
             policy_fn=None if self.mapping is None else self.mapping.policy_fn,
         )
 
