@@ -100,3 +100,39 @@ def test_no_participating_row_gives_zero_grad():
     out, g = _loss(batch, torch.bfloat16, "triton", POLICIES["dppo"])
     assert float(out.loss.detach()) == 0.0
     assert torch.equal(g, torch.zeros_like(g))
+
+
+# the interpreter runs the kernels in numpy, which warns on inf - inf: the NaN is the point here
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("poison", ["nan", "+inf", "-inf at label"])
+def test_non_finite_logits_are_found_from_the_kernel_statistics(poison):
+    """The O(N) check reads the kernels' [N] logprobs: a NaN or +inf anywhere in a row (any
+    vocabulary block) or -inf at the label makes that row's logprob non-finite, so the fused
+    path names the row like the reference does; a row that takes part in no term is not read."""
+    from echoloss import LossInputs
+
+    g = torch.Generator().manual_seed(5)
+    n = 6
+    logits = torch.randn(n, VOCAB, generator=g)
+    labels = torch.randint(0, VOCAB, (n,), generator=g)
+    x = LossInputs(
+        labels=labels,
+        rl_mask=torch.tensor([True, True, False, True, False, False]),
+        advantages=torch.ones(n),
+        inference_logprobs=torch.full((n,), -1.0),
+    )
+    bad = logits.clone()
+    if poison == "nan":
+        bad[3, 1200] = float("nan")  # third vocabulary block
+    elif poison == "+inf":
+        bad[3, 700] = float("inf")
+    else:
+        bad[3, labels[3]] = float("-inf")
+    bad[4, 5] = float("nan")  # idle row: never read
+    for backend in ("triton", "reference"):
+        with pytest.raises(ValueError, match=r"logits row 3 must be a finite log-probability"):
+            echo_loss(bad, x, backend=backend)
+    out = echo_loss(
+        logits.masked_fill(torch.arange(n)[:, None] == 4, float("nan")), x, backend="triton"
+    )
+    assert torch.isfinite(out.loss)
