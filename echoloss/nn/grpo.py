@@ -45,7 +45,7 @@ GRPO_LOSS_TYPES: dict[str, str] = {
     "vespo": "rejected",
 }
 
-#: Echo normalisers an :class:`EchoGRPOConfig` offers, per micro-batch of ``B`` completions.
+#: Echo normalisers an `EchoGRPOConfig` offers, per micro-batch of ``B`` completions.
 ECHO_NORMALIZATIONS = ("token_mean", "sequence_mean", "batch_token_mean")
 ECHO_TEMPERATURES = ("one", "sampling")
 
