@@ -418,6 +418,7 @@ class PolicySpec:
 
 
 _REGISTRY: dict[str, PolicySpec] = {}
+_BUILTIN: set[str] = set()  # filled after the built-ins are registered
 #: Read-only view of the registered policies, name → :class:`PolicySpec`.
 POLICIES: Mapping[str, PolicySpec] = MappingProxyType(_REGISTRY)
 
@@ -430,6 +431,7 @@ def register_policy(
     uses_ratio: bool = True,
     needs_sequences: bool = False,
     defaults: Mapping[str, float] | None = None,
+    replace: bool = False,
 ) -> PolicySpec:
     """Make ``LossConfig(policy=name)`` use ``fn``: one function, one registration.
 
@@ -446,6 +448,8 @@ def register_policy(
             ``inference_logprobs``); False = on-policy functions of ``lp`` and ``A`` only.
         needs_sequences: whether it needs ``sequence_ids``.
         defaults: values of ``kl_tau`` / ``eps_low`` / ``eps_high`` when the config leaves them None.
+        replace: allow re-registering a name registered earlier (e.g. a notebook cell run
+            twice); the built-in policies cannot be replaced.
 
     Returns:
         The registered [`PolicySpec`][echoloss.loss.policy.PolicySpec].
@@ -464,8 +468,11 @@ def register_policy(
     """
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"name must be an identifier-like str, got {name!r}")
-    if name in _REGISTRY:
-        raise ValueError(f"name must be a new policy name, got {name!r} (already registered)")
+    if name in _BUILTIN or (name in _REGISTRY and not replace):
+        raise ValueError(
+            f"name must be a new policy name, got {name!r} (already registered"
+            + (", built in)" if name in _BUILTIN else "; pass replace=True to re-register it)")
+        )
     if not callable(fn):
         raise TypeError(f"fn must be callable fn(inputs, config) -> PolicyOutput, got {fn!r}")
     unknown = [r for r in reads if r not in POLICY_PARAMETERS]
@@ -546,3 +553,4 @@ register_policy("reinforce", _reinforce, uses_ratio=False)
 # A function given per call as ``policy_fn=`` (kept for callers of the keyword form): it may read
 # any field, and must confirm that it does not need the echo rows it never sees.
 _REGISTRY["custom"] = PolicySpec("custom", None, reads=None, uses_ratio=False, echo_safe=False)
+_BUILTIN.update(_REGISTRY)

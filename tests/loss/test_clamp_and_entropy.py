@@ -124,3 +124,24 @@ def test_entropy_bonus_from_logprobs_needs_the_entropy():
     ent = torch.tensor([2.0, 4.0], dtype=F64)
     out = echo_loss_from_logprobs(lp, x, entropy=ent, config=cfg)
     assert out.loss.item() == pytest.approx(((0.5 - 0.2) + (1.0 - 0.4)) / 2, rel=1e-12)
+
+
+def test_a_registered_policy_is_one_function_and_one_registration():
+    from echoloss.loss import POLICIES, PolicyOutput, register_policy
+
+    def double_reinforce(inputs, config):
+        return PolicyOutput(-2.0 * inputs.advantages * inputs.logprobs, {})
+
+    register_policy("double_reinforce_test", double_reinforce, uses_ratio=False, replace=True)
+    assert POLICIES["double_reinforce_test"].fn is double_reinforce
+    lp = torch.tensor([-0.5, -1.0], dtype=F64, requires_grad=True)
+    x = LossInputs(rl_mask=torch.tensor([True, True]), advantages=torch.ones(2, dtype=F64))
+    out = echo_loss_from_logprobs(lp, x, config=LossConfig(policy="double_reinforce_test"))
+    assert out.loss.item() == pytest.approx(1.5, rel=1e-15)  # -2·(−0.5 − 1.0) / 2
+    # it reads no policy parameter: setting one is refused
+    with pytest.raises(ValueError, match=r"eps_high=0.3 is ignored by policy='double_reinforce"):
+        LossConfig(policy="double_reinforce_test", eps_high=0.3)
+    with pytest.raises(ValueError, match=r"already registered; pass replace=True"):
+        register_policy("double_reinforce_test", double_reinforce)
+    with pytest.raises(ValueError, match=r"already registered, built in"):
+        register_policy("dppo", double_reinforce, replace=True)
