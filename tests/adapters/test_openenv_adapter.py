@@ -117,7 +117,9 @@ def test_record_with_an_unknown_key_is_an_error():
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['warnings_mask'\]"):
         sample_from_record(record)
     with pytest.raises(ValueError, match="both 'input_ids' and 'token_ids'"):
-        sample_from_record({"input_ids": [1], "token_ids": [1], "action_mask": [1], "obs_mask": [0]})
+        sample_from_record(
+            {"input_ids": [1], "token_ids": [1], "action_mask": [1], "obs_mask": [0]}
+        )
 
 
 @pytest.mark.parametrize(
