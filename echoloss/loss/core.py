@@ -128,7 +128,14 @@ def _check_config(config: Any) -> LossConfig:
     if config is None:
         return LossConfig()
     if not isinstance(config, LossConfig):
-        raise TypeError(problem("config", "an echoloss.LossConfig or None", describe(config)))
+        raise TypeError(
+            problem(
+                "config",
+                "an echoloss.LossConfig or None",
+                describe(config),
+                "build one with LossConfig(**values) (it validates every field)",
+            )
+        )
     return config
 
 
