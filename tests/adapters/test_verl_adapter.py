@@ -72,22 +72,23 @@ def _hand_echo(log_prob, echo, mode):
     return (per_seq[m.any(-1)] / m.sum(-1)[m.any(-1)]).sum() / n_seq  # seq-mean-token-mean
 
 
+@pytest.mark.parametrize("base", ["vanilla", "dppo_tv", "geo_mean"])
 @pytest.mark.parametrize("mode", adapter.VERL_AGG_MODES)
-def test_registered_loss_is_verl_vanilla_plus_the_echo_term(mode):
-    fn = adapter.register_echo_policy_loss("echo_test", base="vanilla")
-    assert core.get_policy_loss_fn("echo_test") is fn
+def test_registered_loss_is_verls_loss_plus_the_echo_term(mode, base):
+    fn = adapter.register_echo_policy_loss(f"echo_{base}", base=base)
+    assert core.get_policy_loss_fn(f"echo_{base}") is fn
     log_prob, old, adv, mask, echo = _batch()
     kw = dict(old_log_prob=old, advantages=adv, response_mask=mask, loss_agg_mode=mode,
               config=_config())  # fmt: skip
-    base, base_metrics = core.compute_policy_loss_vanilla(log_prob=log_prob, **kw)
-    (g_base,) = torch.autograd.grad(base, log_prob)
+    base_loss, base_metrics = core.get_policy_loss_fn(base)(log_prob=log_prob, **kw)
+    (g_base,) = torch.autograd.grad(base_loss, log_prob)
     with adapter.echo_inputs(echo):
         total, metrics = fn(log_prob=log_prob, **kw)
     (g_total,) = torch.autograd.grad(total, log_prob)
     hand = _hand_echo(log_prob, echo, mode)
     (g_hand,) = torch.autograd.grad(hand, log_prob)
-    assert float(hand) > 0
-    assert abs(float(total) - float(base) - float(hand)) <= TOL
+    assert float(hand.detach()) > 0
+    assert abs(float(total) - float(base_loss) - float(hand)) <= TOL
     assert torch.allclose(g_total, g_base + g_hand, atol=TOL, rtol=0)
     assert metrics["actor/echo_tokens"] == 4
     assert {k: metrics[k] for k in base_metrics} == base_metrics
