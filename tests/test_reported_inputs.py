@@ -737,11 +737,6 @@ def test_huge_sequence_ids_give_the_loss_of_small_ones():
     assert count_normalizers(rl_mask=kw["rl_mask"], sequence_ids=big).sequences == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="chat.attribute(msgs, None) raises ChatTemplateError 'AttributeError: NoneType has no "
-    "attribute apply_chat_template' without naming tokenizer or the fix",
-)
 def test_chat_attribute_without_a_tokenizer_names_tokenizer():
     from echoloss.adapters.chat import attribute
 

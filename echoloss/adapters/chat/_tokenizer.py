@@ -18,6 +18,19 @@ class Renderer:
     """The tokenizer's chat template with fixed tools and template variables."""
 
     def __init__(self, tokenizer: Any, tools: Any, kwargs: Mapping[str, Any]) -> None:
+        missing = [
+            name
+            for name in ("apply_chat_template",)
+            if not callable(getattr(tokenizer, name, None))
+        ]
+        if missing or not callable(tokenizer):
+            what = "None" if tokenizer is None else f"a {type(tokenizer).__name__}"
+            lacks = ", ".join(missing) or "__call__"
+            raise TypeError(
+                f"tokenizer must be a tokenizer with a chat template (callable, with "
+                f"apply_chat_template), got {what} (no {lacks}); pass a Hugging Face "
+                "tokenizer, e.g. AutoTokenizer.from_pretrained(path)"
+            )
         self.tokenizer = tokenizer
         self.tools = tools
         self.kwargs = dict(kwargs)
