@@ -125,9 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="JSON file (default benchmarks/results/)")
     p.add_argument("--budget-s", type=float, default=0.3, help="allowed echoloss overhead (0.3 s)")
     args = p.parse_args(argv)
-    result = {"environment": _environment(), **measure(args.repeats), "budget_s": args.budget_s}
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    host = re.sub(r"\W+", "_", result["environment"]["cpu"].split(" ")[0] or "cpu")
+    result = {
+        "environment": {**_environment(), "timestamp": stamp},
+        **measure(args.repeats),
+        "budget_s": args.budget_s,
+    }
+    host = (
+        "_".join(re.sub(r"\W+", "", w) for w in result["environment"]["cpu"].split()[:2]) or "cpu"
+    )
     out = args.out or ROOT / "benchmarks" / "results" / f"import-time_{host}_{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
