@@ -88,7 +88,7 @@ def test_registered_loss_is_verls_loss_plus_the_echo_term(mode, base):
     hand = _hand_echo(log_prob, echo, mode)
     (g_hand,) = torch.autograd.grad(hand, log_prob)
     assert float(hand.detach()) > 0
-    assert abs(float(total) - float(base_loss) - float(hand)) <= TOL
+    assert abs(float(total.detach()) - float(base_loss.detach()) - float(hand.detach())) <= TOL
     assert torch.allclose(g_total, g_base + g_hand, atol=TOL, rtol=0)
     assert metrics["actor/echo_tokens"] == 4
     assert {k: metrics[k] for k in base_metrics} == base_metrics
