@@ -126,7 +126,7 @@ def test_verl_vanilla_equals_echoloss_ppo_clip(mode):
     (g_ours,) = torch.autograd.grad(ours, log_prob)
     # float64, the same formula in another order (verl's seq-mean-token-mean adds 1e-8 to an
     # integer count in float32, where it vanishes); measured ≤ 4e-16.
-    assert abs(float(ours) - float(theirs)) <= 1e-12
+    assert abs(float(ours.detach()) - float(theirs.detach())) <= 1e-12
     assert torch.allclose(g_ours, g_theirs, atol=1e-12, rtol=0)
 
 
@@ -148,7 +148,7 @@ def test_echo_term_equals_echoloss_normalisation(mode, echo_normalization, presc
         sequence_ids=torch.arange(BS)[:, None].expand(BS, L), observation_mask=echo > 0,
         config=LossConfig(echo_normalization=echo_normalization),
     ).loss  # fmt: skip
-    assert abs(float(ours) - float(theirs)) <= 1e-12
+    assert abs(float(ours.detach()) - float(theirs.detach())) <= 1e-12
 
 
 def test_global_counts_with_data_parallel():
@@ -156,7 +156,7 @@ def test_global_counts_with_data_parallel():
     log_prob, _, _, _, echo = _batch()
     info = adapter.echo_batch_info(echo, dp_size=2, batch_num_tokens=10, global_batch_size=3)
     got = adapter.echo_agg_loss(log_prob, echo, loss_agg_mode="token-mean", batch_info=info)
-    assert abs(float(got) - float((-log_prob * echo).sum() / 10 * 2)) <= TOL
+    assert abs(float(got.detach()) - float((-log_prob * echo).sum().detach() / 10 * 2)) <= TOL
     with pytest.raises(ValueError, match="batch_num_tokens is required"):  # verl's own check
         adapter.echo_agg_loss(
             log_prob, echo, loss_agg_mode="token-mean",
@@ -166,7 +166,7 @@ def test_global_counts_with_data_parallel():
 def test_no_echo_token_gives_a_zero_connected_term():
     log_prob, *_ = _batch()
     out = adapter.echo_agg_loss(log_prob, torch.zeros(BS, L), loss_agg_mode="token-mean")
-    assert float(out) == 0.0 and out.requires_grad
+    assert float(out.detach()) == 0.0 and out.requires_grad
 
 
 def test_registered_loss_without_echo_inputs_is_an_error():
