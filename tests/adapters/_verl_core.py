@@ -5,8 +5,8 @@
 classes; the loss modules use neither at run time (``ActorConfig``/``CriticConfig`` appear in
 annotations only). So the ``verl`` package is registered as a bare namespace over its real
 directory (every submodule is verl's own file, unmodified) and ``verl.workers.config`` as two
-placeholder classes. Nothing that the loss math reads is replaced; omegaconf, tensordict and
-codetiming (small, pure Python) are installed by the ``verl`` extra.
+placeholder classes. Nothing that the loss math reads is replaced; omegaconf and tensordict
+(what the loss modules import) are installed by the ``verl`` extra.
 """
 
 from __future__ import annotations
