@@ -368,8 +368,8 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
 
     Bias: ``logits = _input @ lin_weight.T + bias`` is computed as ``[_input, 1] @ [lin_weight,
     bias].T`` (one extra column), so the bias gets its exact gradient ``Σ_rows ∂L/∂logits``
-    through the same fused op. It costs a copy of ``_input``'s participating rows and of the
-    weight.
+    through the same fused op. It costs one copy of ``_input`` and one of the weight, each with
+    one more column.
 
     Examples:
         >>> import torch
