@@ -1,8 +1,8 @@
 """The package as a user installs it: a wheel with its data, extras named in errors, one version.
 
 The wheel test builds ``echoloss`` from a copy of the working tree, installs it into a fresh
-virtual environment (``--system-site-packages``: torch and the extras come from the running
-Python rather than a multi-GB download) and runs what a new user runs first."""
+virtual environment (which also sees the running Python's packages: torch and the extras come from
+there rather than a multi-GB download) and runs what a new user runs first."""
 
 from __future__ import annotations
 
@@ -151,8 +151,9 @@ def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
         entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         assert "echoloss-train = echoloss.train.cli:main" in z.read(entry).decode()
 
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    _run([sys.executable, "-m", "venv", str(venv)])
     py, bindir = venv / "bin" / "python", venv / "bin"
+    _see_running_site_packages(py)
     # --no-deps: the dependencies are the running Python's (visible through the venv)
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)])
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
@@ -190,6 +191,19 @@ def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
         timeout=600,
     )
     assert res.returncode == 2 and "packaged: default, fast, gpu, jsonl" in res.stderr, res.stderr
+
+
+def _see_running_site_packages(py: Path) -> None:
+    """Make the running Python's site-packages (torch, the extras) visible to the venv of ``py``,
+    after its own: a ``.pth`` file listing them. ``--system-site-packages`` is not enough when
+    the tests themselves run in a virtual environment (it exposes the base interpreter's
+    packages, not this environment's). Paths listed in a ``.pth`` file are not scanned for
+    further ``.pth`` files, so an editable install of echoloss there stays invisible."""
+    import site
+
+    purelib = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    dirs = [d for d in (*site.getsitepackages(), site.getusersitepackages()) if Path(d).is_dir()]
+    (Path(purelib.stdout.strip()) / "_running_python.pth").write_text("\n".join(dirs) + "\n")
 
 
 def _setuptools_at_least(major: int) -> bool:
