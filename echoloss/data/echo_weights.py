@@ -268,7 +268,7 @@ def echo_weights(
 
     Raises:
         TypeError: a length argument that is not an exact int, or ``config`` that is neither an
-            :class:`EchoConfig` nor its dict form.
+            [`EchoConfig`][echoloss.data.echo_config.EchoConfig] nor its dict form.
         ValueError: a negative length, or a ``keep`` mask of the wrong length.
 
     Examples:

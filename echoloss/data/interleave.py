@@ -352,7 +352,7 @@ def interleave(
         the trajectory already covered.
 
     Raises:
-        TypeError: ``steps`` is not a list of :class:`Step` (a single ``Step`` included), or an
+        TypeError: ``steps`` is not a list of [`Step`][echoloss.data.interleave.Step] (a single ``Step`` included), or an
             argument has the wrong type (``errored="no"``, a non-callable ``echo_filter``).
         ValueError: ``echo_filter`` without ``echo``, an import-path filter without
             ``allow_import_paths=True``, or filter/keep masks of the wrong count or length.
