@@ -1,4 +1,8 @@
-"""Input checks shared by the advantage estimators, the grouping driver and broadcast."""
+"""Input checks shared by the advantage estimators, the grouping driver and broadcast.
+
+Messages use the one style of `echoloss._validate` (``<name> must be <expected>, got <actual>;
+<fix>``).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from echoloss._validate import describe, problem, type_name
+
 
 def _is_real(value: Any) -> bool:
     # bool is an int subclass; a mask passed where rewards belong must fail, not become 0/1.
@@ -19,10 +25,10 @@ def _is_real(value: Any) -> bool:
 def _as_list(values: Any, field: str) -> list[Any]:
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
-            raise ValueError(f"{field} must be 1-D, got a tensor of shape {tuple(values.shape)}")
+            raise ValueError(problem(field, "1-D", describe(values)))
         return values.tolist()
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
-        raise TypeError(f"{field} must be a sequence, got {type(values).__name__}")
+        raise TypeError(problem(field, "a sequence", type_name(values)))
     if hasattr(values, "tolist"):  # numpy arrays: plain Python scalars, one per rollout
         values = values.tolist()
     return list(values)
@@ -30,12 +36,10 @@ def _as_list(values: Any, field: str) -> list[Any]:
 
 def _finite_float(value: Any, field: str, fix: str) -> float:
     if not _is_real(value):
-        raise TypeError(
-            f"{field} must be a real number, got {type(value).__name__} {value!r}; {fix}"
-        )
+        raise TypeError(problem(field, "a real number", describe(value), fix))
     result = float(value)
     if not math.isfinite(result):
-        raise ValueError(f"{field} = {result} is not finite; {fix}")
+        raise ValueError(problem(field, "a finite real number", describe(result), fix))
     return result
 
 
@@ -48,14 +52,16 @@ _REWARD_FIX = (
 def _check_rewards(rewards: Any, field: str = "rewards") -> list[float]:
     values = _as_list(rewards, field)
     if not values:
-        raise ValueError(f"{field} is empty; a group needs at least one reward")
+        raise ValueError(
+            problem(field, "non-empty", "an empty sequence", "a group needs at least one reward")
+        )
     return [_finite_float(v, f"{field}[{i}]", _REWARD_FIX) for i, v in enumerate(values)]
 
 
 def _check_eps(eps: Any) -> float:
     value = _finite_float(eps, "eps", "pass a finite eps >= 0")
     if value < 0:
-        raise ValueError(f"eps must be >= 0, got {value}")
+        raise ValueError(problem("eps", ">= 0", describe(value)))
     return value
 
 
@@ -64,11 +70,23 @@ def _check_key(key: Any, field: str) -> Hashable:
         hash(key)
     except TypeError as err:
         raise TypeError(
-            f"{field} = {key!r} is not hashable; use a str, int or a tuple of them, e.g. (env, role)"
+            problem(
+                field,
+                "hashable",
+                describe(key),
+                "use a str, int or a tuple of them, e.g. (env, role)",
+            )
         ) from err
     if isinstance(key, float) and math.isnan(key):
         # NaN != NaN: two rollouts keyed by NaN would land in separate groups (or baselines).
-        raise ValueError(f"{field} is NaN; a NaN key never equals itself, so it groups nothing")
+        raise ValueError(
+            problem(
+                field,
+                "a key equal to itself",
+                "NaN",
+                "a NaN key never equals itself, so it groups nothing",
+            )
+        )
     return cast(Hashable, key)
 
 
@@ -77,11 +95,14 @@ def _check_errored(errored: Sequence[bool] | None, n: int) -> list[bool]:
         return [False] * n
     flags = _as_list(errored, "errored")
     if len(flags) != n:
-        raise ValueError(f"errored has length {len(flags)}, expected {n} (one per rollout)")
+        raise ValueError(
+            problem("errored", f"of length {n} (one per rollout)", f"length {len(flags)}")
+        )
     for i, flag in enumerate(flags):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(
-                f"errored[{i}] must be a bool, got {type(flag).__name__} {flag!r}; "
-                "True marks a rollout that failed"
+                problem(
+                    f"errored[{i}]", "a bool", describe(flag), "True marks a rollout that failed"
+                )
             )
     return [bool(flag) for flag in flags]
