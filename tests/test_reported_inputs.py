@@ -709,22 +709,15 @@ def test_trainer_config_as_dict_is_validated(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="completion_echo(echo=dict) raises AttributeError 'dict' object has no attribute "
-    "'role_settings' instead of naming echo",
-)
-def test_completion_echo_with_a_dict_echo_config():
+def test_completion_echo_takes_a_dict_echo_config_and_names_a_bad_one():
     from echoloss.adapters.trl import completion_echo
 
-    with pytest.raises((TypeError, ValueError), match=r"echo"):
-        completion_echo(
-            [5, 6],
-            [1, 1],
-            [{"role": "assistant", "content": "x"}],
-            None,
-            echo={"assistant": {"alpha": 0.5}},
-        )
+    args = ([5, 6], [1, 1], [{"role": "assistant", "content": "x"}], None)
+    # The dict form is validated into an EchoConfig, exactly as interleave(echo=dict) does.
+    out = completion_echo(*args, echo={"assistant": {"alpha": 0.5}})
+    assert list(out.weights) == [0.5, 0.5]
+    with pytest.raises(TypeError, match=r"echo must be an EchoConfig, got str"):
+        completion_echo(*args, echo="tool")
 
 
 def test_huge_sequence_ids_give_the_loss_of_small_ones():

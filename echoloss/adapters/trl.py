@@ -39,6 +39,7 @@ from echoloss import (
     select_step_echo,
 )
 from echoloss._logging import warn_once
+from echoloss.data._checks import check_echo_config
 from echoloss.nn.grpo import (
     ECHO_NORMALIZATIONS,
     ECHO_TEMPERATURES,
@@ -116,7 +117,7 @@ def completion_echo(
         completion_messages: the completion as messages (TRL's ``completions[i]``: assistant
             turns and the tool messages, each with ``name`` and ``content``).
         tokenizer: the tokenizer TRL renders with.
-        echo: [`echoloss.EchoConfig`][echoloss.data.echo_config.EchoConfig]; only the ``tool`` and ``assistant`` roles can apply
+        echo: [`echoloss.EchoConfig`][echoloss.data.echo_config.EchoConfig] or its dict form; only the ``tool`` and ``assistant`` roles can apply
             (the system and user messages are in the prompt, never echoed).
         chat_template: the template TRL renders with (``trainer.chat_template``), None = the
             tokenizer's.
@@ -131,6 +132,9 @@ def completion_echo(
     """
     from echoloss.adapters.chat import render_attributed
 
+    echo = check_echo_config(
+        "echo", echo, optional=False
+    )  # a dict is validated, as interleave does
     ids = list(completion_ids)
     mask = list(tool_mask)
     for i, v in enumerate(mask):
