@@ -488,8 +488,7 @@ for _p in (
     Provider(
         "fused-linear",
         "linear",
-        "echoloss.echo_loss_from_hidden (chunked LM head; triton phases on "
-        "CUDA, reference on CPU)",
+        "echoloss.echo_loss_from_hidden (chunked LM head; triton phases on CUDA, reference on CPU)",
         _fused_linear,
         _linear_triton_check,
     ),
