@@ -342,6 +342,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "eval_success_start",
         "eval_success_end",
         "eval_success_gain",
+        "eval_success_sampled_start",
         "eval_success_sampled_end",
         "eval_success_sampled_gain",
         "steps_to_80_or_censored",
@@ -411,6 +412,23 @@ def _markdown(summary: dict[str, Any]) -> str:
             f"{_fmt(e['heldout_obs_ce_start']['mean'])} → {_fmt(e['heldout_obs_ce_end']['mean'])} | "
             f"{ci(e['heldout_obs_ce_end'].get('diff_vs_grpo'))} | "
             f"{_fmt(e['imagined_obs_rate_end']['mean'])} / {_fmt(e['invalid_reply_rate_end']['mean'])} |"
+        )
+    lines += [
+        "",
+        "| arm | sampled success start → end | Δ sampled end vs grpo | gain over RL: greedy, "
+        "sampled | obs CE drop | Δ CE drop vs grpo | CE end / floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm, e in summary["arms"].items():
+        lines.append(
+            f"| {arm} | {_fmt(e['eval_success_sampled_start']['mean'])} → "
+            f"{_fmt(e['eval_success_sampled_end']['mean'])} | "
+            f"{ci(e['eval_success_sampled_end'].get('diff_vs_grpo'))} | "
+            f"{_fmt(e['eval_success_gain']['mean'])}, "
+            f"{_fmt(e['eval_success_sampled_gain']['mean'])} | "
+            f"{_fmt(e['heldout_obs_ce_drop']['mean'])} | "
+            f"{ci(e['heldout_obs_ce_drop'].get('diff_vs_grpo'))} | "
+            f"{_fmt(e['obs_ce_over_floor_end']['mean'], 1)} |"
         )
     return "\n".join(lines) + "\n"
 
