@@ -27,6 +27,11 @@ from __future__ import annotations
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+
+#: Triton vocabulary block on the interpreter (set by tests/ops/conftest.py): every test vocabulary
+#: (V ≥ 1531) streams several blocks per row, so a block that reads or writes the wrong columns
+#: changes the result (the default launch would stream V = 1531 in one block of 2048).
+INTERPRETER_BLOCK_V = 512
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 try:

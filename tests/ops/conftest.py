@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from _fused_cases import HAS_CUDA, HAS_TRITON
+from _fused_cases import HAS_CUDA, HAS_TRITON, INTERPRETER_BLOCK_V
 
 if HAS_TRITON and not HAS_CUDA:
     _prev = os.environ.get("TRITON_INTERPRET")
@@ -80,12 +80,6 @@ def poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", empty_like)
     monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
     yield
-
-
-#: Triton vocabulary block on the interpreter: every test vocabulary (V ≥ 1531) streams several
-#: blocks per row, so a block that reads or writes the wrong columns changes the result (the
-#: default launch would stream V = 1531 in one block of 2048).
-INTERPRETER_BLOCK_V = 512
 
 
 @pytest.fixture(autouse=True)

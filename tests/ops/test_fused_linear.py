@@ -43,7 +43,7 @@ def _several_weight_gradient_slices(monkeypatch):
 
 
 def test_tiled_loops_iterate_more_than_once():
-    from conftest import INTERPRETER_BLOCK_V
+    from _fused_cases import INTERPRETER_BLOCK_V
 
     assert (1 << 24) // H >= V  # the default: one slice at this size
     assert -(-V // SLICE_ROWS) > 1 and -(-V // INTERPRETER_BLOCK_V) > 1
