@@ -488,7 +488,16 @@ def _write_summary(out: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    summary = summarize(rows)
+    arms = {r["arm"] for r in rows}
+    seeds = sorted({r["seed"] for r in rows})
+    complete = [s for s in seeds if {r["arm"] for r in rows if r["seed"] == s} == arms]
+    if complete != seeds:  # a cut-off experiment: compare arms on the same seeds only
+        partial = sorted(set(seeds) - set(complete))
+        print(f"summary and plot over the complete seeds {complete}; seeds {partial} have only "
+              "some arms (their rows stay in results.json)")  # fmt: skip
+    paired = [r for r in rows if r["seed"] in complete]
+    summary = summarize(paired)
+    summary["complete_seeds"] = complete
     (out / "results.json").write_text(
         json.dumps(
             [{k: v for k, v in r.items() if k != "curve"} | {"curve": r["curve"]} for r in rows],
@@ -498,7 +507,7 @@ def _write_summary(out: Path) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     md = _markdown(summary)
     (out / "summary.md").write_text(md)
-    plot(rows, out / "comparison.png")
+    plot(paired, out / "comparison.png")
     print(md)
     print(f"wrote {out}/results.json, summary.json, summary.md, comparison.png")
     return 0
