@@ -161,8 +161,22 @@ class Decoder:
 
 def control_ids(tokenizer: Any) -> dict[int, str]:
     """Token ids (with their text) that a chat template uses as control tokens: the tokenizer's
-    special tokens, and added tokens whose text appears in its chat template (``<tool_call>``,
-    ``<think>``); whitespace tokens excepted."""
+    special tokens, and added markup tokens whose text appears in its chat template
+    (``<tool_call>``, ``<think>``); whitespace tokens excepted.
+
+    An added token that is a plain word (``user``, ``start``: vocabularies add whole words as
+    single tokens) is ordinary text even when the template's source contains it (``'<|im_start|>'
+    + 'user'``): only markup (text with one of ``<>[]{}|``) is taken for a control token.
+
+    Examples:
+        >>> class Added:
+        ...     def __init__(self, content): self.content, self.special = content, False
+        >>> class Tok:
+        ...     chat_template = "{{ '<|im_start|>user' }}<tool_call>"
+        ...     added_tokens_decoder = {5: Added("<tool_call>"), 6: Added("start"), 7: Added("user")}
+        >>> control_ids(Tok())
+        {5: '<tool_call>'}
+    """
     out: dict[int, str] = {}
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
@@ -170,7 +184,8 @@ def control_ids(tokenizer: Any) -> dict[int, str]:
     for tid, tok in dict(added).items():
         content = getattr(tok, "content", str(tok))
         special = bool(getattr(tok, "special", False))
-        if content and not content.isspace() and (special or content in template):
+        markup = content in template and any(c in content for c in "<>[]{}|")
+        if content and not content.isspace() and (special or markup):
             out[int(tid)] = content
     convert = getattr(tokenizer, "convert_ids_to_tokens", None)
     for tid in getattr(tokenizer, "all_special_ids", None) or []:
