@@ -4,6 +4,7 @@ stay consistent with metrics.jsonl across a resume, and a missing library names 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,10 @@ def test_wandb_resume_continues_the_same_run(tmp_path, wandb_offline, monkeypatc
     train(fast_config(out, **over), resume=out, log=lambda _: None)
     run_id = (out / "wandb" / "run_id").read_text().strip()
     first, second = sorted((out / "wandb").glob("offline-run-*"))
-    assert first.name.endswith(run_id) and second.name.endswith(run_id)
+    # wandb names a run's directory offline-run-<time>-<id>, with "-1" appended when both parts
+    # started within the same second.
+    same_run = re.compile(rf"^offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?$")
+    assert same_run.match(first.name) and same_run.match(second.name), (first.name, second.name)
     # The resumed part logs from the step after the checkpoint (2) to the end.
     steps = [r["step"] for r in _rows(out)]
     assert [h["_step"] for h in _wandb_history(second)] == steps[2:]
