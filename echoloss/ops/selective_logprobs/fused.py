@@ -33,7 +33,7 @@ __all__ = ["LAUNCH", "backward", "forward", "interpreter_active"]
 #: Launch parameters: ``BLOCK_V`` elements of a row per loop iteration and warps per program.
 #: Chosen from the shape of the work (one bf16 row of 152k is 297 KiB, 38 blocks of 4096; 256
 #: threads hold 16 elements each, two 16-byte loads), **not measured**: the GPU benchmark
-#: (``benchmarks/bench_fused_gpu.py --sweep-launch``) is where they get tuned.
+#: (``python -m benchmarks --device cuda --sweep-launch``) is where they get tuned.
 LAUNCH = {"fwd_block": 4096, "fwd_warps": 8, "bwd_block": 4096, "bwd_warps": 8}
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 # Elements per chunk of rows (2^22 fp32 = 16 MiB per buffer; at most three buffers are live).
-# Chosen on the CPU benchmark (benchmarks/bench_selective_logprobs_cpu.py): smaller chunks stay in
+# Chosen on the CPU benchmark (python -m benchmarks --device cpu --ops loss): smaller chunks stay in
 # cache and are as fast as one big log_softmax; larger ones only cost memory.
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
