@@ -153,9 +153,20 @@ class EnvConfig(_Section):
     name: Literal["mirrorgrid", "mirrorgrid-shown", "mirrorgrid-noise", "gridwalk"] = "mirrorgrid"
     size: int = Field(4, ge=2, le=10)
     max_turns: int | None = Field(None, ge=1)
+    # mirrorgrid: probability that an axis is mirrored in warm-up tasks (RL and evaluation: ½).
+    # 0 = the warm-start knows only the ordinary world; the mirroring is learnt in RL
+    warmup_flip_prob: float = Field(0.0, ge=0, le=1)
+    # mirrorgrid: probability that a turn of a warm-up demonstration is a random move
+    demo_explore: float = Field(0.0, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _turns(self) -> EnvConfig:
+        for key in ("warmup_flip_prob", "demo_explore"):
+            if self.name == "gridwalk" and getattr(self, key):
+                raise ValueError(
+                    f"{key}: applies to the mirrorgrid environments, not gridwalk (got "
+                    f"{getattr(self, key)}); leave it unset"
+                )
         need = turns_needed(self.name, self.size)
         if self.max_turns is not None and self.max_turns < 2:
             raise ValueError(
@@ -420,10 +431,13 @@ def advantage_fn(cfg: TrainConfig) -> str | Callable[..., Any]:
 # The embedded default: what `echoloss-train` runs with no --config (mirrors configs/default.toml).
 DEFAULT_TOML = """\
 # echoloss-train embedded default: a tiny Qwen3-style model learns mirrorgrid (secretly mirrored
-# controls) with GRPO + echo on CPU: 80 warm-start steps (SFT on demonstrations), then 60 RL steps
-# of 4 prompts x 8 rollouts. configs/default.toml spells every key out.
+# controls) with GRPO + echo on CPU: 80 warm-start steps (SFT on demonstrations in the unmirrored
+# world), then 60 RL steps of 4 prompts x 8 rollouts. configs/default.toml spells every key out.
 [model]
 arch = "qwen3"
+
+[env]
+demo_explore = 0.2   # demonstrations take a random move 20 % of the time (exploration)
 
 [warmup]
 steps = 80
@@ -433,13 +447,14 @@ lr = 1e-2
 alpha = 0.05   # the λ the experiment supports on mirrorgrid (docs/experiment.md)
 
 [optim]
-lr = 3e-4
+lr = 1e-3
 
 [data]
 heldout_size = 64
 
 [train]
 max_steps = 60
+eval_every = 20
 threads = 1   # a tiny model runs fastest on one thread (two leave a core to the OS / a 2nd run)
 """
 

@@ -28,6 +28,7 @@ __all__ = [
     "evaluate_policy",
     "generate_rollouts",
     "heldout_conversations",
+    "hidden_token_positions",
     "read_rollout_groups",
     "rollout_record",
     "scripted_steps",
@@ -381,6 +382,48 @@ def heldout_conversations(env: Any, *, count: int) -> list[list[dict[str, Any]]]
         task = env.heldout_task(index=i)
         out.append(env.random_walk(task, rng, turns=rng.randint(2, env.turn_limit - 1)))
     return out
+
+
+def hidden_token_positions(
+    messages: list[dict[str, Any]], tokenizer: Any, spans: dict[int, tuple[int, int]]
+) -> tuple[list[int], list[int]]:
+    """The conversation's token ids and the positions of the tokens inside ``spans`` (message
+    index -> character span of that message's content, e.g. `MirrorGrid.hidden_spans`).
+
+    Positions come from the library's chat attribution: the body tokens of each message, in
+    order, decode exactly to its content, so their character offsets are running sums.
+
+    Raises:
+        ValueError: a span that does not fall on token boundaries (its tokens would also cover
+            characters outside it).
+    """
+    ids, attribution = attribute(messages, tokenizer)
+    body: dict[int, list[int]] = {}
+    for pos, (msg, content) in enumerate(
+        zip(attribution.message_indices, attribution.is_content, strict=True)
+    ):
+        if content and msg in spans:
+            body.setdefault(msg, []).append(pos)
+    positions = []
+    for msg, (lo, hi) in spans.items():
+        at, covered = 0, 0
+        for pos in body.get(msg, []):
+            width = len(tokenizer.decode([ids[pos]]))
+            if lo <= at and at + width <= hi:
+                positions.append(pos)
+                covered += width
+            elif at < hi and at + width > lo:
+                raise ValueError(
+                    f"message {msg}: token {pos} covers characters [{at}, {at + width}) across "
+                    f"the span [{lo}, {hi}); use a tokenizer whose tokens respect the span"
+                )
+            at += width
+        if covered != hi - lo:
+            raise ValueError(
+                f"message {msg}: the span [{lo}, {hi}) of {messages[msg]['content']!r} is "
+                f"covered by tokens of {covered} characters, expected {hi - lo}"
+            )
+    return ids, sorted(positions)
 
 
 def read_rollout_groups(path: str, tokenizer: Any, *, default_env: str) -> list[list[Rollout]]:

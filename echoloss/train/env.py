@@ -127,6 +127,10 @@ class GridWalk:
         start, goal = rng.sample(cells, 2)
         return Task(start=start, goal=goal)
 
+    def warmup_task(self, *, seed: int, index: int) -> Task:
+        """The warm-up's task ``index``: the training task (gridwalk has one world)."""
+        return self.task(seed=seed, index=index)
+
     def heldout_task(self, *, index: int) -> Task:
         """Held-out task ``index`` (a stream no training step draws from; the pairs overlap the
         training pairs: gridwalk has no disjoint split)."""

@@ -51,8 +51,7 @@ MODES: dict[str, dict[str, Any]] = {
         "seeds": [0, 1],
         "alphas": [0.05],
         "set": [
-            "warmup.steps=40",
-            "train.max_steps=10",
+            "train.max_steps=20",
             "train.eval_every=10",
             "train.eval_samples=1",
             "data.heldout_size=32",
@@ -61,7 +60,7 @@ MODES: dict[str, dict[str, Any]] = {
     "full": {
         "seeds": list(range(8)),
         "alphas": [0.005, 0.01, 0.05],
-        "set": ["train.max_steps=30", "train.eval_every=15"],
+        "set": ["train.max_steps=60", "train.eval_every=20"],
     },
 }
 
@@ -160,9 +159,14 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
         "eval_success_sampled_end": last.get("eval_success_sampled"),
         "eval_episodes": last.get("eval_episodes"),
         "steps_to_80": steps_to(everything, "eval_success_greedy", THRESHOLD),
-        "heldout_obs_ce_start": first.get("heldout_obs_ce"),
-        "heldout_obs_ce_end": last.get("heldout_obs_ce"),
-        "obs_ce_floor": last.get("obs_ce_floor"),
+        # the held-out observation CE on the hidden-dependent tokens (the env's hidden_spans),
+        # against its exact floor; "_all": on every observation-body token
+        "heldout_obs_ce_start": first.get("heldout_hidden_ce", first.get("heldout_obs_ce")),
+        "heldout_obs_ce_end": last.get("heldout_hidden_ce", last.get("heldout_obs_ce")),
+        "obs_ce_floor": last.get("hidden_ce_floor", last.get("obs_ce_floor")),
+        "heldout_obs_ce_all_start": first.get("heldout_obs_ce"),
+        "heldout_obs_ce_all_end": last.get("heldout_obs_ce"),
+        "obs_ce_all_floor": last.get("obs_ce_floor"),
         "imagined_obs_rate_start": first.get("eval_imagined_rate"),
         "imagined_obs_rate_end": last.get("eval_imagined_rate"),
         "invalid_reply_rate_start": first.get("eval_invalid_rate"),
@@ -175,6 +179,7 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
                     "rl_step",
                     "eval_success_greedy",
                     "eval_success_sampled",
+                    "heldout_hidden_ce",
                     "heldout_obs_ce",
                     "eval_imagined_rate",
                     "eval_invalid_rate",
@@ -350,6 +355,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "heldout_obs_ce_end",
         "heldout_obs_ce_drop",
         "obs_ce_over_floor_end",
+        "heldout_obs_ce_all_start",
+        "heldout_obs_ce_all_end",
         "imagined_obs_rate_end",
         "invalid_reply_rate_end",
     ]
@@ -555,14 +562,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.config:
         base_cmd += ["--config", args.config]
     jobs = _jobs(args, mode, base_cmd)
+    renamed = [item.split("=", 1)[1] for item in args.set if item.startswith("env.name=")]
+    env_name = renamed[-1] if renamed else base.env.name  # --set env.name=... runs a control
     print(
-        f"experiment ({args.mode}): env {base.env.name}, seeds {args.seeds}, λ {args.alphas}"
+        f"experiment ({args.mode}): env {env_name}, seeds {args.seeds}, λ {args.alphas}"
         f"{'' if args.no_actobs else ' + actobs'}; {len(jobs)} runs, {args.jobs} at a time; "
         f"logs in {out}/*.log, rows streamed to {out}/results.jsonl",
         flush=True,
     )
     t = time.perf_counter()
-    failed = _run_all(jobs, out, args.jobs, base.env.name)
+    failed = _run_all(jobs, out, args.jobs, env_name)
     print(f"{len(jobs) - len(failed)}/{len(jobs)} runs finished in {time.perf_counter() - t:.0f}s")
     if failed:
         print(f"echoloss-train experiment: runs failed, see {[f + '.log' for f in failed]}",

@@ -40,6 +40,7 @@ import time
 import warnings
 from collections import defaultdict
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ from echoloss.train.data import (
     evaluate_policy,
     generate_rollouts,
     heldout_conversations,
+    hidden_token_positions,
     read_rollout_groups,
     rollout_record,
     scripted_steps,
@@ -182,7 +184,7 @@ class Batches:
             n = cfg.warmup.demos_per_step
             start = step * n
             ids = [start + i for i in range(n) if i % self.world == self.rank]
-            tasks = [(g, self.env.task(seed=cfg.train.seed, index=g)) for g in ids]
+            tasks = [(g, self.env.warmup_task(seed=cfg.train.seed, index=g)) for g in ids]
             return demo_rollouts(self.env, self.tok, tasks, seed=cfg.train.seed)
         if self.groups is not None:  # rollouts produced elsewhere
             out = []
@@ -355,24 +357,62 @@ def heldout_observation_ce(model: Any, batches: list[echoloss.PackedBatch], attn
     return nll / max(count, 1)
 
 
-def _heldout_batches(
-    cfg: TrainConfig, env: Any, tok: Any, device: torch.device
-) -> tuple[list[echoloss.PackedBatch], float]:
-    """The held-out observation set, packed, and its exact CE floor (nats/token): the env's
-    Bayes-optimal NLL of all observation bodies over their token count."""
+@torch.no_grad()
+def heldout_hidden_ce(model: Any, sets: list[tuple[list[int], list[int]]], device: Any) -> float:
+    """Mean cross-entropy (nats/token) of the *hidden-dependent* observation tokens of the
+    held-out set: ``sets`` holds each conversation's token ids and the positions of those tokens
+    (`hidden_token_positions`). Each token is scored from everything before it."""
+    was = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    for ids, positions in sets:
+        if not positions:
+            continue
+        x = torch.tensor([ids], device=device)
+        logprobs = torch.log_softmax(model(input_ids=x).logits[0].float(), dim=-1)
+        at = torch.tensor(positions, device=device)
+        nll -= float(logprobs[at - 1, x[0, at]].sum())
+        count += len(positions)
+    model.train(was)
+    return nll / max(count, 1)
+
+
+@dataclass
+class _Heldout:
+    """The held-out observation set: packed (CE of all observation tokens) and as hidden-token
+    positions (CE of the hidden-dependent ones), each with its exact floor (nats/token)."""
+
+    batches: list[echoloss.PackedBatch] = field(default_factory=list)
+    floor: float = math.nan
+    hidden: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    hidden_floor: float = math.nan
+
+
+def _heldout_batches(cfg: TrainConfig, env: Any, tok: Any, device: torch.device) -> _Heldout:
+    """The held-out observation set and its floors: the env's Bayes-optimal NLL of all
+    observation bodies over their token count, and of the hidden-dependent tokens over theirs
+    (when the env marks them: ``hidden_spans``)."""
     if cfg.data.heldout_size == 0 or cfg.data.source == "jsonl":
-        return [], math.nan
+        return _Heldout()
     probe = echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=1.0))
     samples = []
-    nats = 0.0
+    out = _Heldout()
+    nats = hidden_nats = 0.0
     for messages in heldout_conversations(env, count=cfg.data.heldout_size):
         nats += env.observation_nats(messages)
         for s in echoloss.interleave(scripted_steps(messages, tok), echo=probe):
             s.advantage = 0.0
             samples.append(s)
+        if hasattr(env, "hidden_spans"):
+            hidden_nats += env.hidden_nats(messages)
+            out.hidden.append(hidden_token_positions(messages, tok, env.hidden_spans(messages)))
     tokens = sum(sum(1 for w in (s.echo_weights or []) if w) for s in samples)
     batches = echoloss.pack(samples, max_tokens=cfg.optim.micro_batch_tokens)
-    return [b.to(device) for b in batches], nats / max(tokens, 1)
+    out.batches = [b.to(device) for b in batches]
+    out.floor = nats / max(tokens, 1)
+    if out.hidden:
+        out.hidden_floor = hidden_nats / max(sum(len(p) for _, p in out.hidden), 1)
+    return out
 
 
 def _evaluate(
@@ -380,8 +420,7 @@ def _evaluate(
     model: Any,
     tok: Any,
     env: Any,
-    heldout: list[echoloss.PackedBatch],
-    floor: float,
+    heldout: _Heldout,
     device: torch.device,
     full: bool,
 ) -> dict[str, float]:
@@ -408,11 +447,14 @@ def _evaluate(
                 eval_invalid_rate=r.invalid_rate,
                 eval_imagined_rate=r.imagined_rate,
             )
-    if heldout:
+    if heldout.batches:
         out["heldout_obs_ce"] = heldout_observation_ce(
-            model, heldout, cfg.model.attn_implementation
+            model, heldout.batches, cfg.model.attn_implementation
         )
-        out["obs_ce_floor"] = floor
+        out["obs_ce_floor"] = heldout.floor
+    if heldout.hidden:
+        out["heldout_hidden_ce"] = heldout_hidden_ce(model, heldout.hidden, device)
+        out["hidden_ce_floor"] = heldout.hidden_floor
     return out
 
 
@@ -626,7 +668,13 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )
-    env = make_env(cfg.env.name, size=cfg.env.size, max_turns=cfg.env.max_turns)
+    env = make_env(
+        cfg.env.name,
+        size=cfg.env.size,
+        max_turns=cfg.env.max_turns,
+        warmup_flip_prob=cfg.env.warmup_flip_prob,
+        demo_explore=cfg.env.demo_explore,
+    )
     data = Batches(cfg, env, tok, rank, world)
     warm_steps = cfg.warmup.steps if cfg.data.source != "jsonl" else 0
     total = warm_steps + cfg.train.max_steps  # the warm-up comes before the RL steps
@@ -635,7 +683,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         if cfg.advantages.rae_decay is not None
         else None
     )
-    heldout, floor = _heldout_batches(cfg, env, tok, device)
+    heldout = _heldout_batches(cfg, env, tok, device)
     pad_id = tok.pad_token_id
 
     # -- resume ----------------------------------------------------------------------------------
@@ -705,7 +753,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         # resumed run stays bit-identical), and every arm samples the same way at a given step.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.train.seed * 1_000_003 + step)
-            ev = _evaluate(cfg, model, tok, env, heldout, floor, device, full)
+            ev = _evaluate(cfg, model, tok, env, heldout, device, full)
         if ev and eval_file is not None:
             row = {"step": step, "rl_step": rl_step, **ev, "eval_time": time.perf_counter() - t}
             eval_file.write(json.dumps(row) + "\n")
@@ -922,6 +970,7 @@ def _summary(row: dict[str, Any], total: int) -> str:
         ("loss_rl", "rl {:+.4f}"),
         ("loss_echo", "echo {:.4f}"),
         ("heldout_obs_ce", "obs_ce {:.3f}"),
+        ("heldout_hidden_ce", "hidden_ce {:.3f}"),
         ("entropy", "ent {:.3f}"),
         ("grad_norm", "|g| {:.2f}"),
         ("step_time", "{:.2f}s"),

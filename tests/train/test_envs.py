@@ -22,16 +22,16 @@ def test_exact_observations_under_each_mirroring():
     ep = env.start(MirrorTask(start=(1, 2), goal=(3, 0), flip=(True, False)))
     assert _contents(ep.messages) == ["mirrorgrid 4", "start 1,2 goal +2,-2"]
     assert [env.act(ep, a) for a in ("right", "right", "left", "up", "down")] == [
-        "goal +3,-2",  # moved to x = 0
-        "goal +3,-2",  # the wall at x = 0: no move
-        "goal +2,-2",
-        "goal +2,-1",
-        "goal +2,-2",
+        "left goal +3,-2",  # moved to x = 0
+        "wall goal +3,-2",  # the wall at x = 0: no move
+        "right goal +2,-2",
+        "up goal +2,-1",
+        "down goal +2,-2",
     ]
     assert env.act(ep, "jump") == "error" and ep.stats == {"walls": 1.0, "invalid": 1.0}
     # y mirrored: "down" moves up; reaching the goal and saying done pays 1.
     ep = env.start(MirrorTask(start=(0, 1), goal=(0, 0), flip=(False, True)))
-    assert env.act(ep, "down") == "goal 0,0"
+    assert env.act(ep, "down") == "up goal 0,0"
     assert env.act(ep, "done") is None and ep.done and ep.reward == 1.0
 
 
@@ -42,7 +42,7 @@ def test_controls_print_the_mirroring_or_add_noise():
     noisy = MirrorGrid(size=4, variant="noise")
     ep = noisy.start(task)
     obs = [noisy.act(ep, "right") for _ in range(3)]
-    assert [o.rsplit(" ", 1)[0] for o in obs] == ["goal +3,-2"] * 3
+    assert [o.rsplit(" ", 1)[0] for o in obs] == ["left goal +3,-2"] + ["wall goal +3,-2"] * 2
     assert all(o.rsplit(" ", 1)[1] in "0123456789" for o in obs)
     # The noise is a function of the task: the same episode twice gives the same digits.
     ep2 = noisy.start(task)
@@ -126,6 +126,77 @@ def test_demonstrations_succeed_with_the_bayes_optimal_number_of_moves():
                 extra += 2 if 0 <= away < 4 else 1
         moves = sum(abs(task.goal[a] - task.start[a]) for a in (0, 1))
         assert ep.turns == moves + extra + 1
+
+
+@pytest.mark.parametrize("variant", ["hidden", "shown", "noise"])
+def test_hidden_spans_hold_all_the_hidden_information(variant):
+    # Every move observation's span is its direction word; the exact NLL of those words alone
+    # equals the Bayes NLL of the whole observations minus the noise digits (checked against
+    # the enumeration of the four mirrorings above): the rest of an observation is determined.
+    env = MirrorGrid(size=4, variant=variant)
+    for messages in _walks(env, 200, seed=3):
+        spans = env.hidden_spans(messages)
+        moves = [i for i, m in enumerate(messages) if m["role"] == "tool" and
+                 messages[i - 1]["content"] in MOVES]  # fmt: skip
+        assert sorted(spans) == moves
+        for i, (a, b) in spans.items():
+            assert messages[i]["content"][a:b] in {*MOVES, "wall"} and a == 0
+        noise = len(moves) * math.log(10) if variant == "noise" else 0.0
+        assert env.hidden_nats(messages) == pytest.approx(env.observation_nats(messages) - noise)
+
+
+def test_hidden_token_positions_pick_exactly_the_direction_words():
+    from echoloss.train.data import hidden_token_positions
+    from echoloss.train.model import build_tokenizer
+
+    tok = build_tokenizer()
+    env = MirrorGrid(size=4)
+    task = MirrorTask(start=(1, 2), goal=(3, 0), flip=(True, False))
+    messages = env.random_walk(task, random.Random(1), turns=5)
+    ids, positions = hidden_token_positions(messages, tok, env.hidden_spans(messages))
+    words = [messages[i]["content"].split()[0] for i in sorted(env.hidden_spans(messages))]
+    assert [tok.decode([ids[p]]) for p in positions] == words
+    assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+    # A span that cuts a token in two is an error, not a silently widened span.
+    first = min(env.hidden_spans(messages))
+    with pytest.raises(ValueError, match=rf"message {first}: token \d+ covers"):
+        hidden_token_positions(messages, tok, {first: (0, 2)})
+
+
+def test_warmup_tasks_mirror_with_their_own_probability():
+    # Same (start, goal) stream as the RL tasks; only the mirroring's probability differs.
+    for p, expect in ((0.0, 0.0), (1.0, 1.0), (0.5, 0.5)):
+        env = MirrorGrid(size=4, warmup_flip_prob=p)
+        tasks = [env.warmup_task(seed=2, index=i) for i in range(400)]
+        same = [env.task(seed=2, index=i) for i in range(400)]
+        assert [(t.start, t.goal) for t in tasks] == [(t.start, t.goal) for t in same]
+        rate = sum(f for t in tasks for f in t.flip) / 800
+        assert rate == pytest.approx(expect, abs=0.06)
+    with pytest.raises(ValueError, match="warmup_flip_prob must be in"):
+        MirrorGrid(size=4, warmup_flip_prob=1.5)
+
+
+def test_exploring_demonstrations_still_infer_the_mirroring():
+    # With random turns mixed in, every non-random turn after an axis's first move goes the
+    # right way: the script uses what any move (its own or a random one) showed.
+    env = MirrorGrid(size=4, demo_explore=0.3)
+    away, solved = 0, 0
+    for i in range(300):
+        task = env.task(seed=4, index=i)
+        messages = env.demonstration(task, random.Random(i))
+        ep = env.start(task)
+        for m in messages[2:]:
+            if m["role"] == "assistant":
+                before = ep.pos
+                env.act(ep, m["content"])
+                if m["content"] in MOVES:
+                    away += sum(abs(task.goal[a] - ep.pos[a]) > abs(task.goal[a] - before[a])
+                                for a in (0, 1))  # fmt: skip
+        solved += ep.reward == 1.0
+    assert away > 100  # the demonstrations do cover moves away from the goal
+    assert solved >= 0.9 * 300  # and still mostly reach it within the turn limit
+    with pytest.raises(ValueError, match="demo_explore must be in"):
+        MirrorGrid(size=4, demo_explore=1.0)
 
 
 def test_make_env_names_and_errors():

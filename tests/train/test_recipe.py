@@ -24,6 +24,7 @@ KEYS = {
     "invalid_reply_rate",
     "imagined_obs_rate",
     "obs_ce_floor",
+    "hidden_ce_floor",
     "eval_success_greedy",
     "reward",
     "reward_std",
@@ -34,6 +35,7 @@ KEYS = {
     "loss_echo",
     "echo_nll",
     "heldout_obs_ce",
+    "heldout_hidden_ce",
     "rl_tokens",
     "echo_tokens",
     "tokens",
@@ -237,6 +239,7 @@ def test_rl_steps_are_counted_after_the_warm_up_and_evaluated_on_held_out_tasks(
         assert e["eval_episodes"] == env_tasks * 2  # one greedy + eval_samples = 1 sampled
         assert 0 <= e["eval_success_greedy"] <= 1 and 0 <= e["eval_imagined_rate"] <= 1
         assert e["obs_ce_floor"] > 0 and e["heldout_obs_ce"] > 0
+        assert e["hidden_ce_floor"] > e["obs_ce_floor"] and e["heldout_hidden_ce"] > 0
 
 
 def test_max_steps_zero_is_a_warm_up_only_run_and_says_so(tmp_path):

@@ -10,7 +10,7 @@
 ===================== =========================================================================
 
 Every environment has the same interface: ``name``, ``turn_limit``, ``task(seed=, index=)``,
-``start(task)``, ``act(episode, text)``, ``demonstration(task, rng)``,
+``warmup_task(seed=, index=)``, ``start(task)``, ``act(episode, text)``, ``demonstration(task, rng)``,
 ``random_walk(task, rng, turns)``, ``heldout_task(index=)``, ``eval_tasks()`` (the fixed
 held-out evaluation set, or an empty list) and ``observation_nats(messages)`` (the exact
 Bayes-optimal observation NLL, or None when unknown).
@@ -31,7 +31,14 @@ __all__ = ["ENV_NAMES", "MirrorGrid", "MirrorTask", "imagined_observation", "mak
 ENV_NAMES = ("mirrorgrid", "mirrorgrid-shown", "mirrorgrid-noise", "gridwalk")
 
 
-def make_env(name: str, *, size: int, max_turns: int | None = None) -> Any:
+def make_env(
+    name: str,
+    *,
+    size: int,
+    max_turns: int | None = None,
+    warmup_flip_prob: float = 0.0,
+    demo_explore: float = 0.0,
+) -> Any:
     """The environment called ``name`` (one of `ENV_NAMES`).
 
     Raises:
@@ -44,4 +51,11 @@ def make_env(name: str, *, size: int, max_turns: int | None = None) -> Any:
     variants = {"mirrorgrid": "hidden", "mirrorgrid-shown": "shown", "mirrorgrid-noise": "noise"}
     if name not in variants:
         raise ValueError(f"env.name: expected one of {list(ENV_NAMES)}, got {name!r}")
-    return MirrorGrid(size=size, max_turns=max_turns, variant=variants[name], name=name)  # type: ignore[arg-type]
+    return MirrorGrid(
+        size=size,
+        max_turns=max_turns,
+        variant=variants[name],  # type: ignore[arg-type]
+        warmup_flip_prob=warmup_flip_prob,
+        demo_explore=demo_explore,
+        name=name,
+    )

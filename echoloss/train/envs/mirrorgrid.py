@@ -2,31 +2,34 @@
 
 The agent must walk from a start cell to a goal cell and say ``done`` there. Each episode draws,
 independently and uniformly, whether the x controls are mirrored (``right`` moves left) and
-whether the y controls are (``down`` moves up). Nothing says which: the only observation is
-where the goal now is, relative to the agent (``goal dx,dy``, signed)::
+whether the y controls are (``down`` moves up). Nothing says which in advance: the ``move``
+tool answers, after the fact, which way the agent actually went (``wall`` when it could not
+move) and where the goal now is, relative to the agent (``goal dx,dy``, signed)::
 
     system     mirrorgrid 4
     user       start 1,2 goal +2,-2     <- the start cell, and the goal relative to it
     assistant  right
-    tool       goal +3,-2               <- x is mirrored: "right" moved left
+    tool       left goal +3,-2          <- x is mirrored: "right" moved left
     assistant  left
-    tool       goal +2,-2
+    tool       right goal +2,-2
     ...
     assistant  done                     -> reward 1 if the agent stands on the goal, else 0
 
 Relative observations keep the *policy* simple for a tiny model (the sign says where the goal
 is) and put all the difficulty where the experiment wants it: the mirroring, which only the
-outcomes of the agent's own moves reveal.
+outcomes of the agent's own moves reveal. The direction word is the observation's
+*hidden-dependent* token (`MirrorGrid.hidden_spans`): the only part of an observation that the
+mirroring decides; the rest follows from it and from what came before.
 
 Why this environment tests the echo claim (``docs/experiment.md``):
 
 * **The observation carries what the agent needs.** One move per axis reveals that axis's
   mirroring; acting well afterwards needs exactly that knowledge, and predicting the next
-  ``goal dx,dy`` needs the same knowledge. A world model (what echo trains) and a policy (what RL
+  observation needs the same knowledge. A world model (what echo trains) and a policy (what RL
   trains) share one hidden variable.
 * **The observation CE has an exact floor** (`MirrorGrid.observation_nats`): the first move
-  along an axis is a fair coin for the x or y digit (``log 2`` nats: both outcomes are distinct
-  cells, or a cell and the wall), every later observation is deterministic given the moves seen
+  along an axis is a fair coin for the direction word (``log 2`` nats: both outcomes are
+  distinct cells, or a cell and the wall), every later observation is deterministic given the moves seen
   (walls included: the start cell is in the first message).
   Under the uniform prior this equals ``log 4 − log(#mirrorings consistent with the episode)``,
   which `consistent_mirrorings` computes by enumeration.
@@ -38,7 +41,8 @@ Two controls, same dynamics:
 
 * ``variant="shown"`` prints the mirroring in the first user message (``flip 1,0``): nothing is
   hidden, every observation is deterministic (floor 0): echo should cost nothing and help little.
-* ``variant="noise"`` appends one uniformly random digit to every observation (``goal +3,-2 7``):
+* ``variant="noise"`` appends one uniformly random digit to every observation
+  (``left goal +3,-2 7``):
   ``log 10`` nats per observation that no model can learn. If echo helped through generic
   regularisation it would help here as much; it can only help through the world model.
 
@@ -52,9 +56,9 @@ Examples:
     >>> episode.messages[-1]["content"]
     'start 1,2 goal +2,-2'
     >>> env.act(episode, "right"), env.act(episode, "left"), env.act(episode, "left")
-    ('goal +3,-2', 'goal +2,-2', 'goal +1,-2')
+    ('left goal +3,-2', 'right goal +2,-2', 'right goal +1,-2')
     >>> env.act(episode, "up"), env.act(episode, "jump")
-    ('goal +1,-1', 'error')
+    ('up goal +1,-1', 'error')
     >>> round(env.observation_nats(episode.messages), 6) == round(2 * math.log(2), 6)
     True
 """
@@ -76,6 +80,7 @@ MOVES: dict[str, tuple[int, int]] = {
     "right": (1, 0),
 }
 TOOL_NAME = "move"
+_KEYS = ({1: "right", -1: "left"}, {1: "down", -1: "up"})  # per axis: direction -> key
 Variant = Literal["hidden", "shown", "noise"]
 _SPLIT_SEED = "mirrorgrid-split-v1"  # fixed: the evaluation pairs never depend on the run's seed
 
@@ -120,7 +125,8 @@ def consistent_mirrorings(size: int, messages: list[dict[str, Any]]) -> list[tup
 
     Examples:
         >>> msgs = [{"role": "user", "content": "start 0,0 goal +1,+1"},
-        ...         {"role": "assistant", "content": "right"}, {"role": "tool", "content": "goal +1,+1"}]
+        ...         {"role": "assistant", "content": "right"},
+        ...         {"role": "tool", "content": "wall goal +1,+1"}]
         >>> consistent_mirrorings(2, msgs)
         [(True, False), (True, True)]
     """
@@ -131,10 +137,16 @@ def consistent_mirrorings(size: int, messages: list[dict[str, Any]]) -> list[tup
         for action, obs in _moves_and_observations(messages):
             if action in MOVES:
                 pos = _step(size, pos, action, flip)
-                ok = ok and obs.split()[1] == _relative(pos, goal)
+                ok = ok and obs.split()[2] == _relative(pos, goal)
         if ok:
             out.append(flip)
     return out
+
+
+def _went(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """The direction the agent actually moved (``wall`` when it stayed)."""
+    d = (after[0] - before[0], after[1] - before[1])
+    return next((name for name, v in MOVES.items() if v == d), "wall")
 
 
 def _relative(pos: tuple[int, int], goal: tuple[int, int]) -> str:
@@ -175,6 +187,14 @@ class MirrorGrid:
             control) or ``"noise"`` (a random digit after every observation: the regulariser
             control).
         eval_fraction: the share of (start, goal) pairs held out for evaluation.
+        warmup_flip_prob: the probability that an axis is mirrored in a *warm-up* task
+            (`warmup_task`). RL and evaluation tasks always mirror each axis with probability
+            ½. 0 (the default): the warm-start sees only the ordinary, unmirrored world, the way
+            a pretrained model knows how tools usually behave; what the mirroring does is
+            then only learnt from RL episodes.
+        demo_explore: the probability that a turn of a scripted `demonstration` is a random
+            move (exploration in the warm-start's data: moves away from the goal, walls and
+            recoveries; the warm-started policy keeps that much entropy to explore with).
         name: the env name used for per-env metrics.
     """
 
@@ -182,6 +202,8 @@ class MirrorGrid:
     max_turns: int | None = None
     variant: Variant = "hidden"
     eval_fraction: float = 0.25
+    warmup_flip_prob: float = 0.0
+    demo_explore: float = 0.0
     name: str = "mirrorgrid"
 
     def __post_init__(self) -> None:
@@ -198,6 +220,12 @@ class MirrorGrid:
         if not 0 < self.eval_fraction < 1:
             raise ValueError(
                 f"MirrorGrid.eval_fraction must be in (0, 1), got {self.eval_fraction}"
+            )
+        if not 0 <= self.demo_explore < 1:
+            raise ValueError(f"MirrorGrid.demo_explore must be in [0, 1), got {self.demo_explore}")
+        if not 0 <= self.warmup_flip_prob <= 1:
+            raise ValueError(
+                f"MirrorGrid.warmup_flip_prob must be in [0, 1], got {self.warmup_flip_prob}"
             )
 
     @property
@@ -230,6 +258,14 @@ class MirrorGrid:
         rng = random.Random(f"mirrorgrid/{self.size}/{seed}/{index}")
         start, goal = rng.choice(self.train_pairs())
         return MirrorTask(start, goal, (rng.random() < 0.5, rng.random() < 0.5))
+
+    def warmup_task(self, *, seed: int, index: int) -> MirrorTask:
+        """Warm-up task ``index``: the training task of the same index, with each axis mirrored
+        with probability ``warmup_flip_prob`` instead of ½."""
+        rng = random.Random(f"mirrorgrid/{self.size}/{seed}/{index}")
+        start, goal = rng.choice(self.train_pairs())
+        p = self.warmup_flip_prob
+        return MirrorTask(start, goal, (rng.random() < p, rng.random() < p))
 
     def eval_tasks(self) -> list[MirrorTask]:
         """The fixed evaluation set: every held-out pair under each of the four mirrorings."""
@@ -273,10 +309,11 @@ class MirrorGrid:
             episode.reward = float(episode.pos == episode.task.goal)
             return None
         if action in MOVES:
+            before = episode.pos
             new = _step(self.size, episode.pos, action, episode.task.flip)
             episode.stats["walls"] += float(new == episode.pos)
             episode.pos = new
-            obs = f"goal {_relative(new, episode.task.goal)}"
+            obs = f"{_went(before, new)} goal {_relative(new, episode.task.goal)}"
             if self.variant == "noise":
                 obs += f" {episode.rng.randrange(10)}"
         else:
@@ -292,25 +329,37 @@ class MirrorGrid:
     # -- scripted conversations -------------------------------------------------------------------
 
     def demonstration(self, task: MirrorTask, rng: random.Random) -> list[dict[str, Any]]:
-        """The Bayes-optimal scripted conversation, which does *not* know the mirroring: per axis
-        (x, then y) press the key that would move towards the goal unmirrored; if the agent moved
-        the wrong way (or hit a wall), switch keys; then ``done``. ``rng`` is unused."""
+        """The scripted conversation, which does *not* know the mirroring: per axis (x, then y)
+        press the key that would move towards the goal unmirrored; once a move along an axis
+        shows that axis's mirroring (the agent went the other way, or into a wall), press the
+        other key; at the goal, ``done``. With probability ``demo_explore`` a turn is a
+        uniformly random move instead (what it shows about the mirroring is used too), so the
+        demonstrations also cover moves away from the goal, walls and recoveries. With
+        ``demo_explore = 0`` this is the Bayes-optimal policy."""
         episode = self.start(task)
-        for axis, (plus, minus) in enumerate((("right", "left"), ("down", "up"))):
-            known = self.variant == "shown"
-            flipped = task.flip[axis] if known else False
-            while episode.pos[axis] != task.goal[axis] and not episode.done:
-                toward = plus if task.goal[axis] > episode.pos[axis] else minus
-                key = (minus if toward == plus else plus) if flipped else toward
-                before = episode.pos[axis]
-                self.act(episode, key)
-                if not known:
-                    moved_toward = (episode.pos[axis] - before) * (
-                        1 if task.goal[axis] > before else -1
-                    ) > 0
-                    flipped, known = not moved_toward, True
-        if not episode.done:
-            self.act(episode, "done")
+        shown = self.variant == "shown"
+        flipped: list[bool | None] = [task.flip[0], task.flip[1]] if shown else [None, None]
+        while not episode.done:
+            axis = next((a for a in (0, 1) if episode.pos[a] != task.goal[a]), None)
+            if axis is None:
+                self.act(episode, "done")
+                break
+            if rng.random() < self.demo_explore:
+                key = rng.choice(list(MOVES))
+            else:
+                sign = 1 if task.goal[axis] > episode.pos[axis] else -1
+                if flipped[axis]:
+                    sign = -sign
+                key = _KEYS[axis][sign]
+            before = episode.pos
+            self.act(episode, key)
+            moved_axis = 0 if key in ("left", "right") else 1
+            if flipped[moved_axis] is None:
+                pressed = MOVES[key][moved_axis]
+                went = episode.pos[moved_axis] - before[moved_axis]
+                if went == 0:  # a wall: the agent tried to leave the grid on that side
+                    went = -1 if before[moved_axis] == 0 else 1
+                flipped[moved_axis] = went != pressed
         return episode.messages
 
     def random_walk(self, task: MirrorTask, rng: random.Random, turns: int) -> list[dict[str, Any]]:
@@ -323,6 +372,42 @@ class MirrorGrid:
         return episode.messages
 
     # -- the floor --------------------------------------------------------------------------------
+
+    def hidden_spans(self, messages: list[dict[str, Any]]) -> dict[int, tuple[int, int]]:
+        """The *hidden-dependent* part of each observation: for every tool message that answers
+        a move, the character span (in its content) of the direction word (``left`` in
+        ``left goal +3,-2``). Only this word depends on the mirroring (the goal numbers follow
+        from it and from the previous observation; a noise digit depends on nothing).
+
+        Examples:
+            >>> env = MirrorGrid(size=4)
+            >>> msgs = env.random_walk(MirrorTask((1, 2), (3, 0), (True, False)),
+            ...                        random.Random(0), turns=2)
+            >>> [(msgs[i - 1]["content"], msgs[i]["content"][a:b])
+            ...  for i, (a, b) in env.hidden_spans(msgs).items()]
+            [('right', 'left'), ('right', 'wall')]
+        """
+        out: dict[int, tuple[int, int]] = {}
+        for i in range(1, len(messages)):
+            prev, msg = messages[i - 1], messages[i]
+            action = prev["content"].strip() if prev["role"] == "assistant" else ""
+            if msg["role"] != "tool" or action not in MOVES:
+                continue
+            out[i] = (0, msg["content"].index(" "))  # the direction actually moved, or "wall"
+        return out
+
+    def hidden_nats(self, messages: list[dict[str, Any]]) -> float:
+        """The Bayes-optimal total NLL (nats) of the `hidden_spans`: ``log 2`` for the first
+        move along each axis (``0`` in the ``shown`` variant, where nothing is hidden)."""
+        seen = [self.variant == "shown"] * 2
+        nats = 0.0
+        for action, _ in _moves_and_observations(messages):
+            if action in MOVES:
+                axis = 0 if action in ("left", "right") else 1
+                if not seen[axis]:
+                    nats += math.log(2)
+                    seen[axis] = True
+        return nats
 
     def observation_nats(self, messages: list[dict[str, Any]]) -> float:
         """The Bayes-optimal total NLL (nats) of the conversation's observation bodies given

@@ -1,0 +1,105 @@
+"""How well can the trainer's tiny model learn mirrorgrid's world model at all?
+
+The upper bound for what echo can teach: train a fresh tiny model *directly* on the
+hidden-dependent observation tokens (the direction words, `MirrorGrid.hidden_spans`) of random
+walks in the mirrored world, with nothing else in the loss, and report their held-out CE against
+the exact floor and against the two reference points that need no inference from the history:
+
+* ``log 3``: knowing the rules (the word is the key's direction, its opposite, or ``wall``)
+  but not inferring the mirroring from earlier moves;
+* the floor: inferring it perfectly (``log 2`` for the first move along each axis, 0 after).
+
+::
+
+    python scripts/world_model_probe.py --hidden-size 64 --layers 2 --steps 400
+    python scripts/world_model_probe.py --hidden-size 128 --layers 4 --steps 200
+
+Prints one JSON object per evaluation (step, seconds, train CE, held-out CE, floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+
+import torch
+
+from echoloss.train.data import heldout_conversations, hidden_token_positions
+from echoloss.train.envs import MirrorGrid
+from echoloss.train.model import build_tiny_model, build_tokenizer
+from echoloss.train.recipe import heldout_hidden_ce
+
+
+def _positions(env: MirrorGrid, tok, conversations):
+    sets = [hidden_token_positions(m, tok, env.hidden_spans(m)) for m in conversations]
+    nats = sum(env.hidden_nats(m) for m in conversations)
+    return sets, nats / sum(len(p) for _, p in sets)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    tok = build_tokenizer()
+    env = MirrorGrid(size=4)
+    heldout, floor = _positions(env, tok, heldout_conversations(env, count=64))
+    model = build_tiny_model(
+        arch="qwen3",
+        vocab_size=len(tok),
+        hidden_size=args.hidden_size,
+        num_layers=args.layers,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=3 * args.hidden_size,
+        max_position_embeddings=1024,
+        seed=args.seed,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    t0 = time.perf_counter()
+    for step in range(args.steps + 1):
+        walks = []
+        for i in range(args.batch):
+            rng = random.Random(f"probe/{args.seed}/{step}/{i}")
+            task = env.task(seed=args.seed, index=step * args.batch + i)  # training pairs only
+            walks.append(env.random_walk(task, rng, turns=rng.randint(2, env.turn_limit - 1)))
+        sets, _ = _positions(env, tok, walks)
+        width = max(len(ids) for ids, _ in sets)
+        x = torch.full((len(sets), width), tok.pad_token_id)
+        mask = torch.zeros(len(sets), width, dtype=torch.bool)
+        for k, (ids, pos) in enumerate(sets):
+            x[k, : len(ids)] = torch.tensor(ids)
+            mask[k, torch.tensor(pos)] = True
+        logits = model(input_ids=x).logits[:, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
+        loss = -(logprobs * mask[:, 1:]).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % args.eval_every == 0:
+            row = {
+                "step": step,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "train_ce": round(loss.item(), 4),
+                "heldout_ce": round(heldout_hidden_ce(model, heldout, "cpu"), 4),
+                "floor": round(floor, 4),
+                "log3": round(math.log(3), 4),
+                "hidden_size": args.hidden_size,
+                "layers": args.layers,
+            }
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
