@@ -5,6 +5,7 @@ first use, from a Python ≥ 3.10, announced on stderr)."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -90,3 +91,20 @@ def test_project_venv_is_created_announced_and_reused(tmp_path, ensurepip):
     assert pip.returncode == 0, pip.stderr
     second = _select(env)
     assert _chosen(second) == py and "creating" not in second.stderr
+
+
+def test_world_model_probe_runs_and_reports_against_the_floor():
+    """scripts/world_model_probe.py (docs/experiment.md): a two-step run prints JSON rows with
+    the held-out CE of the hidden-dependent tokens, above their exact floor."""
+    import json
+
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "world_model_probe.py"), "--steps", "2",
+         "--eval-every", "1", "--hidden-size", "16", "--layers", "1", "--batch", "4"],
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["heldout_ce"] > r["floor"] > 0 for r in rows)
+    assert rows[0]["log3"] == round(math.log(3), 4)

@@ -401,60 +401,77 @@ def _markdown(summary: dict[str, Any]) -> str:
         m, lo, hi = (d[k] * scale for k in ("mean", "lo", "hi"))
         return f"{m:+.{digits}f} [{_fmt(lo, digits)}, {_fmt(hi, digits)}]"
 
+    def verdict(d: dict[str, float] | None) -> str:
+        """Non-inferiority against the pre-registered margin (docs/experiment.md)."""
+        if not d or d.get("n", 0) < 2:
+            return "–"
+        if d["lo"] > MARGIN:
+            return "not worse"
+        return "worse" if d["hi"] < MARGIN else "undecided"
+
+    floor = _fmt(summary.get("obs_ce_floor"), 4)
     lines = [
-        f"Held-out success: greedy, on the fixed held-out task set; observation CE in nats/token "
-        f"on held-out random walks (floor {_fmt(summary.get('obs_ce_floor'), 4)}). Differences "
-        "are paired by seed against `grpo`, mean [95 % t CI].",
+        "Held-out success on the fixed held-out task set: sampled (temperature 1, the primary "
+        "outcome) and greedy. Differences are paired by seed against `grpo`, mean [95 % t CI]; "
+        f"verdict: non-inferiority at the margin {MARGIN:+.2f}.",
         "",
-        "| arm | seeds | success start → end | Δ end vs grpo | sampled end | steps to 80 % "
-        "(reached) | obs CE start → end | Δ CE end vs grpo | imagined / invalid (end) |",
+        "| arm | seeds | sampled start → end | Δ sampled end vs grpo | verdict | greedy start → end "
+        "| Δ greedy end vs grpo | gain over RL: sampled, greedy | steps to 80 % greedy (reached) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, e in summary["arms"].items():
+        d_sampled = e["eval_success_sampled_end"].get("diff_vs_grpo")
         lines.append(
-            f"| {arm} | {len(e['seeds'])} | {_fmt(e['eval_success_start']['mean'])} → "
-            f"{_fmt(e['eval_success_end']['mean'])} | {ci(e['eval_success_end'].get('diff_vs_grpo'))}"
-            f" | {_fmt(e['eval_success_sampled_end']['mean'])} | "
-            f"{_fmt(e['steps_to_80_or_censored']['mean'], 1)} ({e['reached_80']}) | "
-            f"{_fmt(e['heldout_obs_ce_start']['mean'])} → {_fmt(e['heldout_obs_ce_end']['mean'])} | "
-            f"{ci(e['heldout_obs_ce_end'].get('diff_vs_grpo'))} | "
-            f"{_fmt(e['imagined_obs_rate_end']['mean'])} / {_fmt(e['invalid_reply_rate_end']['mean'])} |"
+            f"| {arm} | {len(e['seeds'])} | {_fmt(e['eval_success_sampled_start']['mean'])} → "
+            f"{_fmt(e['eval_success_sampled_end']['mean'])} | {ci(d_sampled)} | "
+            f"{verdict(d_sampled) if arm != 'grpo' else '–'} | "
+            f"{_fmt(e['eval_success_start']['mean'])} → {_fmt(e['eval_success_end']['mean'])} | "
+            f"{ci(e['eval_success_end'].get('diff_vs_grpo'))} | "
+            f"{_fmt(e['eval_success_sampled_gain']['mean'])}, "
+            f"{_fmt(e['eval_success_gain']['mean'])} | "
+            f"{_fmt(e['steps_to_80_or_censored']['mean'], 1)} ({e['reached_80']}) |"
         )
     lines += [
         "",
-        "| arm | sampled success start → end | Δ sampled end vs grpo | gain over RL: greedy, "
-        "sampled | obs CE drop | Δ CE drop vs grpo | CE end / floor |",
+        "Held-out observation CE (nats/token) on the hidden-dependent tokens (the direction "
+        f"words) of held-out random walks, exact floor {floor}; and on every observation-body "
+        "token.",
+        "",
+        "| arm | hidden CE start → end | drop | Δ drop vs grpo | end / floor | all-token CE "
+        "start → end | imagined / invalid replies (end) |",
         "|---|---|---|---|---|---|---|",
     ]
     for arm, e in summary["arms"].items():
         lines.append(
-            f"| {arm} | {_fmt(e['eval_success_sampled_start']['mean'])} → "
-            f"{_fmt(e['eval_success_sampled_end']['mean'])} | "
-            f"{ci(e['eval_success_sampled_end'].get('diff_vs_grpo'))} | "
-            f"{_fmt(e['eval_success_gain']['mean'])}, "
-            f"{_fmt(e['eval_success_sampled_gain']['mean'])} | "
-            f"{_fmt(e['heldout_obs_ce_drop']['mean'])} | "
+            f"| {arm} | {_fmt(e['heldout_obs_ce_start']['mean'])} → "
+            f"{_fmt(e['heldout_obs_ce_end']['mean'])} | {_fmt(e['heldout_obs_ce_drop']['mean'])} | "
             f"{ci(e['heldout_obs_ce_drop'].get('diff_vs_grpo'))} | "
-            f"{_fmt(e['obs_ce_over_floor_end']['mean'], 1)} |"
+            f"{_fmt(e['obs_ce_over_floor_end']['mean'], 1)} | "
+            f"{_fmt(e['heldout_obs_ce_all_start']['mean'])} → "
+            f"{_fmt(e['heldout_obs_ce_all_end']['mean'])} | "
+            f"{_fmt(e['imagined_obs_rate_end']['mean'])} / "
+            f"{_fmt(e['invalid_reply_rate_end']['mean'])} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """``comparison.png``: held-out success, held-out observation CE (with its floor), and the
-    imagined-observation and invalid-reply rates against the RL step; mean over seeds per arm."""
+    """``comparison.png``: held-out success (sampled, greedy), the held-out CE of the
+    hidden-dependent observation tokens (with its floor), and the imagined-observation and
+    invalid-reply rates against the RL step; mean over seeds per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = [
+        ("eval_success_sampled", "held-out success (sampled, T = 1)"),
         ("eval_success_greedy", "held-out success (greedy)"),
-        ("heldout_obs_ce", "held-out observation CE (nats/token)"),
+        ("heldout_hidden_ce", "held-out CE, hidden-dependent tokens (nats/token)"),
         ("eval_imagined_rate", "imagined observations (per reply, sampled)"),
         ("eval_invalid_rate", "invalid replies (per reply, sampled)"),
     ]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4), constrained_layout=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(25, 4.4), constrained_layout=True)
     arms = sorted({r["arm"] for r in rows}, key=_arm_order)
     cmap = plt.get_cmap("tab10")
     for i, arm in enumerate(arms):
@@ -473,15 +490,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                         label=f"{arm} (n={len(curves)})")  # fmt: skip
     floors = [r["obs_ce_floor"] for r in rows if r.get("obs_ce_floor")]
     if floors:
-        axes[1].axhline(floors[0], color="k", ls="--", lw=1, label=f"floor {floors[0]:.3f}")
-        axes[1].set_yscale("log")
+        axes[2].axhline(floors[0], color="k", ls="--", lw=1, label=f"floor {floors[0]:.3f}")
+        axes[2].set_yscale("log")
     for ax, (_, title) in zip(axes, panels, strict=True):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
-    axes[0].axhline(THRESHOLD, color="0.5", ls=":", lw=1)
+    axes[1].axhline(THRESHOLD, color="0.5", ls=":", lw=1)
     axes[0].legend(fontsize=8)
-    axes[1].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -12,8 +12,11 @@ __all__ = ["PANELS", "plot_run", "read_metrics"]
 # (title, metric keys) per panel of the run plot.
 PANELS: list[tuple[str, list[str]]] = [
     ("held-out success (fixed held-out tasks)", ["eval_success_greedy", "eval_success_sampled"]),
-    ("reward (training rollouts)", ["reward"]),
-    ("held-out observation CE (nats/token)", ["heldout_obs_ce", "obs_ce_floor"]),
+    ("reward (training rollouts; mean of the last 10 steps)", ["reward"]),
+    (
+        "held-out observation CE (nats/token)",
+        ["heldout_hidden_ce", "hidden_ce_floor", "heldout_obs_ce", "obs_ce_floor"],
+    ),
     ("imagined observations / invalid replies", ["imagined_obs_rate", "invalid_reply_rate"]),
     ("loss terms", ["loss_sft", "loss_obs", "loss_rl", "loss_echo"]),
     ("observation NLL on trained observations", ["obs_nll", "echo_nll"]),
@@ -64,7 +67,12 @@ def plot_run(metrics: str | Path, out_dir: str | Path) -> list[Path]:
         for key in keys:
             xs, ys = _series(rows, key)
             if xs:
-                ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=key)
+                ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=key,
+                        alpha=0.4 if key == "reward" else 1.0)  # fmt: skip
+            if key == "reward" and len(xs) >= 10:  # single steps are noisy: show the trend
+                trend = [sum(ys[max(0, i - 9) : i + 1]) / len(ys[max(0, i - 9) : i + 1])
+                         for i in range(len(ys))]  # fmt: skip
+                ax.plot(xs, trend, color="C1", lw=2, label="mean of last 10")
         if title.startswith("held-out observation CE") and _series(rows, keys[0])[0]:
             ax.set_yscale("log")  # the floor is far below the start
         if warm_end:

@@ -210,3 +210,13 @@ def test_summarize_only_on_an_empty_directory_is_a_clear_error(tmp_path, capsys)
     assert main(["experiment", "--summarize-only", "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "echoloss-train experiment:" in err and "run the experiment first" in err, err
+
+
+@pytest.mark.parametrize("key", ["warmup_flip_prob", "demo_explore"])
+def test_mirrorgrid_only_env_options_are_refused_elsewhere_and_range_checked(key):
+    with pytest.raises(ConfigError, match=rf"{key}: applies to the mirrorgrid environments"):
+        parse_config({"env": {"name": "gridwalk", key: 0.3}})
+    with pytest.raises(ConfigError, match=rf"env\.{key}"):
+        parse_config({"env": {key: 1.5}})
+    cfg = parse_config({"env": {"name": "mirrorgrid-noise", key: 0.3}})
+    assert getattr(cfg.env, key) == 0.3

@@ -90,3 +90,31 @@ def test_imagined_observations_are_read_with_special_tokens():
     assert tok.decode(scaffold, skip_special_tokens=True) == "leftuser"
     assert imagined_observation(_reply_text(tok, scaffold))
     assert not imagined_observation(_reply_text(tok, ids("left") + eos))
+
+
+def test_the_committed_results_are_complete_and_match_their_summary():
+    """docs/experiment/results.json holds the measured rows with the documented fields, and
+    summary.json is what `summarize` computes from them (the page's numbers come from it)."""
+    import json
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "experiment"
+    rows = json.loads((docs / "results.json").read_text())
+    required = ("env", "arm", "alpha", "seed", "eval_success_start", "eval_success_end",
+                "heldout_obs_ce_start", "heldout_obs_ce_end", "obs_ce_floor")  # fmt: skip
+    assert isinstance(rows, list) and rows
+    for r in rows:
+        assert all(r.get(k) is not None for k in required), r["arm"]
+        assert 0 <= r["eval_success_start"] <= 1 and 0 <= r["eval_success_end"] <= 1
+        assert r["heldout_obs_ce_end"] >= r["obs_ce_floor"] > 0  # nothing beats the exact floor
+        assert r["eval_episodes"] >= 1000
+    main = [r for r in rows if r["env"] == "mirrorgrid"]
+    arms = {r["arm"] for r in main}
+    assert {"grpo", "echo-0.005", "echo-0.01", "echo-0.05", "actobs"} <= arms
+    for arm in arms:
+        assert len({r["seed"] for r in main if r["arm"] == arm}) >= 8, arm
+    summary = json.loads((docs / "summary.json").read_text())
+    again = summarize([dict(r) for r in main])
+    for arm, entry in summary["arms"].items():
+        for key in ("eval_success_sampled_end", "heldout_obs_ce_end", "eval_success_end"):
+            assert entry[key]["mean"] == pytest.approx(again["arms"][arm][key]["mean"], rel=1e-12)

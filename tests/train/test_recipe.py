@@ -257,3 +257,36 @@ def test_max_steps_zero_is_a_warm_up_only_run_and_says_so(tmp_path):
 
     with pytest.raises(ConfigError, match="nothing to train"):
         fast_config(tmp_path / "x", **{"train.max_steps": 0, "warmup.steps": 0})
+
+
+def test_env_options_reach_the_environment_and_the_warm_up_uses_warmup_tasks(tmp_path, monkeypatch):
+    # The [env] options are handed to the environment, and warm-up demonstrations come from
+    # warmup_task (its own mirroring probability), RL rollouts from task.
+    import echoloss.train.recipe as recipe
+
+    seen: dict[str, list] = {"warmup": [], "task": []}
+    real_make_env = recipe.make_env
+
+    def spy_make_env(name, **kw):
+        env = real_make_env(name, **kw)
+        seen["env"] = env
+
+        class Spy(type(env)):  # type: ignore[misc]
+            def warmup_task(self, *, seed, index):
+                seen["warmup"].append(index)
+                return super().warmup_task(seed=seed, index=index)
+
+            def task(self, *, seed, index):
+                seen["task"].append(index)
+                return super().task(seed=seed, index=index)
+
+        return Spy(**{f: getattr(env, f) for f in env.__dataclass_fields__})
+
+    monkeypatch.setattr(recipe, "make_env", spy_make_env)
+    cfg = fast_config(tmp_path / "run", **{"env.warmup_flip_prob": 1.0, "env.demo_explore": 0.3,
+                                          "train.plots": False})  # fmt: skip
+    train(cfg, log=lambda _: None)
+    env = seen["env"]
+    assert (env.warmup_flip_prob, env.demo_explore) == (1.0, 0.3)
+    assert seen["warmup"] and all(i < 1_000_000 for i in seen["warmup"])
+    assert seen["task"] and all(i >= 1_000_000_007 for i in seen["task"])
