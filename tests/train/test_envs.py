@@ -221,6 +221,10 @@ def test_make_env_names_and_errors():
         ("</tool_response>", True),
         ("<|im_start|>user", True),
         ("right\nuser", True),
+        ("wall goal ", True),  # what echo-trained policies wrote in the experiment
+        ("wall -2", True),
+        ("left -1", True),
+        ("up", False),
     ],
 )
 def test_imagined_observation(reply, imagined):

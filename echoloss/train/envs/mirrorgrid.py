@@ -430,21 +430,22 @@ class MirrorGrid:
 
 def imagined_observation(text: str) -> bool:
     """Whether an assistant reply contains environment scaffold or observation-like text: chat
-    or tool tags, a role name, ``pos``/``error``/``start``/``goal``, or a coordinate pair
-    (``1,2``, ``+1,-2``).
+    or tool tags, a role name, ``pos``/``error``/``start``/``goal``/``wall``, a signed number
+    (``-2``) or a coordinate pair (``1,2``, ``+1,-2``).
 
     Examples:
         >>> imagined_observation("left"), imagined_observation("pos 1,2"), imagined_observation("h8|")
         (False, True, False)
-        >>> imagined_observation("</tool_response>")
-        True
+        >>> imagined_observation("</tool_response>"), imagined_observation("wall -2")
+        (True, True)
     """
     import re
 
     return bool(
         re.search(
-            r"<\|?/?(tool_response|im_start|im_end)|\b(pos|error|start|goal|user|system|tool)\b"
-            r"|\d\s*,\s*[+-]?\d",
+            r"<\|?/?(tool_response|im_start|im_end)"
+            r"|\b(pos|error|start|goal|wall|user|system|tool)\b"
+            r"|\d\s*,\s*[+-]?\d|[+-]\d",
             text,
         )
     )
