@@ -7,7 +7,7 @@ default) is used; ``configs/`` has annotated examples.
 Examples:
     >>> cfg = load_config(None, overrides={"train.max_steps": 3})
     >>> cfg.train.max_steps, cfg.model.arch, cfg.echo.alpha
-    (3, 'qwen3', 0.05)
+    (3, 'qwen3', 0.01)
     >>> parse_config({"optim": {"lr": "fast"}})
     Traceback (most recent call last):
     ...
@@ -444,7 +444,7 @@ steps = 80
 lr = 1e-2
 
 [echo]
-alpha = 0.05   # the λ the experiment supports on mirrorgrid (docs/experiment.md)
+alpha = 0.01   # the λ the experiment supports on mirrorgrid (docs/experiment.md)
 
 [optim]
 lr = 1e-3
