@@ -13,6 +13,7 @@ the exact floor and against the two reference points that need no inference from
 
     python scripts/world_model_probe.py --hidden-size 64 --layers 2 --steps 400
     python scripts/world_model_probe.py --hidden-size 128 --layers 4 --steps 200
+    python scripts/world_model_probe.py --env mirrorgrid-shown --steps 800   # a lookup, no inference
 
 Prints one JSON object per evaluation (step, seconds, train CE, held-out CE, floor).
 """
@@ -28,7 +29,7 @@ import time
 import torch
 
 from echoloss.train.data import heldout_conversations, hidden_token_positions
-from echoloss.train.envs import MirrorGrid
+from echoloss.train.envs import MirrorGrid, make_env
 from echoloss.train.model import build_tiny_model, build_tokenizer
 from echoloss.train.recipe import heldout_hidden_ce
 
@@ -48,11 +49,17 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--env",
+        choices=["mirrorgrid", "mirrorgrid-shown"],
+        default="mirrorgrid",
+        help="mirrorgrid-shown prints the mirroring in the first message: a lookup, no inference",
+    )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     tok = build_tokenizer()
-    env = MirrorGrid(size=4)
+    env = make_env(args.env, size=4)
     heldout, floor = _positions(env, tok, heldout_conversations(env, count=64))
     model = build_tiny_model(
         arch="qwen3",
@@ -97,6 +104,7 @@ def main() -> None:
                 "log3": round(math.log(3), 4),
                 "hidden_size": args.hidden_size,
                 "layers": args.layers,
+                "env": args.env,
             }
             print(json.dumps(row), flush=True)
 
