@@ -104,8 +104,8 @@ def environment(ctx: Context, threads: int, peak_bw: float | None) -> dict[str, 
         "peak_bandwidth_Bps": peak_bw,
         "versions": {**versions(), "python": platform.python_version()},
         "cuda": torch.version.cuda,
-        # a copy of the tree without .git (a rented GPU machine) names its commit through the env
-        "git_sha": _git("rev-parse", "HEAD") or os.environ.get("ECHOLOSS_GIT_SHA"),
+        # set where the tree was copied to another machine: its .git, if any, may be stale there
+        "git_sha": os.environ.get("ECHOLOSS_GIT_SHA") or _git("rev-parse", "HEAD"),
         "git_dirty": bool(dirty) if dirty is not None else None,
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),
