@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="e.g. cuda")
     ap.add_argument(
         "--env",
         choices=["mirrorgrid", "mirrorgrid-shown"],
@@ -72,6 +73,7 @@ def main() -> None:
         max_position_embeddings=1024,
         seed=args.seed,
     )
+    model.to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     t0 = time.perf_counter()
     for step in range(args.steps + 1):
@@ -87,6 +89,7 @@ def main() -> None:
         for k, (ids, pos) in enumerate(sets):
             x[k, : len(ids)] = torch.tensor(ids)
             mask[k, torch.tensor(pos)] = True
+        x, mask = x.to(args.device), mask.to(args.device)
         logits = model(input_ids=x).logits[:, :-1].float()
         logprobs = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
         loss = -(logprobs * mask[:, 1:]).sum() / mask.sum()
@@ -99,12 +102,13 @@ def main() -> None:
                 "step": step,
                 "seconds": round(time.perf_counter() - t0, 1),
                 "train_ce": round(loss.item(), 4),
-                "heldout_ce": round(heldout_hidden_ce(model, heldout, "cpu"), 4),
+                "heldout_ce": round(heldout_hidden_ce(model, heldout, args.device), 4),
                 "floor": round(floor, 4),
                 "log3": round(math.log(3), 4),
                 "hidden_size": args.hidden_size,
                 "layers": args.layers,
                 "env": args.env,
+                "device": str(args.device),
             }
             print(json.dumps(row), flush=True)
 

@@ -108,3 +108,36 @@ def test_world_model_probe_runs_and_reports_against_the_floor():
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["heldout_ce"] > r["floor"] > 0 for r in rows)
     assert rows[0]["log3"] == round(math.log(3), 4)
+
+
+def test_world_model_probe_shown_variant_has_floor_zero():
+    """--env mirrorgrid-shown prints the mirroring: nothing is hidden, the floor is 0."""
+    import json
+
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "world_model_probe.py"), "--steps", "1",
+         "--eval-every", "1", "--hidden-size", "16", "--layers", "1", "--batch", "4",
+         "--env", "mirrorgrid-shown"],
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [r["env"] for r in rows] == ["mirrorgrid-shown"] * 2
+    assert all(r["floor"] == 0.0 and r["heldout_ce"] > 0 for r in rows)
+
+
+def test_committed_probe_rows_are_consistent():
+    """docs/experiment/world_model_probe_*.jsonl (the probe tables of docs/experiment.md): steps
+    increase from 0, every held-out CE is above its environment's exact floor."""
+    import json
+
+    files = sorted((ROOT / "docs" / "experiment").glob("world_model_probe_*.jsonl"))
+    assert len(files) >= 8
+    for path in files:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        steps = [r["step"] for r in rows]
+        assert steps[0] == 0 and steps == sorted(set(steps)), path.name
+        shown = rows[0].get("env") == "mirrorgrid-shown"
+        assert shown == ("shown" in path.name), path.name
+        floor = 0.0 if shown else 0.1941
+        assert all(r["floor"] == floor and r["heldout_ce"] > floor for r in rows), path.name
