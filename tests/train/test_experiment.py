@@ -118,3 +118,27 @@ def test_the_committed_results_are_complete_and_match_their_summary():
     for arm, entry in summary["arms"].items():
         for key in ("eval_success_sampled_end", "heldout_obs_ce_end", "eval_success_end"):
             assert entry[key]["mean"] == pytest.approx(again["arms"][arm][key]["mean"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "folder", ["controls/mirrorgrid-noise", "controls/mirrorgrid-shown", "rl-120"]
+)
+def test_the_committed_supplementary_results_match_their_summary(folder):
+    """The controls and the 120-RL-step run (docs/experiment.md) are what `summarize` computes
+    from their committed rows, with complete paired seeds."""
+    import json
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "experiment" / folder
+    rows = json.loads((docs / "results.json").read_text())
+    summary = json.loads((docs / "summary.json").read_text())
+    again = summarize([dict(r) for r in rows])
+    assert set(summary["arms"]) == set(again["arms"]) >= {"grpo"}
+    for arm in summary["arms"]:
+        seeds = {r["seed"] for r in rows if r["arm"] == arm}
+        assert seeds == {r["seed"] for r in rows if r["arm"] == "grpo"} and len(seeds) >= 4
+        for key in ("eval_success_sampled_end", "heldout_obs_ce_end", "eval_success_end"):
+            want = again["arms"][arm][key]["mean"]
+            assert summary["arms"][arm][key]["mean"] == pytest.approx(want, rel=1e-12)
+    if folder == "rl-120":
+        assert {r["rl_steps"] for r in rows} == {120} and len(rows) == 16
