@@ -274,3 +274,14 @@ def test_no_reference_means_no_numbers(tmp_path, monkeypatch):
     for r in rows:
         assert r["status"] == "oom" and r["reason"].startswith("no reference")
         assert r["time_ms"] is None and r["peak_extra_bytes"] is None
+
+
+def test_git_sha_from_the_environment_wins_over_a_stale_git(monkeypatch):
+    """A tree copied to a GPU machine may carry an old .git: ECHOLOSS_GIT_SHA names the commit."""
+    from benchmarks.providers import Context
+
+    ctx = Context("cpu", torch.device("cpu"))
+    monkeypatch.delenv("ECHOLOSS_GIT_SHA", raising=False)
+    from_git = harness.environment(ctx, 1, None)["git_sha"]
+    monkeypatch.setenv("ECHOLOSS_GIT_SHA", "0123abcd" * 5)
+    assert harness.environment(ctx, 1, None)["git_sha"] == "0123abcd" * 5 != from_git
