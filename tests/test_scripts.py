@@ -110,6 +110,23 @@ def test_world_model_probe_runs_and_reports_against_the_floor():
     assert rows[0]["log3"] == round(math.log(3), 4)
 
 
+def test_world_model_probe_can_pretrain_induction_first():
+    """--pretrain-induction-steps: copy-task rows first (loss on the repeat), then the probe."""
+    import json
+
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "world_model_probe.py"), "--steps", "1",
+         "--eval-every", "2", "--hidden-size", "16", "--layers", "1", "--batch", "4",
+         "--pretrain-induction-steps", "3"],
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [r.get("pretrain_step") for r in rows[:2]] == [2, 3]
+    assert all(r["copy_ce"] > 0 for r in rows[:2])
+    assert [r["step"] for r in rows[2:]] == [0] and rows[2]["pretrain_induction_steps"] == 3
+
+
 def test_world_model_probe_shown_variant_has_floor_zero():
     """--env mirrorgrid-shown prints the mirroring: nothing is hidden, the floor is 0."""
     import json
@@ -134,7 +151,11 @@ def test_committed_probe_rows_are_consistent():
     files = sorted((ROOT / "docs" / "experiment").glob("world_model_probe_*.jsonl"))
     assert len(files) >= 8
     for path in files:
-        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        pretrain = [r for r in lines if "pretrain_step" in r]  # the induction warm-up's rows
+        assert bool(pretrain) == ("induction" in path.name), path.name
+        assert all(0 <= r["copy_ce"] < 5 for r in pretrain), path.name
+        rows = [r for r in lines if "step" in r]
         steps = [r["step"] for r in rows]
         assert steps[0] == 0 and steps == sorted(set(steps)), path.name
         shown = rows[0].get("env") == "mirrorgrid-shown"
