@@ -235,6 +235,11 @@ class WarmupConfig(_Section):
     # CE weight of the observation tokens in the warm-up (0 = assistant tokens only; > 0 keeps
     # them calibrated; 1 with a short warm-up is the ActObs-style arm of the experiment)
     obs_weight: float = Field(0.1, ge=0)
+    # Before the warm-up, train the tiny model on a generic in-context copy task (random token
+    # ids, repeated; nothing about the environment) for this many steps: the skill a pretrained
+    # model brings and a random-init one lacks (docs/experiment.md, the probe). 0 = none.
+    copy_steps: int = Field(0, ge=0)
+    copy_lr: float = Field(3e-3, gt=0)
 
 
 class EchoSection(_Section):

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import echoloss
 from echoloss.loss import (
@@ -355,6 +356,49 @@ def heldout_observation_ce(model: Any, batches: list[echoloss.PackedBatch], attn
         count += n
     model.train(was)
     return nll / max(count, 1)
+
+
+def copy_task_warmup(
+    model: Any,
+    *,
+    vocab_size: int,
+    steps: int,
+    lr: float,
+    seed: int,
+    device: Any,
+    batch: int = 32,
+    half: int = 32,
+    log: Any = None,
+) -> float:
+    """Train ``model`` on generic in-context copying: each row is ``half`` random token ids
+    ``[batch, half]`` repeated once, and the loss is the CE of the repeat (predictable only by
+    finding the earlier occurrence of the current token and copying what followed it). Returns
+    the last step's loss (nats/token; ``log vocab_size`` for a model that cannot copy).
+
+    Example:
+        >>> from echoloss.train.model import build_tiny_model
+        >>> m = build_tiny_model(arch="qwen3", vocab_size=50, hidden_size=16, num_layers=1,
+        ...                      num_heads=2, num_kv_heads=1, intermediate_size=32,
+        ...                      max_position_embeddings=128, seed=0)
+        >>> 0 < copy_task_warmup(m, vocab_size=50, steps=2, lr=1e-3, seed=0, device="cpu") < 5
+        True
+    """
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)  # its own: discarded afterwards
+    loss = torch.tensor(math.log(vocab_size))
+    for step in range(1, steps + 1):
+        first = torch.randint(0, vocab_size, (batch, half), generator=g)
+        x = torch.cat([first, first], dim=1).to(device)
+        logits = model(input_ids=x).logits[:, half - 1 : -1].float()
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, half:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if log is not None and (step % 100 == 0 or step == steps):
+            log(f"copy task {step:>5}/{steps}  ce {loss.item():.4f}")
+    opt.zero_grad(set_to_none=True)
+    return float(loss.item())
 
 
 @torch.no_grad()
@@ -715,6 +759,23 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
             log(f"resumed from {path} at step {start}")
     if rank == 0:
         log(_banner(cfg, model, env, device, out, None if resume is None else str(path), start))
+    if cfg.warmup.copy_steps and cfg.model.path is not None and rank == 0:
+        # The experiment's arms load their warm-start this way: copying is already in it.
+        warnings.warn(
+            f"warmup.copy_steps = {cfg.warmup.copy_steps} is not run: model.path loads a "
+            "trained model (the copy task is for the built-in tiny model before its warm-up)",
+            stacklevel=2,
+        )
+    if start == 0 and cfg.warmup.copy_steps and cfg.model.path is None:
+        copy_task_warmup(
+            model,
+            vocab_size=len(tok),
+            steps=cfg.warmup.copy_steps,
+            lr=cfg.warmup.copy_lr,
+            seed=cfg.train.seed,
+            device=device,
+            log=log if rank == 0 else None,
+        )
 
     # Everything that can fail on bad input (config, model, data, checkpoint) has run: now write.
     if rank == 0:
@@ -1026,7 +1087,9 @@ def _banner(
         f"  model  {what}, {params / 1e6:.3g}M parameters",
         f"  env    {cfg.env.name} {cfg.env.size}x{cfg.env.size}, turn limit {env.turn_limit}"
         + (f", {tasks} held-out tasks" if tasks else ""),
-        f"  steps  {cfg.warmup.steps if cfg.data.source != 'jsonl' else 0} warm-up "
+        "  steps  "
+        + (f"{cfg.warmup.copy_steps} copy-task + " if cfg.warmup.copy_steps else "")
+        + f"{cfg.warmup.steps if cfg.data.source != 'jsonl' else 0} warm-up "
         f"(lr {cfg.warmup.lr:g}, obs weight {cfg.warmup.obs_weight:g}) + "
         f"{cfg.train.max_steps} RL (lr {cfg.optim.lr:g}), "
         f"{cfg.data.prompts_per_step}x{cfg.data.group_size} rollouts/step",

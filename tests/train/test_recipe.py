@@ -290,3 +290,41 @@ def test_env_options_reach_the_environment_and_the_warm_up_uses_warmup_tasks(tmp
     assert (env.warmup_flip_prob, env.demo_explore) == (1.0, 0.3)
     assert seen["warmup"] and all(i < 1_000_000 for i in seen["warmup"])
     assert seen["task"] and all(i >= 1_000_000_007 for i in seen["task"])
+
+
+def test_copy_task_runs_once_before_the_warm_up_and_not_on_resume(tmp_path):
+    # warmup.copy_steps: logged in the banner and per 100 steps, changes the model the warm-up
+    # starts from, and a resumed run (whose weights come from the checkpoint) does not redo it.
+    over = {"train.max_steps": 1, "train.checkpoint_every": 1, "train.plots": False}
+    lines: list[str] = []
+    plain = train(fast_config(tmp_path / "plain", **over), log=lambda _: None)
+    copied = train(fast_config(tmp_path / "copy", **over, **{"warmup.copy_steps": 3}),
+                   log=lines.append)  # fmt: skip
+    assert any("3 copy-task + " in x for x in lines) and any(
+        "copy task     3/3" in x for x in lines
+    )
+    a, b = read_metrics(plain / "metrics.jsonl"), read_metrics(copied / "metrics.jsonl")
+    assert a[0]["loss_sft"] != b[0]["loss_sft"]  # the warm-up started from another model
+    resumed_lines: list[str] = []
+    more = {**over, "train.max_steps": 2, "warmup.copy_steps": 3}
+    with pytest.warns(ckpt.ResumeWarning, match="max_steps"):
+        train(fast_config(tmp_path / "copy", **more), resume=copied, log=resumed_lines.append)
+    assert not any("copy task" in x for x in resumed_lines)
+    loaded_lines: list[str] = []
+    loaded = {"model.path": str(copied / "final-model"), "warmup.steps": 0, "train.max_steps": 1,
+              "warmup.copy_steps": 3, "train.plots": False}  # fmt: skip
+    with pytest.warns(UserWarning, match="copy_steps = 3 is not run: model.path"):
+        train(fast_config(tmp_path / "loaded", **loaded), log=loaded_lines.append)
+    assert not any("copy task " in x for x in loaded_lines)
+
+
+def test_copy_task_teaches_copying():
+    """`copy_task_warmup` lowers the CE of the repeated half well below log V (what a model that
+    cannot copy gets) on a tiny model in a few dozen steps."""
+    from echoloss.train.recipe import copy_task_warmup
+
+    m = build_tiny_model(arch="qwen3", vocab_size=20, hidden_size=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, intermediate_size=64, max_position_embeddings=64, seed=0)  # fmt: skip
+    first = copy_task_warmup(m, vocab_size=20, steps=1, lr=1e-2, seed=0, device="cpu", half=8)
+    last = copy_task_warmup(m, vocab_size=20, steps=150, lr=1e-2, seed=1, device="cpu", half=8)
+    assert first > 0.8 * math.log(20) and last < 0.5 * math.log(20), (first, last)
