@@ -121,7 +121,7 @@ def test_the_committed_results_are_complete_and_match_their_summary():
 
 
 @pytest.mark.parametrize(
-    "folder", ["controls/mirrorgrid-noise", "controls/mirrorgrid-shown", "rl-120"]
+    "folder", ["controls/mirrorgrid-noise", "controls/mirrorgrid-shown", "rl-120", "copy-1000"]
 )
 def test_the_committed_supplementary_results_match_their_summary(folder):
     """The controls and the 120-RL-step run (docs/experiment.md) are what `summarize` computes
