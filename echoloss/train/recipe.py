@@ -79,6 +79,10 @@ from echoloss.train.model import build_tiny_model, build_tokenizer, load_model, 
 
 __all__ = ["train"]
 
+#: RL steps in a row without any non-zero advantage before the trainer warns (a collapsed
+#: policy whose groups all score the same gets no RL gradient, docs/experiment.md).
+NO_SIGNAL_STEPS = 10
+
 SFT = LossConfig(mode="sft", compute_entropy=False)  # the warm-start's loss (no RL, no echo)
 _OWNED_GROUP: list[bool] = []  # non-empty while a process group train() created is alive
 
@@ -825,6 +829,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         evaluate(
             start, 0, True
         )  # the RL start, before any update (with a warm-up: after its last step)
+    no_signal = 0  # RL steps in a row on which every advantage was 0
     for step in range(start, total):
         t0 = time.perf_counter()
         warm = step < warm_steps
@@ -975,6 +980,16 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
                     echo_nll=m.get("echo_nll_mean/all", math.nan),
                 )
             row["loss"] = row["loss_rl"] + row.get("loss_echo", 0.0)
+            no_signal = no_signal + 1 if row.get("advantage_abs", 1.0) == 0 else 0
+            if no_signal == NO_SIGNAL_STEPS and rank == 0:
+                warnings.warn(
+                    f"RL steps {rl_step + 2 - NO_SIGNAL_STEPS}-{rl_step + 1}: every group had "
+                    f"identical rewards (mean reward {row['reward']:.3f}), so every advantage and "
+                    "the RL gradient were 0; RL alone cannot leave this state (an echo or "
+                    "entropy term still trains). Read invalid_reply_rate in metrics.jsonl; "
+                    "consider stopping the run, a larger data.group_size or a lower optim.lr",
+                    stacklevel=2,
+                )
         row.update(
             rl_tokens=norms.rl_tokens,
             echo_tokens=norms.echo_tokens,

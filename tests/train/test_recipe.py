@@ -328,3 +328,38 @@ def test_copy_task_teaches_copying():
     first = copy_task_warmup(m, vocab_size=20, steps=1, lr=1e-2, seed=0, device="cpu", half=8)
     last = copy_task_warmup(m, vocab_size=20, steps=150, lr=1e-2, seed=1, device="cpu", half=8)
     assert first > 0.8 * math.log(20) and last < 0.5 * math.log(20), (first, last)
+
+
+def test_a_run_without_any_rl_signal_is_warned_once(tmp_path, monkeypatch):
+    # A collapsed policy (every rollout scored the same) gets exactly zero RL gradient: after
+    # NO_SIGNAL_STEPS such RL steps in a row the trainer says so, once per streak.
+    import warnings
+
+    import echoloss.train.recipe as recipe
+
+    real_make_env = recipe.make_env
+
+    def zero_reward_env(name, **kw):
+        env = real_make_env(name, **kw)
+
+        class NoReward(type(env)):  # type: ignore[misc]
+            def act(self, episode, text):
+                obs = super().act(episode, text)
+                episode.reward = 0.0
+                return obs
+
+        return NoReward(**{f: getattr(env, f) for f in env.__dataclass_fields__})
+
+    monkeypatch.setattr(recipe, "make_env", zero_reward_env)
+    n = recipe.NO_SIGNAL_STEPS
+    cfg = fast_config(tmp_path / "run", **{"train.max_steps": n + 1, "warmup.steps": 1,
+                                          "train.plots": False, "train.eval_every": 1000})  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = train(cfg, log=lambda _: None)
+    said = [str(w.message) for w in caught if "identical rewards" in str(w.message)]
+    assert (
+        len(said) == 1 and said[0].startswith(f"RL steps 1-{n}: ") and "data.group_size" in said[0]
+    )
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["phase"] == "rl"]
+    assert len(rows) == n + 1 and all(r["advantage_abs"] == 0 for r in rows)
