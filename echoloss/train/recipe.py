@@ -1103,7 +1103,11 @@ def _banner(
         f"  env    {cfg.env.name} {cfg.env.size}x{cfg.env.size}, turn limit {env.turn_limit}"
         + (f", {tasks} held-out tasks" if tasks else ""),
         "  steps  "
-        + (f"{cfg.warmup.copy_steps} copy-task + " if cfg.warmup.copy_steps else "")
+        + (
+            f"{cfg.warmup.copy_steps} copy-task + "
+            if cfg.warmup.copy_steps and cfg.model.path is None and start == 0
+            else ""
+        )
         + f"{cfg.warmup.steps if cfg.data.source != 'jsonl' else 0} warm-up "
         f"(lr {cfg.warmup.lr:g}, obs weight {cfg.warmup.obs_weight:g}) + "
         f"{cfg.train.max_steps} RL (lr {cfg.optim.lr:g}), "
