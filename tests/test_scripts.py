@@ -93,18 +93,23 @@ def test_project_venv_is_created_announced_and_reused(tmp_path, ensurepip):
     assert _chosen(second) == py and "creating" not in second.stderr
 
 
-def test_world_model_probe_runs_and_reports_against_the_floor():
-    """scripts/world_model_probe.py (docs/experiment.md): a two-step run prints JSON rows with
-    the held-out CE of the hidden-dependent tokens, above their exact floor."""
+def _probe_rows(*args: str) -> list[dict]:
+    """scripts/world_model_probe.py on a 16-wide, 1-layer model with batches of 4: its JSON rows."""
     import json
 
     pytest.importorskip("transformers")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "world_model_probe.py"), "--steps", "2",
-         "--eval-every", "1", "--hidden-size", "16", "--layers", "1", "--batch", "4"],
+        [sys.executable, str(ROOT / "scripts" / "world_model_probe.py"), "--hidden-size", "16",
+         "--layers", "1", "--batch", "4", *args],
         capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
-    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    return [json.loads(x) for x in out.stdout.splitlines()]
+
+
+def test_world_model_probe_runs_and_reports_against_the_floor():
+    """scripts/world_model_probe.py (docs/experiment.md): a two-step run prints JSON rows with
+    the held-out CE of the hidden-dependent tokens, above their exact floor."""
+    rows = _probe_rows("--steps", "2", "--eval-every", "1")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["heldout_ce"] > r["floor"] > 0 for r in rows)
     assert rows[0]["log3"] == round(math.log(3), 4)
@@ -112,16 +117,7 @@ def test_world_model_probe_runs_and_reports_against_the_floor():
 
 def test_world_model_probe_can_pretrain_induction_first():
     """--pretrain-induction-steps: copy-task rows first (loss on the repeat), then the probe."""
-    import json
-
-    pytest.importorskip("transformers")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "world_model_probe.py"), "--steps", "1",
-         "--eval-every", "2", "--hidden-size", "16", "--layers", "1", "--batch", "4",
-         "--pretrain-induction-steps", "3"],
-        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    rows = _probe_rows("--steps", "1", "--eval-every", "2", "--pretrain-induction-steps", "3")
     assert [r.get("pretrain_step") for r in rows[:2]] == [2, 3]
     assert all(r["copy_ce"] > 0 for r in rows[:2])
     assert [r["step"] for r in rows[2:]] == [0] and rows[2]["pretrain_induction_steps"] == 3
@@ -129,16 +125,7 @@ def test_world_model_probe_can_pretrain_induction_first():
 
 def test_world_model_probe_shown_variant_has_floor_zero():
     """--env mirrorgrid-shown prints the mirroring: nothing is hidden, the floor is 0."""
-    import json
-
-    pytest.importorskip("transformers")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "world_model_probe.py"), "--steps", "1",
-         "--eval-every", "1", "--hidden-size", "16", "--layers", "1", "--batch", "4",
-         "--env", "mirrorgrid-shown"],
-        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    rows = _probe_rows("--steps", "1", "--eval-every", "1", "--env", "mirrorgrid-shown")
     assert [r["env"] for r in rows] == ["mirrorgrid-shown"] * 2
     assert all(r["floor"] == 0.0 and r["heldout_ce"] > 0 for r in rows)
 
