@@ -32,33 +32,13 @@ import torch
 from echoloss.train.data import heldout_conversations, hidden_token_positions
 from echoloss.train.envs import MirrorGrid, make_env
 from echoloss.train.model import build_tiny_model, build_tokenizer
-from echoloss.train.recipe import heldout_hidden_ce
+from echoloss.train.recipe import copy_task_warmup, heldout_hidden_ce
 
 
 def _positions(env: MirrorGrid, tok, conversations):
     sets = [hidden_token_positions(m, tok, env.hidden_spans(m)) for m in conversations]
     nats = sum(env.hidden_nats(m) for m in conversations)
     return sets, nats / sum(len(p) for _, p in sets)
-
-
-def _pretrain_induction(model, vocab_size: int, args) -> None:
-    """Generic in-context copying, nothing about mirrorgrid: each row is 32 random token ids
-    repeated once; the loss is on the repeat, which a model can predict only by finding the
-    earlier occurrence of the current token and copying what followed it."""
-    g = torch.Generator().manual_seed(args.seed + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    half = 32
-    for step in range(1, args.pretrain_induction_steps + 1):
-        first = torch.randint(0, vocab_size, (args.batch, half), generator=g)
-        x = torch.cat([first, first], dim=1).to(args.device)
-        logits = model(input_ids=x).logits[:, half - 1 : -1].float()
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, half:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % args.eval_every == 0 or step == args.pretrain_induction_steps:
-            print(json.dumps({"pretrain_step": step, "copy_ce": round(loss.item(), 4)}), flush=True)
 
 
 def main() -> None:
@@ -102,8 +82,20 @@ def main() -> None:
     )
     model.to(args.device)
     t0 = time.perf_counter()
-    if args.pretrain_induction_steps:
-        _pretrain_induction(model, len(tok), args)
+    if args.pretrain_induction_steps:  # generic in-context copying, nothing about mirrorgrid
+        copy_task_warmup(
+            model,
+            vocab_size=len(tok),
+            steps=args.pretrain_induction_steps,
+            lr=args.lr,
+            seed=args.seed + 1,
+            device=args.device,
+            batch=args.batch,
+            report=lambda k, ce: print(
+                json.dumps({"pretrain_step": k, "copy_ce": round(ce, 4)}), flush=True
+            ),
+            report_every=args.eval_every,
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     for step in range(args.steps + 1):
         walks = []

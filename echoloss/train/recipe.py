@@ -39,6 +39,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -372,12 +373,14 @@ def copy_task_warmup(
     device: Any,
     batch: int = 32,
     half: int = 32,
-    log: Any = None,
+    report: Callable[[int, float], None] | None = None,
+    report_every: int = 100,
 ) -> float:
     """Train ``model`` on generic in-context copying: each row is ``half`` random token ids
     ``[batch, half]`` repeated once, and the loss is the CE of the repeat (predictable only by
     finding the earlier occurrence of the current token and copying what followed it). Returns
     the last step's loss (nats/token; ``log vocab_size`` for a model that cannot copy).
+    ``report(step, loss)`` is called every ``report_every`` steps and after the last.
 
     Example:
         >>> from echoloss.train.model import build_tiny_model
@@ -399,8 +402,8 @@ def copy_task_warmup(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if log is not None and (step % 100 == 0 or step == steps):
-            log(f"copy task {step:>5}/{steps}  ce {loss.item():.4f}")
+        if report is not None and (step % report_every == 0 or step == steps):
+            report(step, loss.item())
     opt.zero_grad(set_to_none=True)
     return float(loss.item())
 
@@ -778,7 +781,9 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
             lr=cfg.warmup.copy_lr,
             seed=cfg.train.seed,
             device=device,
-            log=log if rank == 0 else None,
+            report=(lambda k, ce: log(f"copy task {k:>5}/{cfg.warmup.copy_steps}  ce {ce:.4f}"))
+            if rank == 0
+            else None,
         )
 
     # Everything that can fail on bad input (config, model, data, checkpoint) has run: now write.
