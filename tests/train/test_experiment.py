@@ -142,3 +142,29 @@ def test_the_committed_supplementary_results_match_their_summary(folder):
             assert summary["arms"][arm][key]["mean"] == pytest.approx(want, rel=1e-12)
     if folder == "rl-120":
         assert {r["rl_steps"] for r in rows} == {120} and len(rows) == 16
+
+
+def _t_cdf(x: float, df: int) -> float:
+    """Student t CDF by Simpson's rule on its density (error < 1e-9 here): no scipy needed."""
+    import numpy as np
+
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    t = np.linspace(0.0, x, 200_001)
+    pdf = np.exp(log_c - (df + 1) / 2 * np.log1p(t * t / df))
+    h = t[1] - t[0]
+    return 0.5 + h / 3 * (pdf[0] + pdf[-1] + 4 * pdf[1:-1:2].sum() + 2 * pdf[2:-1:2].sum())
+
+
+def test_t_quantiles_exact_to_30_and_never_narrower_beyond():
+    """The interval half-width uses t_{0.975, n-1}: the tabulated quantile's CDF is 0.975 (to the
+    3-decimal rounding) up to df 30, and never below 0.975 after: an anti-conservative 1.96 for
+    df 31-119 was a bug."""
+    from echoloss.train.experiment import _t975
+
+    assert _t_cdf(1.959964, 10_000) == pytest.approx(0.975, abs=2e-5)  # the helper itself
+    for df in range(1, 31):
+        assert _t_cdf(_t975(df), df) == pytest.approx(0.975, abs=3e-5), df
+    for df in [*range(31, 130), 200]:
+        assert 0.975 <= _t_cdf(_t975(df), df) <= 0.976, df  # at most ~0.001 wider
+    with pytest.raises(ValueError, match="df must be >= 1"):
+        _t975(0)
