@@ -18,8 +18,11 @@ Then every arm continues from its warm-start with RL, differing **only** in λ (
 ``grpo`` (λ = 0), ``echo-<λ>`` for each λ of ``--alphas``, and ``actobs`` (λ = 0 after the
 ``actobs`` warm-start). Same seed, same tasks, same sampling stream across arms: the
 comparisons are paired. The runs go to ``--jobs`` worker processes (one CPU thread each; a worker
-imports torch once and runs ``echoloss-train`` runs one after another, each with its own log);
-a finished run's row is appended to ``results.jsonl`` at once, so a cut-off experiment keeps
+imports torch once and runs ``echoloss-train`` runs one after another, each with its own log).
+``--warm-start MODEL_DIR`` replaces the per-seed warm-starts by one model that every arm of every
+seed starts from (a longer warm-up, or a pretrained model tuned on the env): the seeds then vary
+RL only, and each arm evaluates its own RL start (the same numbers across the arms of a seed).
+A finished run's row is appended to ``results.jsonl`` at once, so a cut-off experiment keeps
 what it measured. At the end (or with ``--summarize-only``) it writes
 ``results.json`` (one object per run), ``summary.json`` / ``summary.md`` (means and 95 %
 confidence intervals over seeds of the paired differences against ``grpo``) and
@@ -137,8 +140,12 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
     """The result row of one finished arm: held-out numbers at RL start (from its warm-start's
     evaluation) and at the end, and the RL curve's landmarks."""
-    start = [e for e in _read_jsonl(out / job.needs / "eval.jsonl") if e["rl_step"] == 0]  # type: ignore[operator]
     evals = _read_jsonl(out / job.name / "eval.jsonl")
+    if job.needs is not None:  # the RL start is the end of its warm-start job
+        start = [e for e in _read_jsonl(out / job.needs / "eval.jsonl") if e["rl_step"] == 0]
+    else:  # a shared --warm-start: the arm evaluated its own RL start
+        start = [e for e in evals if e["rl_step"] == 0]
+        evals = [e for e in evals if e["rl_step"] > 0]
     first = start[-1] if start else {}
     everything = [{**first, "rl_step": 0}, *evals] if first else evals
     last = max(evals, key=lambda e: e["rl_step"]) if evals else {}
@@ -200,7 +207,7 @@ def _jobs(args: argparse.Namespace, mode: dict[str, Any], base_cmd: list[str]) -
     jobs: list[_Job] = []
     for seed in args.seeds:
         for warm, weight in (("base", None), ("actobs", ACTOBS_WEIGHT)):
-            if warm == "actobs" and args.no_actobs:
+            if (warm == "actobs" and args.no_actobs) or args.warm_start is not None:
                 continue
             extra = ["train.max_steps=0", "train.plots=false"]
             if weight is not None:
@@ -216,12 +223,17 @@ def _jobs(args: argparse.Namespace, mode: dict[str, Any], base_cmd: list[str]) -
             arms.append(("actobs", 0.0, "actobs"))
         for arm, alpha, warm in arms:
             name = f"{arm}-seed{seed}"
-            needs = f"warm-{warm}-seed{seed}"
             cmd = [*base_cmd, "--seed", str(seed), "--output-dir", str(args.output_dir / name)]
+            needs: str | None
+            if args.warm_start is None:
+                needs = f"warm-{warm}-seed{seed}"
+                model, at_start = args.output_dir / needs / "final-model", "false"
+            else:  # one start for every seed; each arm evaluates it (same seed: same numbers)
+                needs, warm, model, at_start = None, "shared", args.warm_start, "true"
             extra = [
-                f"model.path={args.output_dir / needs / 'final-model'}",
+                f"model.path={model}",
                 "warmup.steps=0",
-                "train.eval_at_start=false",  # the warm-start's evaluation is the RL start
+                f"train.eval_at_start={at_start}",  # else the warm-start's evaluation is the start
                 f"echo.alpha={alpha}",
             ]
             for item in [*sets, *extra]:
@@ -557,6 +569,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run"
     )
+    p.add_argument(
+        "--warm-start",
+        type=Path,
+        metavar="MODEL_DIR",
+        help="start every seed's arms from this model directory (e.g. a longer warm-up's "
+        "final-model) instead of a warm-start per seed; needs --no-actobs",
+    )
     p.add_argument("--summarize-only", action="store_true", help="only rebuild tables and plots")
     args = p.parse_args(argv)
     mode = MODES[args.mode]
@@ -566,6 +585,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"echoloss-train experiment: --alphas must be > 0 (got {args.alphas}); "
               "λ = 0 is the grpo arm, always run", file=sys.stderr)  # fmt: skip
         return 2
+    if args.warm_start is not None and not args.summarize_only:
+        if not args.no_actobs:
+            print("echoloss-train experiment: --warm-start gives every arm the same start, but "
+                  "the actobs arm is defined by its own warm-start; add --no-actobs",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if not (args.warm_start / "config.json").is_file():
+            print(f"echoloss-train experiment: --warm-start {str(args.warm_start)!r} is not a model "
+                  "directory (no config.json); pass a run's final-model directory",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        args.warm_start = args.warm_start.resolve()
     out: Path = args.output_dir
     if args.summarize_only:
         return _write_summary(out)
@@ -587,7 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     env_name = renamed[-1] if renamed else base.env.name  # --set env.name=... runs a control
     print(
         f"experiment ({args.mode}): env {env_name}, seeds {args.seeds}, λ {args.alphas}"
-        f"{'' if args.no_actobs else ' + actobs'}; {len(jobs)} runs, {args.jobs} at a time; "
+        f"{'' if args.no_actobs else ' + actobs'}"
+        f"{'' if args.warm_start is None else f', every arm from {str(args.warm_start)!r}'}; "
+        f"{len(jobs)} runs, {args.jobs} at a time; "
         f"logs in {out}/*.log, rows streamed to {out}/results.jsonl",
         flush=True,
     )

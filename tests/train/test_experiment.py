@@ -168,3 +168,62 @@ def test_t_quantiles_exact_to_30_and_never_narrower_beyond():
         assert 0.975 <= _t_cdf(_t975(df), df) <= 0.976, df  # at most ~0.001 wider
     with pytest.raises(ValueError, match="df must be >= 1"):
         _t975(0)
+
+
+def test_a_shared_warm_start_runs_no_warm_jobs_and_each_arm_evaluates_its_start(tmp_path):
+    """--warm-start: every arm of every seed loads the one model, evaluates its own RL start
+    (eval_at_start), and its row's start numbers come from that evaluation, not a warm job."""
+    import argparse
+    import json
+
+    from echoloss.train.experiment import MODES, _arm_row, _jobs
+
+    model = tmp_path / "final-model"
+    args = argparse.Namespace(
+        seeds=[3, 4], alphas=[0.05], no_actobs=True, set=[], output_dir=tmp_path / "out",
+        warm_start=model,
+    )  # fmt: skip
+    jobs = _jobs(args, MODES["quick"], [])
+    assert [j.name for j in jobs] == [
+        "grpo-seed3",
+        "echo-0.05-seed3",
+        "grpo-seed4",
+        "echo-0.05-seed4",
+    ]
+    for j in jobs:
+        assert j.needs is None and j.meta["warmup"] == "shared"
+        sets = [j.args[i + 1] for i, a in enumerate(j.args) if a == "--set"]
+        assert f"model.path={model}" in sets and "train.eval_at_start=true" in sets
+        assert sets.index("train.eval_at_start=true") > sets.index("train.max_steps=20")
+    per_seed = _jobs(argparse.Namespace(**{**vars(args), "warm_start": None}), MODES["quick"], [])
+    assert [j.name for j in per_seed][:3] == ["warm-base-seed3", "grpo-seed3", "echo-0.05-seed3"]
+
+    run = tmp_path / "out" / "grpo-seed3"
+    run.mkdir(parents=True)
+    evals = [
+        {"rl_step": 0, "eval_success_greedy": 0.25, "eval_success_sampled": 0.5, "heldout_hidden_ce": 2.0},
+        {"rl_step": 20, "eval_success_greedy": 0.75, "eval_success_sampled": 0.625, "heldout_hidden_ce": 1.5},
+    ]  # fmt: skip
+    (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    row = _arm_row(tmp_path / "out", jobs[0], "mirrorgrid")
+    assert (row["eval_success_start"], row["eval_success_end"]) == (0.25, 0.75)
+    assert (row["eval_success_sampled_start"], row["eval_success_sampled_end"]) == (0.5, 0.625)
+    assert (row["heldout_obs_ce_start"], row["heldout_obs_ce_end"], row["rl_steps"]) == (
+        2.0,
+        1.5,
+        20,
+    )
+    assert [c["rl_step"] for c in row["curve"]] == [0, 20]  # the start is not counted twice
+
+
+def test_a_shared_warm_start_is_checked_before_anything_runs(tmp_path, capsys):
+    from echoloss.train.experiment import main
+
+    model = tmp_path / "final-model"
+    model.mkdir()
+    out = ["--output-dir", str(tmp_path / "out")]
+    assert main(["--warm-start", str(model), *out]) == 2
+    assert "add --no-actobs" in capsys.readouterr().err
+    assert main(["--warm-start", str(model), "--no-actobs", *out]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
