@@ -121,7 +121,14 @@ def test_the_committed_results_are_complete_and_match_their_summary():
 
 
 @pytest.mark.parametrize(
-    "folder", ["controls/mirrorgrid-noise", "controls/mirrorgrid-shown", "rl-120", "copy-1000"]
+    "folder",
+    [
+        "controls/mirrorgrid-noise",
+        "controls/mirrorgrid-shown",
+        "rl-120",
+        "copy-1000",
+        "default-24-seeds",
+    ],
 )
 def test_the_committed_supplementary_results_match_their_summary(folder):
     """The controls and the 120-RL-step run (docs/experiment.md) are what `summarize` computes
@@ -142,6 +149,13 @@ def test_the_committed_supplementary_results_match_their_summary(folder):
             assert summary["arms"][arm][key]["mean"] == pytest.approx(want, rel=1e-12)
     if folder == "rl-120":
         assert {r["rl_steps"] for r in rows} == {120} and len(rows) == 16
+    if folder == "default-24-seeds":  # the main experiment's seeds 0-7, extended to 24
+        assert {r["rl_steps"] for r in rows} == {60} and len(rows) == 48
+        main = json.loads((docs.parent / "results.json").read_text())
+        first8 = [r for r in main if r["arm"] in ("grpo", "echo-0.01")]
+        assert [r for r in rows if r["seed"] < 8] == first8
+        echo = summary["arms"]["echo-0.01"]["eval_success_sampled_end"]["diff_vs_grpo"]
+        assert echo["n"] == 24 and echo["lo"] > -0.03  # the verdict the docs report
 
 
 def _t_cdf(x: float, df: int) -> float:
