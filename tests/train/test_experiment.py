@@ -128,6 +128,7 @@ def test_the_committed_results_are_complete_and_match_their_summary():
         "rl-120",
         "copy-1000",
         "default-24-seeds",
+        "calibrated-start",
     ],
 )
 def test_the_committed_supplementary_results_match_their_summary(folder):
@@ -149,6 +150,9 @@ def test_the_committed_supplementary_results_match_their_summary(folder):
             assert summary["arms"][arm][key]["mean"] == pytest.approx(want, rel=1e-12)
     if folder == "rl-120":
         assert {r["rl_steps"] for r in rows} == {120} and len(rows) == 16
+    if folder == "calibrated-start":  # one shared warm-start: identical RL starts per seed
+        assert {r["warmup"] for r in rows} == {"shared"} and len(rows) == 24
+        assert len({r["heldout_obs_ce_start"] for r in rows}) == 1
     if folder == "default-24-seeds":  # the main experiment's seeds 0-7, extended to 24
         assert {r["rl_steps"] for r in rows} == {60} and len(rows) == 48
         main = json.loads((docs.parent / "results.json").read_text())
