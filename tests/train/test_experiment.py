@@ -129,6 +129,7 @@ def test_the_committed_results_are_complete_and_match_their_summary():
         "copy-1000",
         "default-24-seeds",
         "calibrated-start",
+        "short-calibrated-start",
     ],
 )
 def test_the_committed_supplementary_results_match_their_summary(folder):
@@ -150,7 +151,7 @@ def test_the_committed_supplementary_results_match_their_summary(folder):
             assert summary["arms"][arm][key]["mean"] == pytest.approx(want, rel=1e-12)
     if folder == "rl-120":
         assert {r["rl_steps"] for r in rows} == {120} and len(rows) == 16
-    if folder == "calibrated-start":  # one shared warm-start: identical RL starts per seed
+    if folder in ("calibrated-start", "short-calibrated-start"):  # one shared warm-start
         assert {r["warmup"] for r in rows} == {"shared"} and len(rows) == 24
         assert len({r["heldout_obs_ce_start"] for r in rows}) == 1
     if folder == "default-24-seeds":  # the main experiment's seeds 0-7, extended to 24
