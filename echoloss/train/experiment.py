@@ -68,8 +68,8 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 # Two-sided 95 % Student t quantiles t_{0.975, df} (df = n − 1 seeds), to 3 decimals; every df
-# to 30, then a few anchors rounded up. Between anchors the smaller df's (larger) quantile is used, so an
-# interval is never narrower than the exact one.
+# to 30, then a few anchors rounded up. Between anchors the smaller df's (larger) quantile is
+# used, so an interval is never narrower than the exact one.
 _T975 = {
     1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
     10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
@@ -138,8 +138,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
-    """The result row of one finished arm: held-out numbers at RL start (from its warm-start's
-    evaluation) and at the end, and the RL curve's landmarks."""
+    """The result row of one finished arm: held-out numbers at RL start (its warm-start job's
+    last evaluation, or with a shared ``--warm-start`` its own first one) and at the end, and the
+    RL curve's landmarks."""
     evals = _read_jsonl(out / job.name / "eval.jsonl")
     if job.needs is not None:  # the RL start is the end of its warm-start job
         start = [e for e in _read_jsonl(out / job.needs / "eval.jsonl") if e["rl_step"] == 0]
@@ -205,10 +206,11 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
 def _jobs(args: argparse.Namespace, mode: dict[str, Any], base_cmd: list[str]) -> list[_Job]:
     sets = [*mode["set"], *args.set, "train.threads=1", "train.progress=false"]
     jobs: list[_Job] = []
+    per_seed_warm_starts = [] if args.warm_start is not None else [("base", None)]
+    if per_seed_warm_starts and not args.no_actobs:
+        per_seed_warm_starts.append(("actobs", ACTOBS_WEIGHT))
     for seed in args.seeds:
-        for warm, weight in (("base", None), ("actobs", ACTOBS_WEIGHT)):
-            if (warm == "actobs" and args.no_actobs) or args.warm_start is not None:
-                continue
+        for warm, weight in per_seed_warm_starts:
             extra = ["train.max_steps=0", "train.plots=false"]
             if weight is not None:
                 extra.append(f"warmup.obs_weight={weight}")

@@ -363,6 +363,12 @@ def heldout_observation_ce(model: Any, batches: list[echoloss.PackedBatch], attn
     return nll / max(count, 1)
 
 
+def _runs_copy_task(cfg: TrainConfig, start: int) -> bool:
+    """Whether this run trains the copy task: asked for, on a fresh start of the built-in tiny
+    model (a resumed run's weights already hold it; a loaded ``model.path`` is trained)."""
+    return bool(cfg.warmup.copy_steps) and cfg.model.path is None and start == 0
+
+
 def copy_task_warmup(
     model: Any,
     *,
@@ -773,7 +779,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
             "trained model (the copy task is for the built-in tiny model before its warm-up)",
             stacklevel=2,
         )
-    if start == 0 and cfg.warmup.copy_steps and cfg.model.path is None:
+    if _runs_copy_task(cfg, start):
         copy_task_warmup(
             model,
             vocab_size=len(tok),
@@ -1108,11 +1114,7 @@ def _banner(
         f"  env    {cfg.env.name} {cfg.env.size}x{cfg.env.size}, turn limit {env.turn_limit}"
         + (f", {tasks} held-out tasks" if tasks else ""),
         "  steps  "
-        + (
-            f"{cfg.warmup.copy_steps} copy-task + "
-            if cfg.warmup.copy_steps and cfg.model.path is None and start == 0
-            else ""
-        )
+        + (f"{cfg.warmup.copy_steps} copy-task + " if _runs_copy_task(cfg, start) else "")
         + f"{cfg.warmup.steps if cfg.data.source != 'jsonl' else 0} warm-up "
         f"(lr {cfg.warmup.lr:g}, obs weight {cfg.warmup.obs_weight:g}) + "
         f"{cfg.train.max_steps} RL (lr {cfg.optim.lr:g}), "

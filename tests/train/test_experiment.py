@@ -133,8 +133,9 @@ def test_the_committed_results_are_complete_and_match_their_summary():
     ],
 )
 def test_the_committed_supplementary_results_match_their_summary(folder):
-    """The controls and the 120-RL-step run (docs/experiment.md) are what `summarize` computes
-    from their committed rows, with complete paired seeds."""
+    """Every supplementary run of docs/experiment.md (controls, 120 RL steps, copy task, 24
+    seeds, the calibrated starts) is what `summarize` computes from its committed rows, with
+    complete paired seeds."""
     import json
     from pathlib import Path
 
