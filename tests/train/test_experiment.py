@@ -130,6 +130,7 @@ def test_the_committed_results_are_complete_and_match_their_summary():
         "default-24-seeds",
         "calibrated-start",
         "short-calibrated-start",
+        "exploring-start-400",
     ],
 )
 def test_the_committed_supplementary_results_match_their_summary(folder):
@@ -152,9 +153,15 @@ def test_the_committed_supplementary_results_match_their_summary(folder):
             assert summary["arms"][arm][key]["mean"] == pytest.approx(want, rel=1e-12)
     if folder == "rl-120":
         assert {r["rl_steps"] for r in rows} == {120} and len(rows) == 16
-    if folder in ("calibrated-start", "short-calibrated-start"):  # one shared warm-start
-        assert {r["warmup"] for r in rows} == {"shared"} and len(rows) == 24
+    if folder in ("calibrated-start", "short-calibrated-start", "exploring-start-400"):
+        assert {r["warmup"] for r in rows} == {"shared"} and len(rows) == 24  # one warm-start
         assert len({r["heldout_obs_ce_start"] for r in rows}) == 1
+    if folder == "exploring-start-400":  # the verdicts docs/experiment.md reports
+        assert {r["rl_steps"] for r in rows} == {400}
+        grpo_gain = summary["arms"]["grpo"]["eval_success_sampled_gain"]["mean"]
+        assert grpo_gain >= 0.15  # the target, met at 400 RL steps
+        echo = summary["arms"]["echo-0.05"]["eval_success_sampled_end"]["diff_vs_grpo"]
+        assert echo["n"] == 8 and echo["lo"] > -0.03 and echo["hi"] > 0 > echo["lo"]
     if folder == "default-24-seeds":  # the main experiment's seeds 0-7, extended to 24
         assert {r["rl_steps"] for r in rows} == {60} and len(rows) == 48
         main = json.loads((docs.parent / "results.json").read_text())
