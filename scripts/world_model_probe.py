@@ -15,6 +15,12 @@ the exact floor and against the two reference points that need no inference from
     python scripts/world_model_probe.py --hidden-size 128 --layers 4 --steps 200
     python scripts/world_model_probe.py --env mirrorgrid-shown --steps 800   # a lookup, no inference
     python scripts/world_model_probe.py --pretrain-induction-steps 3000 --steps 800 --eval-every 100
+    python scripts/world_model_probe.py --init runs/copy/final-model --target observations \
+        --steps 1500 --save runs/wm-pretrained          # a start that has the world model
+
+``--target observations`` supervises every observation-body token of the walks (what a model
+pre-trained on the environment's logs would have seen), not only the direction words.
+``--save DIR`` writes the trained model as a Hugging Face directory, usable as ``model.path``.
 
 Prints one JSON object per evaluation (step, seconds, train CE, held-out CE, floor).
 """
@@ -31,8 +37,19 @@ import torch
 
 from echoloss.train.data import heldout_conversations, hidden_token_positions
 from echoloss.train.envs import MirrorGrid, make_env
-from echoloss.train.model import build_tiny_model, build_tokenizer
+from echoloss.train.model import build_tiny_model, build_tokenizer, load_model
 from echoloss.train.recipe import copy_task_warmup, heldout_hidden_ce
+
+
+def _observation_positions(tok, conversations):
+    """Every observation-body token of each conversation (the whole content of every tool
+    message after the first move)."""
+    return [
+        hidden_token_positions(
+            m, tok, {i: (0, len(x["content"])) for i, x in enumerate(m) if x["role"] == "tool"}
+        )
+        for m in conversations
+    ]
 
 
 def _positions(env: MirrorGrid, tok, conversations):
@@ -58,6 +75,15 @@ def main() -> None:
         help="first train on copying repeated random token sequences (a generic in-context skill)",
     )
     ap.add_argument(
+        "--target",
+        choices=["hidden", "observations"],
+        default="hidden",
+        help="the supervised tokens: the direction words only, or every observation-body token",
+    )
+    ap.add_argument("--init", help="start from this local model directory (e.g. a copy-task model)")
+    ap.add_argument("--save", help="write the trained model here (usable as model.path)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
         "--env",
         choices=["mirrorgrid", "mirrorgrid-shown"],
         default="mirrorgrid",
@@ -65,20 +91,27 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
-    tok = build_tokenizer()
+    torch.set_num_threads(args.threads)
     env = make_env(args.env, size=4)
+    if args.init:
+        model, tok = load_model(args.init, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        tok = build_tokenizer()
     heldout, floor = _positions(env, tok, heldout_conversations(env, count=64))
-    model = build_tiny_model(
-        arch="qwen3",
-        vocab_size=len(tok),
-        hidden_size=args.hidden_size,
-        num_layers=args.layers,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=3 * args.hidden_size,
-        max_position_embeddings=1024,
-        seed=args.seed,
+    model = (
+        model
+        if args.init
+        else build_tiny_model(
+            arch="qwen3",
+            vocab_size=len(tok),
+            hidden_size=args.hidden_size,
+            num_layers=args.layers,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=3 * args.hidden_size,
+            max_position_embeddings=1024,
+            seed=args.seed,
+        )
     )
     model.to(args.device)
     t0 = time.perf_counter()
@@ -103,7 +136,10 @@ def main() -> None:
             rng = random.Random(f"probe/{args.seed}/{step}/{i}")
             task = env.task(seed=args.seed, index=step * args.batch + i)  # training pairs only
             walks.append(env.random_walk(task, rng, turns=rng.randint(2, env.turn_limit - 1)))
-        sets, _ = _positions(env, tok, walks)
+        if args.target == "hidden":
+            sets, _ = _positions(env, tok, walks)
+        else:
+            sets = _observation_positions(tok, walks)
         width = max(len(ids) for ids, _ in sets)
         x = torch.full((len(sets), width), tok.pad_token_id)
         mask = torch.zeros(len(sets), width, dtype=torch.bool)
@@ -126,13 +162,18 @@ def main() -> None:
                 "heldout_ce": round(heldout_hidden_ce(model, heldout, args.device), 4),
                 "floor": round(floor, 4),
                 "log3": round(math.log(3), 4),
-                "hidden_size": args.hidden_size,
-                "layers": args.layers,
+                "hidden_size": model.config.hidden_size,
+                "layers": model.config.num_hidden_layers,
                 "env": args.env,
                 "device": str(args.device),
                 "pretrain_induction_steps": args.pretrain_induction_steps,
+                "target": args.target,
+                "init": args.init,
             }
             print(json.dumps(row), flush=True)
+    if args.save:
+        model.save_pretrained(args.save)
+        tok.save_pretrained(args.save)
 
 
 if __name__ == "__main__":

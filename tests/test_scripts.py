@@ -130,6 +130,29 @@ def test_world_model_probe_shown_variant_has_floor_zero():
     assert all(r["floor"] == 0.0 and r["heldout_ce"] > 0 for r in rows)
 
 
+def test_world_model_probe_saves_a_model_that_a_later_probe_and_the_trainer_load(tmp_path):
+    """--target observations supervises every observation-body token (more tokens than the
+    direction words, so another training CE); --save writes a Hugging Face directory that
+    --init (and the trainer's model.path) loads: the next run starts from those weights, not
+    from a fresh model of its seed."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from echoloss.train.model import load_model
+
+    saved = tmp_path / "wm"
+    hidden = _probe_rows("--steps", "1", "--eval-every", "1")
+    rows = _probe_rows("--steps", "1", "--eval-every", "1", "--target", "observations",
+                       "--save", str(saved))  # fmt: skip
+    assert [r["target"] for r in rows] == ["observations"] * 2
+    assert rows[0]["train_ce"] != hidden[0]["train_ce"]  # same seed, other tokens supervised
+    model, tok = load_model(saved, dtype=torch.float32, attn_implementation="sdpa")
+    assert model.config.hidden_size == 16 and tok.chat_template
+    again = _probe_rows("--steps", "1", "--eval-every", "1", "--init", str(saved))
+    assert again[0]["init"] == str(saved) and again[0]["hidden_size"] == 16
+    assert again[0]["heldout_ce"] != hidden[0]["heldout_ce"]  # not a fresh model of that seed
+
+
 def test_committed_probe_rows_are_consistent():
     """docs/experiment/world_model_probe_*.jsonl (the probe tables of docs/experiment.md): steps
     increase from 0, every held-out CE is above its environment's exact floor."""
