@@ -153,6 +153,28 @@ def test_world_model_probe_saves_a_model_that_a_later_probe_and_the_trainer_load
     assert again[0]["heldout_ce"] != hidden[0]["heldout_ce"]  # not a fresh model of that seed
 
 
+def test_heldout_ce_sets_scores_a_saved_model_as_the_probe_does(tmp_path):
+    """scripts/heldout_ce_sets.py: for a saved model, the random-walk set's CE is the probe's
+    own held-out CE of that model (the same 64 conversations, the same tokens), and both sets
+    carry their exact floors (log 2 per first move along an axis, over the direction words)."""
+    import json
+
+    saved = tmp_path / "wm"
+    probe = _probe_rows("--steps", "1", "--eval-every", "1", "--save", str(saved))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "heldout_ce_sets.py"), str(saved)],
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    rows = {r["set"]: r for r in map(json.loads, out.stdout.splitlines())}
+    assert set(rows) == {"random-walks", "demonstrations"}
+    walks, demos = rows["random-walks"], rows["demonstrations"]
+    assert walks["ce"] == pytest.approx(probe[-1]["heldout_ce"], abs=2e-4)  # both rounded to 4
+    assert walks["floor"] == probe[-1]["floor"] == 0.1941
+    # Bayes-optimal demonstrations take fewer moves after the first along each axis: a larger
+    # share of coin-flip words, so a higher floor per word.
+    assert demos["floor"] == 0.2872 and demos["tokens"] < walks["tokens"]
+
+
 def test_committed_probe_rows_are_consistent():
     """docs/experiment/world_model_probe_*.jsonl (the probe tables of docs/experiment.md): steps
     increase from 0, every held-out CE is above its environment's exact floor."""
