@@ -131,6 +131,7 @@ def test_the_committed_results_are_complete_and_match_their_summary():
         "calibrated-start",
         "short-calibrated-start",
         "exploring-start-400",
+        "world-model-start",
     ],
 )
 def test_the_committed_supplementary_results_match_their_summary(folder):
@@ -153,7 +154,8 @@ def test_the_committed_supplementary_results_match_their_summary(folder):
             assert summary["arms"][arm][key]["mean"] == pytest.approx(want, rel=1e-12)
     if folder == "rl-120":
         assert {r["rl_steps"] for r in rows} == {120} and len(rows) == 16
-    if folder in ("calibrated-start", "short-calibrated-start", "exploring-start-400"):
+    if folder in ("calibrated-start", "short-calibrated-start", "exploring-start-400",
+                  "world-model-start"):  # fmt: skip
         assert {r["warmup"] for r in rows} == {"shared"} and len(rows) == 24  # one warm-start
         assert len({r["heldout_obs_ce_start"] for r in rows}) == 1
     if folder == "exploring-start-400":  # the verdicts docs/experiment.md reports
@@ -162,6 +164,23 @@ def test_the_committed_supplementary_results_match_their_summary(folder):
         assert grpo_gain >= 0.15  # the target, met at 400 RL steps
         echo = again["arms"]["echo-0.05"]["eval_success_sampled_end"]["diff_vs_grpo"]
         assert echo["n"] == 8 and echo["lo"] > -0.03 and echo["hi"] > 0 > echo["lo"]
+    if folder == "world-model-start":  # the verdicts docs/experiment.md reports
+        assert {r["rl_steps"] for r in rows} == {60}
+        arms = again["arms"]
+        assert arms["grpo"]["eval_success_sampled_gain"]["mean"] >= 0.15  # met at 60 RL steps
+        echo = arms["echo-0.2"]["eval_success_sampled_end"]["diff_vs_grpo"]
+        assert echo["n"] == 8 and echo["lo"] > -0.03  # not worse
+        floor = rows[0]["obs_ce_floor"]
+        for arm in ("echo-0.05", "echo-0.2"):  # the CE target, missed: echo's CE rises, less
+            assert arms[arm]["heldout_obs_ce_drop"]["mean"] < 0  # than GRPO's, and ends > 2x
+            assert arms[arm]["heldout_obs_ce_drop"]["diff_vs_grpo"]["lo"] > 0
+            assert arms[arm]["heldout_obs_ce_end"]["mean"] > 2 * floor
+        pilot = json.loads((docs / "pilot-300-steps.json").read_text())
+        assert {r["rl_steps"] for r in pilot} == {300} and {r["seed"] for r in pilot} == {0}
+        alpha1 = [
+            json.loads(x) for x in (docs / "pilot-alpha1-eval.jsonl").read_text().splitlines()
+        ]
+        assert alpha1[-1]["rl_step"] == 60 and alpha1[-1]["eval_success_greedy"] == 0.0
     if folder == "default-24-seeds":  # the main experiment's seeds 0-7, extended to 24
         assert {r["rl_steps"] for r in rows} == {60} and len(rows) == 48
         main = json.loads((docs.parent / "results.json").read_text())
