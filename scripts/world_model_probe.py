@@ -42,8 +42,8 @@ from echoloss.train.recipe import copy_task_warmup, heldout_hidden_ce
 
 
 def _observation_positions(tok, conversations):
-    """Every observation-body token of each conversation (the whole content of every tool
-    message after the first move)."""
+    """Every observation-body token of each conversation: the whole content of every tool
+    message, template and goal arithmetic included (what a model reading the logs sees)."""
     return [
         hidden_token_positions(
             m, tok, {i: (0, len(x["content"])) for i, x in enumerate(m) if x["role"] == "tool"}
@@ -93,15 +93,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     env = make_env(args.env, size=4)
-    if args.init:
+    if args.init:  # a saved model (e.g. the copy-task warm-up) and its tokenizer
         model, tok = load_model(args.init, dtype=torch.float32, attn_implementation="sdpa")
     else:
         tok = build_tokenizer()
-    heldout, floor = _positions(env, tok, heldout_conversations(env, count=64))
-    model = (
-        model
-        if args.init
-        else build_tiny_model(
+        model = build_tiny_model(
             arch="qwen3",
             vocab_size=len(tok),
             hidden_size=args.hidden_size,
@@ -112,7 +108,7 @@ def main() -> None:
             max_position_embeddings=1024,
             seed=args.seed,
         )
-    )
+    heldout, floor = _positions(env, tok, heldout_conversations(env, count=64))
     model.to(args.device)
     t0 = time.perf_counter()
     if args.pretrain_induction_steps:  # generic in-context copying, nothing about mirrorgrid
