@@ -177,6 +177,11 @@ def test_the_committed_supplementary_results_match_their_summary(folder):
             assert arms[arm]["heldout_obs_ce_end"]["mean"] > 2 * floor
         pilot = json.loads((docs / "pilot-300-steps.json").read_text())
         assert {r["rl_steps"] for r in pilot} == {300} and {r["seed"] for r in pilot} == {0}
+        partial = {r["arm"]: r for r in json.loads((docs / "pilot-partial-start.json").read_text())}
+        assert {r["rl_steps"] for r in partial.values()} == {200}
+        for r in partial.values():  # from a partial world model, echo's CE rises as well
+            assert r["heldout_obs_ce_end"] > r["heldout_obs_ce_start"]
+        assert partial["echo-0.2"]["heldout_obs_ce_end"] < partial["grpo"]["heldout_obs_ce_end"]
         alpha1 = [
             json.loads(x) for x in (docs / "pilot-alpha1-eval.jsonl").read_text().splitlines()
         ]
