@@ -178,7 +178,7 @@ def _triton_check(ctx: Context) -> str | None:
 
 def _compile(wl: Workload, mode: str, ctx: Context) -> Callable[[], Outputs]:
     from echoloss.loss import echo_loss_from_logprobs
-    from echoloss.ops.selective_logprobs.reference import naive_selective_logprobs
+    from echoloss.ops.selective_logprobs.naive import naive_selective_logprobs
 
     # One compiled graph per (shape, dtype): dynamic=False, as a trainer with fixed-size packed
     # micro-batches would use it. The chunked reference itself is opaque to dynamo

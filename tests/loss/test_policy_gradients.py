@@ -8,7 +8,7 @@ import torch
 from _loss_batches import random_batch
 
 from echoloss.loss import LossConfig, echo_loss, echo_loss_from_logprobs
-from echoloss.ops.selective_logprobs.reference import naive_selective_logprobs
+from echoloss.ops.selective_logprobs.naive import naive_selective_logprobs
 
 F64 = torch.float64
 N = 6

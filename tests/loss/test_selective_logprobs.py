@@ -9,7 +9,7 @@ import torch
 
 from echoloss.ops import selective_logprobs
 from echoloss.ops.selective_logprobs import reference, resolve_backend
-from echoloss.ops.selective_logprobs.reference import naive_selective_logprobs
+from echoloss.ops.selective_logprobs.naive import naive_selective_logprobs
 
 
 def _inputs(shape, v, *, dtype=torch.float64, scale=3.0, seed=0):

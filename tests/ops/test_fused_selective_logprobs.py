@@ -21,7 +21,7 @@ from _fused_cases import (
 
 from echoloss.ops import selective_logprobs
 from echoloss.ops.selective_logprobs import reference, resolve_backend
-from echoloss.ops.selective_logprobs.reference import naive_selective_logprobs
+from echoloss.ops.selective_logprobs.naive import naive_selective_logprobs
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 

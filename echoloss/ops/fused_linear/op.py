@@ -341,7 +341,7 @@ def linear_selective_logprobs(
     """Logprob of each label (and entropy) under ``softmax(hidden @ weight.T / T)``, chunked.
 
     Equivalent to ``selective_logprobs(hidden @ weight.T, labels, ...)`` (see
-    `echoloss.ops.fused_linear.reference.naive_linear_selective_logprobs`), but the
+    `echoloss.ops.fused_linear.naive.naive_linear_selective_logprobs`), but the
     ``[N, V]`` logits never exist: only ``chunk_size`` participating rows at a time, in the
     input dtype, with their gradient written in place over them in backward. Differentiable
     w.r.t. ``hidden`` and ``weight``.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from echoloss.ops.selective_logprobs.reference import naive_selective_logprobs
+from echoloss.ops.selective_logprobs.naive import naive_selective_logprobs
 
 __all__ = ["naive_linear_selective_logprobs"]
 
