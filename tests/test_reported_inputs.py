@@ -566,7 +566,7 @@ def test_scripted_demonstrations_never_act_on_a_finished_episode():
     every turn limit from 2 up gives a demonstration that fits the limit."""
     import random
 
-    from echoloss.train.env import GridWalk, Task, demonstration
+    from echoloss.train.envs.gridwalk import GridWalk, Task, demonstration
 
     for size in (2, 3, 4):
         cells = [(x, y) for x in range(size) for y in range(size)]

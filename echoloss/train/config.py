@@ -37,6 +37,7 @@ from pydantic import (
 
 from echoloss.advantages import list_advantage_fns, resolve_advantage_fn
 from echoloss.loss import LossConfig
+from echoloss.train.envs import ENVS, make_env
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -146,12 +147,11 @@ class ModelConfig(_Section):
 
 
 class EnvConfig(_Section):
-    """``[env]``: the built-in tool environment (`echoloss.train.envs`)."""
+    """``[env]``: the tool environment, by its name in `echoloss.train.envs.ENVS`, and its
+    options (each registered environment declares the keys it takes)."""
 
-    # mirrorgrid: secretly mirrored controls; -shown / -noise: its two controls; gridwalk: the
-    # first demo env (its observations print the optimal move: it cannot test echo)
-    name: Literal["mirrorgrid", "mirrorgrid-shown", "mirrorgrid-noise", "gridwalk"] = "mirrorgrid"
-    size: int = Field(4, ge=2, le=10)
+    name: str = "mirrorgrid"  # a name registered in echoloss.train.envs.ENVS
+    size: int = Field(4, ge=2, le=10)  # grid environments: the grid's side
     max_turns: int | None = Field(None, ge=1)
     # mirrorgrid: probability that an axis is mirrored in warm-up tasks (RL and evaluation: ½).
     # 0 = the warm-start knows only the ordinary world; the mirroring is learnt in RL
@@ -159,15 +159,35 @@ class EnvConfig(_Section):
     # mirrorgrid: probability that a turn of a warm-up demonstration is a random move
     demo_explore: float = Field(0.0, ge=0, lt=1)
 
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        if v not in ENVS:
+            raise ValueError(f"expected one of {list(ENVS)} (echoloss.train.envs.ENVS), got {v!r}")
+        return v
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of `echoloss.train.envs.make_env`: the keys the named
+        environment takes, with their values.
+
+        Example:
+            >>> EnvConfig(name="gridwalk", size=3).options()
+            {'size': 3, 'max_turns': None}
+        """
+        return {k: getattr(self, k) for k in ENVS[self.name].options}
+
     @model_validator(mode="after")
-    def _turns(self) -> EnvConfig:
-        for key in ("warmup_flip_prob", "demo_explore"):
-            if self.name == "gridwalk" and getattr(self, key):
-                raise ValueError(
-                    f"{key}: applies to the mirrorgrid environments, not gridwalk (got "
-                    f"{getattr(self, key)}); leave it unset"
-                )
-        need = turns_needed(self.name, self.size)
+    def _fits_the_env(self) -> EnvConfig:
+        taken = ENVS[self.name].options
+        for key, spec in type(self).model_fields.items():
+            if key == "name" or key in taken or getattr(self, key) == spec.default:
+                continue
+            takers = [n for n, e in ENVS.items() if key in e.options]
+            raise ValueError(
+                f"{key}: applies to the environments {', '.join(takers)}, not {self.name} (got "
+                f"{getattr(self, key)}); leave it unset"
+            )
+        need = make_env(self.name, **self.options()).turns_needed  # its own checks run too
         if self.max_turns is not None and self.max_turns < 2:
             raise ValueError(
                 f"max_turns: {self.max_turns} turn cannot solve any task (the nearest goal is one "
@@ -176,11 +196,10 @@ class EnvConfig(_Section):
             )
         if self.max_turns is not None and self.max_turns < need:
             warnings.warn(
-                f"env.max_turns = {self.max_turns}: some {self.name} tasks on a "
-                f"{self.size}x{self.size} grid cannot be solved (the scripted demonstration of "
-                f"the farthest goal takes {need} turns, 'done' included); they reward 0 for every "
-                f"policy and their warm-start demonstrations stop unsolved. Set max_turns >= "
-                f"{need}, or leave it unset",
+                f"env.max_turns = {self.max_turns}: some {self.name} tasks cannot be solved (the "
+                f"scripted demonstration of the longest one takes {need} turns, 'done' included); "
+                f"they reward 0 for every policy and their warm-start demonstrations stop "
+                f"unsolved. Set max_turns >= {need}, or leave it unset",
                 ConfigWarning,
                 stacklevel=2,
             )
@@ -189,8 +208,9 @@ class EnvConfig(_Section):
 
 def turns_needed(env: str, size: int) -> int:
     """The fewest assistant turns in which every task of ``env`` on a ``size``-grid is solved by
-    its scripted demonstration: the farthest goal (``2·(size−1)`` moves) and ``done``, plus, where
-    the controls are secretly mirrored, a probing move and a move back per axis.
+    its scripted demonstration (`echoloss.train.envs.base.Env.turns_needed`): the farthest goal
+    (``2·(size−1)`` moves) and ``done``, plus, where the controls are secretly mirrored, a
+    probing move and a move back per axis.
 
     With fewer, some tasks can never be solved and their warm-start demonstrations are cut short.
 
@@ -198,8 +218,7 @@ def turns_needed(env: str, size: int) -> int:
         >>> turns_needed("gridwalk", 3), turns_needed("mirrorgrid", 3)
         (5, 9)
     """
-    probes = 4 if env in ("mirrorgrid", "mirrorgrid-noise") else 0
-    return 2 * (size - 1) + 1 + probes
+    return make_env(env, size=size).turns_needed
 
 
 class DataConfig(_Section):

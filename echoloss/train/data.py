@@ -19,7 +19,6 @@ import torch
 
 import echoloss
 from echoloss.adapters.chat import attribute, render_attributed, steps_from_messages
-from echoloss.train.envs import imagined_observation
 
 __all__ = [
     "EvalResult",
@@ -211,7 +210,7 @@ def _play(
         for i, prompt, (comp, lp) in zip(live, prompts, outs, strict=False):
             calls[i].append((prompt, comp, lp))
             ep = episodes[i]
-            ep.stats["imagined"] += float(imagined_observation(_reply_text(tokenizer, comp)))
+            ep.stats["imagined"] += float(env.imagined_observation(_reply_text(tokenizer, comp)))
             env.act(ep, tokenizer.decode(comp, skip_special_tokens=True))
     model.train(was_training)
     return calls

@@ -75,7 +75,7 @@ from echoloss.train.data import (
     rollout_record,
     scripted_steps,
 )
-from echoloss.train.envs import make_env
+from echoloss.train.envs import HiddenObservations, make_env
 from echoloss.train.model import build_tiny_model, build_tokenizer, load_model, packed_logits
 
 __all__ = ["train"]
@@ -460,7 +460,7 @@ def _heldout_batches(cfg: TrainConfig, env: Any, tok: Any, device: torch.device)
         for s in echoloss.interleave(scripted_steps(messages, tok), echo=probe):
             s.advantage = 0.0
             samples.append(s)
-        if hasattr(env, "hidden_spans"):
+        if isinstance(env, HiddenObservations):
             hidden_nats += env.hidden_nats(messages)
             out.hidden.append(hidden_token_positions(messages, tok, env.hidden_spans(messages)))
     tokens = sum(sum(1 for w in (s.echo_weights or []) if w) for s in samples)
@@ -725,13 +725,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )
-    env = make_env(
-        cfg.env.name,
-        size=cfg.env.size,
-        max_turns=cfg.env.max_turns,
-        warmup_flip_prob=cfg.env.warmup_flip_prob,
-        demo_explore=cfg.env.demo_explore,
-    )
+    env = make_env(cfg.env.name, **cfg.env.options())
     data = Batches(cfg, env, tok, rank, world)
     warm_steps = cfg.warmup.steps if cfg.data.source != "jsonl" else 0
     total = warm_steps + cfg.train.max_steps  # the warm-up comes before the RL steps
@@ -1111,7 +1105,9 @@ def _banner(
         "echoloss-train",
         f"  device {device} ({_dtype(cfg, device)}), {torch.get_num_threads()} CPU thread(s)",
         f"  model  {what}, {params / 1e6:.3g}M parameters",
-        f"  env    {cfg.env.name} {cfg.env.size}x{cfg.env.size}, turn limit {env.turn_limit}"
+        f"  env    {cfg.env.name}"
+        + (f" {cfg.env.size}x{cfg.env.size}" if "size" in cfg.env.options() else "")
+        + f", turn limit {env.turn_limit}"
         + (f", {tasks} held-out tasks" if tasks else ""),
         "  steps  "
         + (f"{cfg.warmup.copy_steps} copy-task + " if _runs_copy_task(cfg, start) else "")

@@ -145,7 +145,7 @@ def test_gridwalk_demonstrations_stop_at_the_turn_limit():
     and three warm-up steps)."""
     import random
 
-    from echoloss.train.env import GridWalk, Task, demonstration
+    from echoloss.train.envs.gridwalk import GridWalk, Task, demonstration
 
     env = GridWalk(size=3, max_turns=3)
     messages = demonstration(env, Task(start=(0, 0), goal=(2, 2)), random.Random(0))
@@ -160,7 +160,7 @@ def test_every_demonstration_fits_the_turns_the_config_asks_for():
     import random
 
     from echoloss.train.config import turns_needed
-    from echoloss.train.env import GridWalk, Task, demonstration
+    from echoloss.train.envs.gridwalk import GridWalk, Task, demonstration
 
     for size in (2, 3, 5):
         cells = [(x, y) for x in range(size) for y in range(size)]
@@ -214,7 +214,10 @@ def test_summarize_only_on_an_empty_directory_is_a_clear_error(tmp_path, capsys)
 
 @pytest.mark.parametrize("key", ["warmup_flip_prob", "demo_explore"])
 def test_mirrorgrid_only_env_options_are_refused_elsewhere_and_range_checked(key):
-    with pytest.raises(ConfigError, match=rf"{key}: applies to the mirrorgrid environments"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"{key}: applies to the environments mirrorgrid, mirrorgrid-shown, mirrorgrid-noise, not gridwalk",
+    ):
         parse_config({"env": {"name": "gridwalk", key: 0.3}})
     with pytest.raises(ConfigError, match=rf"env\.{key}"):
         parse_config({"env": {key: 1.5}})

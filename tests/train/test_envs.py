@@ -8,7 +8,17 @@ import random
 
 import pytest
 
-from echoloss.train.envs import ENV_NAMES, MirrorGrid, MirrorTask, imagined_observation, make_env
+from echoloss.train.envs import (
+    ENV_NAMES,
+    ENVS,
+    Env,
+    Episode,
+    HiddenObservations,
+    MirrorGrid,
+    MirrorTask,
+    imagined_observation,
+    make_env,
+)
 from echoloss.train.envs.mirrorgrid import MOVES, consistent_mirrorings
 
 
@@ -204,6 +214,8 @@ def test_make_env_names_and_errors():
         assert make_env(name, size=3).name == name
     with pytest.raises(ValueError, match=r"env\.name: expected one of"):
         make_env("maze", size=3)
+    with pytest.raises(ValueError, match="gridwalk does not take demo_explore; it takes: size"):
+        make_env("gridwalk", size=3, demo_explore=0.1)
     with pytest.raises(ValueError, match="variant"):
         MirrorGrid(variant="loud")  # type: ignore[arg-type]
 
@@ -229,3 +241,50 @@ def test_make_env_names_and_errors():
 )
 def test_imagined_observation(reply, imagined):
     assert imagined_observation(reply) is imagined
+
+
+@pytest.mark.parametrize("name", list(ENVS))
+def test_every_registered_env_implements_the_protocol(name):
+    """Each entry of the one table builds an `Env` with the options it declares, its task
+    streams are pure functions, and a demonstration and a random walk play out to the end."""
+    from echoloss.train.config import EnvConfig
+
+    entry = ENVS[name]
+    env = make_env(name, **EnvConfig(name=name).options())
+    assert isinstance(env, Env) and env.name == name
+    assert env.task(seed=3, index=5) == env.task(seed=3, index=5)
+    assert env.warmup_task(seed=3, index=5) == env.warmup_task(seed=3, index=5)
+    assert env.heldout_task(index=2) == env.heldout_task(index=2)
+    demo = env.demonstration(env.warmup_task(seed=0, index=0), random.Random(0))
+    assert demo[-1]["role"] == "assistant" and env.observation_nats(demo) >= 0
+    walk = env.random_walk(env.heldout_task(index=0), random.Random(0), turns=2)
+    assert walk[-1] == {"role": "assistant", "content": "done"}
+    episode = env.start(env.task(seed=0, index=0))
+    assert isinstance(episode, Episode) and not episode.done
+    assert env.turns_needed <= env.turn_limit
+    assert set(entry.options) <= set(EnvConfig.model_fields), entry.options
+
+
+def test_the_config_validates_env_names_against_the_registry():
+    from echoloss.train.config import ConfigError, parse_config
+
+    for name in ENVS:
+        assert parse_config({"env": {"name": name}}).env.name == name
+    with pytest.raises(ConfigError, match=r"env\.name: .*expected one of \['mirrorgrid'"):
+        parse_config({"env": {"name": "maze"}})
+
+
+def test_hidden_observations_is_a_capability_checked_by_isinstance():
+    assert isinstance(make_env("mirrorgrid", size=3), HiddenObservations)
+    assert not isinstance(make_env("gridwalk", size=3), HiddenObservations)
+
+
+def test_the_trainer_docs_list_exactly_the_registered_envs():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `[env]`"))
+    listed = re.search(r"`name` \(([^)]*)\)", row)
+    assert listed is not None, row
+    assert re.findall(r"`([a-z-]+)`", listed.group(1)) == list(ENVS)

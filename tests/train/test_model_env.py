@@ -10,7 +10,7 @@ import torch
 
 import echoloss
 from echoloss.adapters.chat import render_attributed
-from echoloss.train.env import MOVES, GridWalk, Task, demonstration, random_walk
+from echoloss.train.envs.gridwalk import MOVES, GridWalk, Task, demonstration, random_walk
 from echoloss.train.model import build_tiny_model, build_tokenizer, packed_logits
 
 

@@ -96,7 +96,8 @@ class MirrorTask:
 
 @dataclass
 class MirrorEpisode:
-    """A conversation in progress (same fields as `echoloss.train.env.Episode`)."""
+    """A conversation in progress (an `echoloss.train.envs.base.Episode`; ``rng`` draws the
+    noise digits)."""
 
     task: MirrorTask
     messages: list[dict[str, Any]]
@@ -231,6 +232,13 @@ class MirrorGrid:
     @property
     def turn_limit(self) -> int:
         return self.max_turns if self.max_turns is not None else 2 * (self.size - 1) + 6
+
+    @property
+    def turns_needed(self) -> int:
+        """The farthest goal's ``2·(size−1)`` moves and ``done``, plus a probing move and a move
+        back per axis where the mirroring is hidden (not in ``shown``)."""
+        probes = 0 if self.variant == "shown" else 4
+        return 2 * (self.size - 1) + 1 + probes
 
     @property
     def system_prompt(self) -> str:
@@ -370,6 +378,10 @@ class MirrorGrid:
             self.act(episode, rng.choice(list(MOVES)))
         self.act(episode, "done")
         return episode.messages
+
+    def imagined_observation(self, reply: str) -> bool:
+        """Whether ``reply`` holds scaffold or observation-like text (`imagined_observation`)."""
+        return imagined_observation(reply)
 
     # -- the floor --------------------------------------------------------------------------------
 

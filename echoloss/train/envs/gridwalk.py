@@ -1,4 +1,4 @@
-"""The built-in multi-turn tool environment: ``gridwalk``.
+"""``gridwalk``: the first demo environment (every observation prints the optimal move).
 
 The agent stands on a small square grid and must walk to a goal, one tool call per turn, then say
 ``done``. The first user message states where it starts and where the goal is::
@@ -50,6 +50,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from typing import Any
+
+from echoloss.train.envs.mirrorgrid import imagined_observation
 
 __all__ = ["Episode", "GridWalk", "Task", "demonstration", "random_walk"]
 
@@ -116,6 +118,11 @@ class GridWalk:
         return self.max_turns if self.max_turns is not None else 2 * (self.size - 1) + 2
 
     @property
+    def turns_needed(self) -> int:
+        """The farthest goal's ``2·(size−1)`` moves, then ``done``."""
+        return 2 * (self.size - 1) + 1
+
+    @property
     def system_prompt(self) -> str:
         n = self.size
         return f"Grid {n}x{n}, x right, y down. Moves: up down left right. Say done at the goal."
@@ -145,12 +152,16 @@ class GridWalk:
         del messages
         return 0.0
 
+    def imagined_observation(self, reply: str) -> bool:
+        """Whether ``reply`` holds scaffold or observation-like text (`imagined_observation`)."""
+        return imagined_observation(reply)
+
     def demonstration(self, task: Task, rng: random.Random) -> list[dict[str, Any]]:
-        """`demonstration` as a method (the interface every built-in env shares)."""
+        """`demonstration` as a method (the `Env` protocol's member)."""
         return demonstration(self, task, rng)
 
     def random_walk(self, task: Task, rng: random.Random, turns: int) -> list[dict[str, Any]]:
-        """`random_walk` as a method (the interface every built-in env shares)."""
+        """`random_walk` as a method (the `Env` protocol's member)."""
         return random_walk(self, task, rng, turns)
 
     def start(self, task: Task) -> Episode:

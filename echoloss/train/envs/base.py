@@ -1,0 +1,139 @@
+"""What the trainer needs from an environment: the `Env` protocol, and its optional capabilities.
+
+An environment is any object with the members of `Env` (no base class to inherit). The trainer
+plays it turn by turn (`Env.start`, `Env.act`), draws its tasks from pure functions of
+``(seed, index)`` (so a resumed run sees the tasks an uninterrupted one would), warm-starts on
+its scripted demonstrations, and measures a held-out observation cross-entropy against its
+exact floor. Environments are registered by name in `echoloss.train.envs.ENVS`.
+
+Optional capabilities are separate protocols, checked with ``isinstance``:
+
+* `HiddenObservations`: the env marks the tokens of each observation that depend on hidden
+  state (and their exact floor); the trainer then also reports ``heldout_hidden_ce``.
+
+Examples:
+    >>> from echoloss.train.envs import make_env
+    >>> env = make_env("mirrorgrid", size=4)
+    >>> isinstance(env, Env), isinstance(env, HiddenObservations)
+    (True, True)
+    >>> isinstance(make_env("gridwalk", size=4), HiddenObservations)
+    False
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+__all__ = ["Env", "Episode", "HiddenObservations", "Message"]
+
+#: One chat message: ``{"role": ..., "content": ...}`` (tool messages also carry ``"name"``).
+Message = dict[str, Any]
+
+TaskT = TypeVar("TaskT")
+EpisodeT = TypeVar("EpisodeT", bound="Episode")
+
+
+@runtime_checkable
+class Episode(Protocol):
+    """A conversation in progress, as the trainer reads and updates it.
+
+    Attributes:
+        messages: the chat so far (system, user, then assistant/tool turns); `Env.act` appends.
+        turns: assistant turns taken.
+        done: the episode is over (the agent ended it, or it ran out of turns).
+        reward: the episode's reward (final once ``done``).
+        stats: per-episode counters, averaged into per-env metrics (``invalid`` counts replies
+            that are no action; the trainer adds ``imagined``).
+    """
+
+    messages: list[Message]
+    turns: int
+    done: bool
+    reward: float
+    stats: dict[str, float]
+
+
+@runtime_checkable
+class Env(Protocol[TaskT, EpisodeT]):
+    """A multi-turn tool environment the trainer can warm-start on, train on and evaluate.
+
+    ``TaskT`` is the env's task type (whatever `start` needs; a frozen dataclass in the built-in
+    envs) and ``EpisodeT`` its `Episode` type. Every task-drawing method is a pure function of
+    its arguments.
+    """
+
+    @property
+    def name(self) -> str:
+        """The env's name in per-env metrics and rollout records."""
+        ...
+
+    @property
+    def turn_limit(self) -> int:
+        """Assistant turns after which an episode ends (with reward 0 unless solved)."""
+        ...
+
+    @property
+    def turns_needed(self) -> int:
+        """The fewest assistant turns in which every task's scripted `demonstration` finishes
+        (a smaller turn limit leaves some tasks unsolvable; the config warns)."""
+        ...
+
+    def task(self, *, seed: int, index: int) -> TaskT:
+        """Training task ``index`` of the stream ``seed`` (RL rollouts)."""
+        ...
+
+    def warmup_task(self, *, seed: int, index: int) -> TaskT:
+        """Warm-up task ``index`` of the stream ``seed`` (the scripted demonstrations)."""
+        ...
+
+    def heldout_task(self, *, index: int) -> TaskT:
+        """Held-out task ``index`` for the observation cross-entropy (no training step uses it)."""
+        ...
+
+    def eval_tasks(self) -> Sequence[TaskT]:
+        """The fixed held-out evaluation set (empty: the env has none, success is not measured)."""
+        ...
+
+    def start(self, task: TaskT) -> EpisodeT:
+        """A new episode on ``task``: its first messages (system, user)."""
+        ...
+
+    def act(self, episode: EpisodeT, text: str) -> str | None:
+        """Apply the assistant's reply ``text``: appends it (and the tool's answer, if any) to
+        ``episode.messages``; returns the observation, or None when the episode ended."""
+        ...
+
+    def demonstration(self, task: TaskT, rng: random.Random) -> list[Message]:
+        """A scripted, finished conversation on ``task`` (the warm-start's data)."""
+        ...
+
+    def random_walk(self, task: TaskT, rng: random.Random, turns: int) -> list[Message]:
+        """A finished conversation of ``turns`` uniformly random actions (held-out data for the
+        observation cross-entropy, independent of any policy)."""
+        ...
+
+    def observation_nats(self, messages: list[Message]) -> float:
+        """The Bayes-optimal total NLL (nats) of the observation bodies of ``messages``, each
+        given everything before it (the floor of the observation cross-entropy)."""
+        ...
+
+    def imagined_observation(self, reply: str) -> bool:
+        """Whether an assistant reply contains chat scaffold or text that looks like this env's
+        observations (the reply imagines the environment instead of acting)."""
+        ...
+
+
+@runtime_checkable
+class HiddenObservations(Protocol):
+    """An env whose observations depend on hidden state, with the dependent tokens marked."""
+
+    def hidden_spans(self, messages: list[Message]) -> dict[int, tuple[int, int]]:
+        """Message index -> character span (in its content) of the part of that observation
+        that depends on the hidden state."""
+        ...
+
+    def hidden_nats(self, messages: list[Message]) -> float:
+        """The Bayes-optimal total NLL (nats) of the `hidden_spans`."""
+        ...
