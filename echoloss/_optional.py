@@ -23,6 +23,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "bench": ("matplotlib",),
     "trl": ("trl", "transformers", "tokenizers"),
     "verifiers": ("verifiers",),
+    "pretrained": ("gguf", "transformers", "tokenizers"),
 }
 
 

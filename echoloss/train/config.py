@@ -98,7 +98,10 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """``[model]``: the tiny built-in model, or a local Hugging Face directory."""
 
-    path: str | None = None  # a local HF causal-LM directory; None = the tiny built-in model
+    # a local HF causal-LM directory or a .gguf file (dequantised to `dtype` on load); None = the
+    # tiny built-in model. echoloss.pretrained.materialize makes a directory of a packaged model
+    path: str | None = None
+    gguf_file: str | None = None  # the .gguf file inside the directory `path` (a file name)
     arch: Literal["qwen3", "llama"] = "qwen3"
     hidden_size: int = Field(64, ge=8)
     num_layers: int = Field(2, ge=1)
@@ -124,15 +127,45 @@ class ModelConfig(_Section):
 
     @field_validator("path")
     @classmethod
-    def _local_dir(cls, v: str | None) -> str | None:
+    def _local_model(cls, v: str | None) -> str | None:
         if v is None or v == "":
             return None
         p = Path(v).expanduser()
+        if p.is_file() and p.suffix == ".gguf":
+            return str(p)
         if not p.is_dir():
-            raise ValueError(f"no such directory {v!r} (a local Hugging Face model directory)")
-        if not (p / "config.json").is_file():
+            raise ValueError(
+                f"no such directory or .gguf file {v!r} (a local Hugging Face model directory, "
+                "or a GGUF file)"
+            )
+        if not (p / "config.json").is_file() and not any(p.glob("*.gguf")):
             raise ValueError(f"{v!r} has no config.json: not a Hugging Face model directory")
         return str(p)
+
+    @model_validator(mode="after")
+    def _model_files(self) -> ModelConfig:
+        if self.path is None:
+            if self.gguf_file is not None:
+                raise ValueError(
+                    f"gguf_file = {self.gguf_file!r} needs model.path, the directory holding it"
+                )
+            return self
+        p = Path(self.path)
+        if self.gguf_file is not None:
+            if p.is_file():
+                raise ValueError(
+                    f"gguf_file = {self.gguf_file!r} with model.path a file ({self.path!r}): "
+                    "set one of them (model.path = the .gguf file alone is enough)"
+                )
+            if not (p / self.gguf_file).is_file():
+                raise ValueError(f"gguf_file: no file {self.gguf_file!r} in {self.path!r}")
+        elif p.is_dir() and not (p / "config.json").is_file():
+            ggufs = sorted(f.name for f in p.glob("*.gguf"))
+            hint = f"; to load a GGUF file there, set model.gguf_file (found: {ggufs})"
+            raise ValueError(
+                f"path: {self.path!r} has no config.json: not a Hugging Face model directory{hint}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:

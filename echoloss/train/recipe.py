@@ -76,7 +76,13 @@ from echoloss.train.data import (
     scripted_steps,
 )
 from echoloss.train.envs import HiddenObservations, make_env
-from echoloss.train.model import build_tiny_model, build_tokenizer, load_model, packed_logits
+from echoloss.train.model import (
+    build_tiny_model,
+    build_tokenizer,
+    describe_model,
+    load_model,
+    packed_logits,
+)
 
 __all__ = ["train"]
 
@@ -121,7 +127,10 @@ def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any]:
     m = cfg.model
     if m.path is not None:
         model, tok = load_model(
-            m.path, dtype=_dtype(cfg, device), attn_implementation=m.attn_implementation
+            m.path,
+            dtype=_dtype(cfg, device),
+            attn_implementation=m.attn_implementation,
+            gguf_file=m.gguf_file,
         )
     else:
         tok = build_tokenizer()
@@ -1090,7 +1099,11 @@ def _banner(
 ) -> str:
     """What this run is, before it starts: device, dtype, model, env, λ, steps, output."""
     params = sum(p.numel() for p in model.parameters())
-    what = cfg.model.path or f"tiny {cfg.model.arch} ({cfg.model.num_layers} layers)"
+    what = (
+        describe_model(cfg.model.path, cfg.model.gguf_file, _dtype(cfg, device))
+        if cfg.model.path
+        else f"tiny {cfg.model.arch} ({cfg.model.num_layers} layers)"
+    )
     e = cfg.echo
     lam = (
         f"{e.alpha:g}"
