@@ -284,7 +284,7 @@ def _ref_logits(wl: Workload, mode: str) -> dict[str, Any]:
             logits, wl.labels, return_entropy=True, mask=wl.participating, backend="reference"
         )
     lp = lp.clone().requires_grad_()
-    loss = echo_loss_from_logprobs(lp, entropy=ent, **wl.loss_kwargs()).loss
+    loss = echo_loss_from_logprobs(lp, wl.loss_inputs(), entropy=ent, config=loss_config()).loss
     out: dict[str, Any] = {"loss": loss.detach()}
     if mode == "forward+backward":
         (coef,) = torch.autograd.grad(loss, lp)
@@ -323,7 +323,7 @@ def _ref_linear(wl: Workload, mode: str) -> dict[str, Any]:
         with torch.no_grad():
             return {"logprobs": selective_logprobs(h @ w.t(), wl.labels, backend="reference")}
     hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
-    loss = echo_loss(hh @ ww.t(), wl.labels, backend="reference", **wl.loss_kwargs()).loss
+    loss = echo_loss(hh @ ww.t(), wl.loss_inputs(), config=loss_config(), backend="reference").loss
     out: dict[str, Any] = {"loss": loss.detach()}
     if mode == "forward+backward":
         loss.backward()

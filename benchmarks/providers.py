@@ -30,6 +30,7 @@ from benchmarks.workload import (
     EPS_HIGH,
     EPS_LOW,
     Workload,
+    loss_config,
     naive_logprobs_entropy,
     naive_loss,
 )
@@ -150,12 +151,12 @@ def _echoloss(backend: str) -> Builder:
         from echoloss.loss import echo_loss
         from echoloss.ops import selective_logprobs
 
-        kw = wl.loss_kwargs()
+        inputs, cfg = wl.loss_inputs(), loss_config()
         return _logits_step(
             wl,
             mode,
             lambda x: selective_logprobs(x, wl.labels, backend=backend),
-            lambda x: echo_loss(x, wl.labels, backend=backend, **kw).loss,
+            lambda x: echo_loss(x, inputs, config=cfg, backend=backend).loss,
         )
 
     return build
@@ -192,11 +193,11 @@ def _compile(wl: Workload, mode: str, ctx: Context) -> Callable[[], Outputs]:
             torch.compile(naive_logprobs_entropy, dynamic=False),
         )
     lp_only, lp_ent = wl.cache["compiled"]
-    kw = wl.loss_kwargs()
+    inputs, cfg = wl.loss_inputs(), loss_config()
 
     def loss(x: torch.Tensor) -> torch.Tensor:
         lp, ent = lp_ent(x, wl.labels, True)
-        return echo_loss_from_logprobs(lp, entropy=ent, **kw).loss
+        return echo_loss_from_logprobs(lp, inputs, entropy=ent, config=cfg).loss
 
     return _logits_step(wl, mode, lambda x: lp_only(x, wl.labels), loss)
 
@@ -233,14 +234,14 @@ def _trl(wl: Workload, mode: str, ctx: Context) -> Callable[[], Outputs]:
 
     from echoloss.loss import echo_loss_from_logprobs
 
-    kw = wl.loss_kwargs()
+    inputs, cfg = wl.loss_inputs(), loss_config()
     part = wl.participating
 
     def loss(x: torch.Tensor) -> torch.Tensor:
         lp, ent = selective_log_softmax_and_entropy(
             x, wl.labels, entropy_requires_grad=False, row_mask=part
         )
-        return echo_loss_from_logprobs(lp.float(), entropy=ent.float(), **kw).loss
+        return echo_loss_from_logprobs(lp.float(), inputs, entropy=ent.float(), config=cfg).loss
 
     return _logits_step(wl, mode, lambda x: selective_log_softmax(x, wl.labels).float(), loss)
 
@@ -395,12 +396,12 @@ def _linear_echoloss(wl: Workload, mode: str, ctx: Context) -> Callable[[], Outp
     from echoloss.loss import echo_loss
     from echoloss.ops import selective_logprobs
 
-    backend, kw = _linear_backend(ctx), wl.loss_kwargs()
+    backend, inputs, cfg = _linear_backend(ctx), wl.loss_inputs(), loss_config()
     return _linear_step(
         wl,
         mode,
         lambda h, w: selective_logprobs(h @ w.t(), wl.labels, backend=backend),
-        lambda h, w: echo_loss(h @ w.t(), wl.labels, backend=backend, **kw).loss,
+        lambda h, w: echo_loss(h @ w.t(), inputs, config=cfg, backend=backend).loss,
     )
 
 
@@ -408,12 +409,12 @@ def _fused_linear(wl: Workload, mode: str, ctx: Context) -> Callable[[], Outputs
     from echoloss import echo_loss_from_hidden
     from echoloss.ops.fused_linear import linear_selective_logprobs
 
-    backend, kw = _linear_backend(ctx), wl.loss_kwargs()
+    backend, inputs, cfg = _linear_backend(ctx), wl.loss_inputs(), loss_config()
     return _linear_step(
         wl,
         mode,
         lambda h, w: linear_selective_logprobs(h, w, wl.labels, backend=backend),
-        lambda h, w: echo_loss_from_hidden(h, w, wl.labels, backend=backend, **kw).loss,
+        lambda h, w: echo_loss_from_hidden(h, w, inputs, config=cfg, backend=backend).loss,
     )
 
 

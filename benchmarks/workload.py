@@ -67,15 +67,17 @@ class Workload:
     def logits_bytes(self) -> int:
         return self.n * self.v * torch.empty(0, dtype=self.dtype).element_size()
 
-    def loss_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``echo_loss`` / ``echo_loss_from_logprobs`` for this workload."""
-        return {
-            "rl_mask": self.rl_mask,
-            "echo_weights": self.echo_weights,
-            "advantages": self.advantages,
-            "inference_logprobs": self.inference_logprobs,
-            "config": loss_config(),
-        }
+    def loss_inputs(self) -> Any:
+        """The `echoloss.LossInputs` of this workload (built once, outside any timed call)."""
+        from echoloss.loss import LossInputs
+
+        return LossInputs(
+            labels=self.labels,
+            rl_mask=self.rl_mask,
+            echo_weights=self.echo_weights,
+            advantages=self.advantages,
+            inference_logprobs=self.inference_logprobs,
+        )
 
 
 def loss_config() -> Any:

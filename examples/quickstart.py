@@ -101,31 +101,20 @@ def main(steps: int = 20, group_size: int = 4, seed: int = 0) -> list[dict[str, 
             s.advantage = advantages[owner]
 
         batches = echoloss.pack(samples, max_tokens=1024, pad_to_multiple_of=64)
-        targets = [echoloss.next_token_targets(b) for b in batches]
+        # One record per micro-batch: every per-token stream of the loss, row-aligned
+        # (labels, masks, echo weights, observation mask, advantages, logprobs, temperatures).
+        inputs = [
+            echoloss.LossInputs.from_targets(echoloss.next_token_targets(b), env_names=b.env_names)
+            for b in batches
+        ]
         # Global counts over every micro-batch of the step (all-reduce them too under DDP/FSDP),
         # so the gradient is the true per-token mean of each term over the whole batch.
-        counts = sum(
-            echoloss.count_normalizers(
-                rl_mask=t.rl_mask, echo_weights=t.echo_weights, sequence_ids=t.sequence_ids
-            )
-            for t in targets
-        )
+        counts = sum(echoloss.count_normalizers(x) for x in inputs)
         optimizer.zero_grad()
         totals: dict[str, float] = {}
-        for batch, t in zip(batches, targets, strict=True):
+        for batch, x in zip(batches, inputs, strict=True):
             logits = policy(batch.input_ids)  # [L, V]: a bigram model needs no positions
-            out = echoloss.echo_loss(
-                logits,
-                t.labels,
-                rl_mask=t.rl_mask,
-                echo_weights=t.echo_weights,
-                advantages=t.advantages,
-                inference_logprobs=t.inference_logprobs,
-                temperature=t.temperatures,
-                normalizers=counts,
-                sequence_ids=t.sequence_ids,
-                env_names=batch.env_names,
-            )
+            out = echoloss.echo_loss(logits, x, normalizers=counts)
             out.loss.backward()
             for key in ("loss_rl/all", "loss_echo/all"):
                 totals[key] = totals.get(key, 0.0) + float(out.metrics[key])

@@ -7,7 +7,7 @@ how it gets the log-probabilities: [`echo_loss`][echoloss.loss.echo_loss] from l
 `echoloss.echo_loss_from_hidden` from hidden states and the LM head. Everything after the
 logprobs is ``[N]``-sized PyTorch in `loss_from_logprobs`, in small steps:
 
-1. `_check_requirements`: what the config and policy need from the record;
+1. `check_requirements`: what the config and policy need from the record;
 2. `_check_scored`: the ``O(N)`` non-finite check of the logprobs (names the first bad row);
 3. `_local_sequences`: local sequence numbering and per-term sequence counts;
 4. `_resolve_normalizers`: the counts each term divides by;
@@ -15,13 +15,13 @@ logprobs is ``[N]``-sized PyTorch in `loss_from_logprobs`, in small steps:
 6. `_rl_term` / `_echo_term`: the two normalised sums;
 7. `_metrics`.
 
-The keyword form (``echo_loss(logits, labels, rl_mask=..., ...)``) is a thin shim that builds the
-record (`_record_from_keywords`).
+The keyword form (``echo_loss(logits, labels, rl_mask=..., ...)``) takes the record's fields by
+name (``**fields``) and builds the record with `LossInputs.from_keywords`: no entry point spells a
+field, so a new field of the record is a new keyword of every entry point.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -29,15 +29,16 @@ import torch
 
 from echoloss._compile import compiler_disable
 from echoloss._validate import check_per_token, check_tensor, describe, problem
+from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
 from echoloss.loss.config import LossConfig
 from echoloss.loss.inputs import LossInputs
 from echoloss.loss.metrics import loss_metrics
-from echoloss.loss.normalization import Normalizers
+from echoloss.loss.normalization import Normalizers, count_rows
 from echoloss.loss.policy import (
     PolicyFn,
     PolicyInputs,
     PolicySpec,
-    get_policy,
+    RecordRows,
     k3,
     kl_penalty,
     mismatch_weights,
@@ -49,7 +50,6 @@ __all__ = [
     "echo_loss",
     "echo_loss_from_logprobs",
     "loss_from_logprobs",
-    "resolve_inputs",
     "row_temperature_and_entropy",
 ]
 
@@ -66,178 +66,6 @@ class LossOutput(NamedTuple):
 
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor]
-
-
-# ---------------------------------------------------------------- the keyword shim
-
-#: The per-token keywords of the keyword form, in the order of the historical signature.
-_KEYWORD_FIELDS = (
-    "labels",
-    "rl_mask",
-    "echo_weights",
-    "advantages",
-    "inference_logprobs",
-    "old_logprobs",
-    "ref_logprobs",
-    "sequence_ids",
-    "observation_mask",
-    "temperature",
-    "env_names",
-)
-
-
-def _record_from_keywords(inputs: Any, keywords: dict[str, Any]) -> LossInputs:
-    """The record of one call: ``inputs`` itself, or built from the keyword form.
-
-    ``inputs`` may also be the labels tensor (the historical second positional argument).
-    """
-    given = {k: v for k, v in keywords.items() if v is not None}
-    if isinstance(inputs, LossInputs):
-        if given:
-            raise TypeError(
-                problem(
-                    "per-token keywords",
-                    "absent when a LossInputs record is given",
-                    ", ".join(sorted(given)),
-                    "put them in the record: inputs.replace(name=value)",
-                )
-            )
-        return inputs
-    if isinstance(inputs, torch.Tensor):
-        if "labels" in given:
-            raise TypeError("labels given twice (second positional argument and labels=)")
-        given["labels"] = inputs
-    elif inputs is not None:
-        raise TypeError(
-            problem(
-                "inputs",
-                "an echoloss.LossInputs record (or the labels tensor of the keyword form)",
-                describe(inputs),
-                "build one with LossInputs.from_targets(next_token_targets(batch))",
-            )
-        )
-    if "rl_mask" not in given:
-        raise TypeError(
-            "rl_mask is required: pass a LossInputs record as the second argument, or "
-            "rl_mask=[N] bool (True = RL row) in the keyword form"
-        )
-    return LossInputs(**given)
-
-
-def _check_config(config: Any) -> LossConfig:
-    if config is None:
-        return LossConfig()
-    if not isinstance(config, LossConfig):
-        raise TypeError(
-            problem(
-                "config",
-                "an echoloss.LossConfig or None",
-                describe(config),
-                "build one with LossConfig(**values) (it validates every field)",
-            )
-        )
-    return config
-
-
-def resolve_inputs(
-    inputs: Any, keywords: dict[str, Any], *, shape: torch.Size, device: torch.device, source: str
-) -> LossInputs:
-    """The validated record of a call, checked against the scored tensor's rows.
-
-    Args:
-        inputs: a `LossInputs`, the labels tensor of the keyword form, or None.
-        keywords: the per-token keywords of the keyword form (None = not given).
-        shape: the per-token shape the record must have (the leading dims of ``source``).
-        device: the device of ``source``.
-        source: the name of the scored argument (``logits``, ``logprobs``, ``hidden``).
-
-    Returns:
-        The `LossInputs` of the call.
-    """
-    x = _record_from_keywords(inputs, keywords)
-    if x.shape != shape:
-        raise ValueError(
-            problem(
-                "inputs (LossInputs)",
-                f"of per-token shape {list(shape)} (one entry per row of {source})",
-                f"rl_mask of shape {list(x.shape)}",
-            )
-        )
-    if x.device != device:
-        raise ValueError(
-            problem("inputs (LossInputs)", f"on {device} (the device of {source})", str(x.device))
-        )
-    return x
-
-
-# ---------------------------------------------------------------- 1. requirements
-
-
-def _check_requirements(x: LossInputs, cfg: LossConfig, policy_fn: PolicyFn | None) -> PolicySpec:
-    """What the config and the policy need from the record; returns the policy's spec."""
-    spec = get_policy(cfg.policy)
-    any_echo, any_rl = bool(x.echo.any()), bool(x.rl.any())
-    rl_mode = cfg.mode == "rl"
-    if cfg.mode == "sft" and any_echo:
-        raise ValueError(
-            "echo rows with mode='sft': echo is only defined next to an RL term (the SFT loss "
-            "would train the echoed rows with the RL normaliser); put those rows in rl_mask as "
-            "SFT targets instead, or use mode='rl'"
-        )
-    if spec.fn is None and policy_fn is None and rl_mode:
-        raise ValueError(
-            f"config.policy={cfg.policy!r} needs policy_fn=fn(inputs, config) -> PolicyOutput; "
-            "or register the function once with echoloss.loss.register_policy(name, fn) and "
-            "set policy=name"
-        )
-    if policy_fn is not None and spec.fn is not None:
-        raise ValueError(
-            f"policy_fn was given but config.policy={cfg.policy!r}; set policy='custom' to use "
-            "it (or register it with echoloss.loss.register_policy)"
-        )
-    if rl_mode and not spec.echo_safe and any_echo and not cfg.allow_echo_with_custom_policy:
-        raise ValueError(
-            "echo rows with a custom policy: the custom function receives only the RL rows "
-            "and cannot see the echo weights, which are trained by the separate echo term. "
-            "If it does not need them (e.g. it does not normalise by the total count of loss "
-            "tokens), set LossConfig(allow_echo_with_custom_policy=True)"
-        )
-    if rl_mode and any_rl:
-        if x.advantages is None:
-            raise ValueError("advantages is required in mode='rl' ([N] float, 0 outside rl_mask)")
-        needs_lq = (spec.uses_ratio and x.old_logprobs is None) or cfg.mismatch is not None
-        if needs_lq and x.inference_logprobs is None:
-            raise ValueError(
-                f"inference_logprobs is required by policy={cfg.policy!r}"
-                + (f" with mismatch={cfg.mismatch!r}" if cfg.mismatch else "")
-                + " ([N] float sampling logprobs; placeholders outside rl_mask are never read)"
-            )
-        if cfg.kl_coef > 0 and x.ref_logprobs is None:
-            raise ValueError(
-                f"ref_logprobs is required by kl_coef={cfg.kl_coef} ([N] float reference-model "
-                "logprobs of the labels); or set kl_coef=0"
-            )
-    needs_seq = []
-    if rl_mode and spec.needs_sequences:
-        needs_seq.append(f"policy={cfg.policy!r}")
-    if cfg.mismatch is not None and cfg.mismatch.startswith("sequence"):
-        needs_seq.append(f"mismatch={cfg.mismatch!r}")
-    if cfg.rl_normalization.startswith("sequence"):
-        needs_seq.append(f"rl_normalization={cfg.rl_normalization!r}")
-    if cfg.echo_normalization == "sequence_mean":
-        needs_seq.append("echo_normalization='sequence_mean'")
-        if x.observation_mask is None:
-            raise ValueError(
-                "observation_mask is required by echo_normalization='sequence_mean' ([N] bool, "
-                "the rows counted in the paper's Z_i = |O_i|: observation body tokens, warnings "
-                "included); or choose another echo_normalization"
-            )
-    if needs_seq and x.sequence_ids is None:
-        raise ValueError(
-            f"sequence_ids is required by {', '.join(needs_seq)} ([N] int64 row -> sequence "
-            "within the micro-batch, -1 for padding)"
-        )
-    return spec
 
 
 # ---------------------------------------------------------------- 2. non-finite logprobs
@@ -284,15 +112,13 @@ class _Sequences:
     rl_index: torch.Tensor | None  # [n_rl] int64 local sequence of each RL row
     echo_index: torch.Tensor | None  # [n_echo] int64 local sequence of each echo row
     ids: torch.Tensor | None  # [S_local] int64 the sequence id of each local sequence, sorted
-    rl_count: int  # sequences with an RL row
-    echo_count: int  # sequences with an echo row
 
 
 def _local_sequences(x: LossInputs, rl_idx: torch.Tensor, echo_idx: torch.Tensor) -> _Sequences:
     """Number the sequences that have an RL or echo row ``0..S_local-1`` (no id-sized table)."""
     sid = x.flat("sequence_ids")
     if sid is None:
-        return _Sequences(0, None, None, None, 0, 0)
+        return _Sequences(0, None, None, None)
     sid = sid.long()  # [N]
     part = x.rl | x.echo  # [N] bool
     ids, local = torch.unique(sid[part], return_inverse=True)  # [S], [n_part]
@@ -305,8 +131,6 @@ def _local_sequences(x: LossInputs, rl_idx: torch.Tensor, echo_idx: torch.Tensor
         rl_index=rl_index,
         echo_index=echo_index,
         ids=ids,
-        rl_count=int(torch.unique(rl_index).numel()),
-        echo_count=int(torch.unique(echo_index).numel()),
     )
 
 
@@ -413,20 +237,21 @@ def _rl_per_token(
     lp_rl = lp.index_select(0, rl_idx)  # [n_rl]
     if cfg.mode == "sft" or rl_idx.numel() == 0:
         return _RLRows(-lp_rl, {}, {})  # the SFT NLL; an empty (zero) sum without RL rows
-    assert x.advantages is not None  # _check_requirements
+    assert x.advantages is not None  # check_requirements
     adv = x.advantages.reshape(-1).index_select(0, rl_idx).to(lp.dtype) * cfg.adv_tau  # [n_rl]
     base, lq = _ratio_base(lp_rl, x, rl_idx, cfg)  # [n_rl], [n_rl] or None
     clamp = cfg.log_ratio_clamp
     fn = spec.fn if spec.fn is not None else policy_fn
-    assert fn is not None  # _check_requirements
-    out = fn(PolicyInputs(lp_rl, base, adv, seqs.rl_index, seqs.num), cfg)
+    assert fn is not None  # check_requirements
+    rows = RecordRows(x, rl_idx)  # any field of the record, on the RL rows
+    out = fn(PolicyInputs(lp_rl, base, adv, seqs.rl_index, seqs.num, rows), cfg)
     per_tok = out.loss  # [n_rl]
     if cfg.check_finite:
         _check_policy_output(per_tok, rl_idx, cfg.policy)
     means: dict[str, torch.Tensor] = {}
     flags = dict(out.flags)  # name -> [n_rl] bool
     if cfg.mismatch is not None:
-        assert lq is not None  # _check_requirements
+        assert lq is not None  # check_requirements
         w, wf = mismatch_weights(
             base,
             lq,
@@ -444,7 +269,7 @@ def _rl_per_token(
     if kl_tau != 0:
         per_tok = per_tok + kl_tau * kl_tau_penalty(lp_rl - base, clamp)  # [n_rl]
     if cfg.kl_coef != 0:
-        assert x.ref_logprobs is not None  # _check_requirements
+        assert x.ref_logprobs is not None  # check_requirements
         ref = x.ref_logprobs.reshape(-1).index_select(0, rl_idx).to(lp.dtype)  # [n_rl]
         kl = kl_penalty(lp_rl, ref, estimator=cfg.kl_estimator, log_ratio_clamp=clamp)  # [n_rl]
         per_tok = per_tok + cfg.kl_coef * kl  # [n_rl]
@@ -511,7 +336,7 @@ def _rl_term(
     if mode == "token_sum_constant":
         assert cfg.rl_normalization_constant is not None  # LossConfig
         return per_tok.sum() / cfg.rl_normalization_constant  # 0-dim
-    assert seqs.rl_index is not None  # _check_requirements
+    assert seqs.rl_index is not None  # check_requirements
     if mode == "sequence_mean_token_sum":
         return per_tok.sum() / max(norms.rl_sequences, 1)  # 0-dim
     # sequence_mean_token_mean: Σ_i (Σ_{t∈RL_i} ℓ_t / |RL_i|) / S_RL
@@ -522,7 +347,7 @@ def _rl_term(
 
 def _observation_counts(x: LossInputs, seqs: _Sequences) -> torch.Tensor:
     """``Z [S_local]``: rows counted in ``Z_i = |O_i|`` (observation or echo) per local sequence."""
-    assert x.observation_mask is not None and seqs.ids is not None  # _check_requirements
+    assert x.observation_mask is not None and seqs.ids is not None  # check_requirements
     sid = x.flat("sequence_ids")
     assert sid is not None
     sid = sid.long()  # [N]
@@ -551,7 +376,7 @@ def _echo_term(
     if mode == "batch_token_mean":
         return per_tok.sum() / max(per_tok.numel(), 1) / max(norms.echo_batches, 1)  # 0-dim
     # sequence_mean: Σ_i (Σ_{t∈O'_i} w_t·nll_t / (Z_i + ε)) / S_echo
-    assert seqs.echo_index is not None  # _check_requirements
+    assert seqs.echo_index is not None  # check_requirements
     z = _observation_counts(x, seqs)  # [S]
     per_seq = per_tok.new_zeros(seqs.num).index_add(0, seqs.echo_index, per_tok)  # [S]
     denom = z.to(per_tok.dtype) + cfg.echo_z_epsilon  # [S]
@@ -631,21 +456,14 @@ def loss_from_logprobs(
         [`LossOutput`][echoloss.loss.LossOutput].
     """
     if spec is None:
-        spec = _check_requirements(x, cfg, policy_fn)
+        spec = check_requirements(x, cfg, policy_fn)
     if cfg.check_finite:
         _check_scored(lp, x, source)
     rl_idx = x.rl.nonzero().squeeze(1)  # [n_rl]
     echo_idx = x.echo.nonzero().squeeze(1)  # [n_echo]
     seqs = _local_sequences(x, rl_idx, echo_idx)
     n_echo = int(echo_idx.numel())
-    local = Normalizers(
-        rl_tokens=int(rl_idx.numel()),
-        echo_tokens=n_echo,
-        sequences=seqs.num,
-        echo_batches=int(n_echo > 0),
-        rl_sequences=seqs.rl_count,
-        echo_sequences=seqs.echo_count,
-    )
+    local = count_rows(x.rl, x.echo, x.flat("sequence_ids"))  # the counting of count_normalizers
     norms = _resolve_normalizers(normalizers, local, cfg)
 
     rl = _rl_per_token(lp, ent, x, rl_idx, seqs, cfg, spec, policy_fn)
@@ -682,15 +500,7 @@ def echo_loss_from_logprobs(
     config: LossConfig | None = None,
     normalizers: Normalizers | None = None,
     policy_fn: PolicyFn | None = None,
-    rl_mask: torch.Tensor | None = None,
-    echo_weights: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    inference_logprobs: torch.Tensor | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    sequence_ids: torch.Tensor | None = None,
-    observation_mask: torch.Tensor | None = None,
-    env_names: Sequence[str] | None = None,
+    **fields: Any,
 ) -> LossOutput:
     """The loss of [`echo_loss`][echoloss.loss.echo_loss] from per-token logprobs (and entropy) computed elsewhere.
 
@@ -704,9 +514,8 @@ def echo_loss_from_logprobs(
         entropy: ``[N]`` per-token entropy: required when ``config.entropy_coef != 0``; used for
             the ``entropy`` metric when given.
         config, normalizers, policy_fn: as in [`echo_loss`][echoloss.loss.echo_loss].
-        rl_mask, echo_weights, advantages, inference_logprobs, old_logprobs, ref_logprobs,
-            sequence_ids, observation_mask, env_names: the keyword form, instead of ``inputs``:
-            the fields of `echoloss.LossInputs`.
+        **fields: the keyword form, instead of ``inputs``: fields of `echoloss.LossInputs` by
+            name (``rl_mask=``, ``advantages=``, ...).
 
     Returns:
         [`LossOutput`][echoloss.loss.LossOutput].
@@ -726,23 +535,12 @@ def echo_loss_from_logprobs(
     logprobs = check_tensor("logprobs", logprobs)
     if not logprobs.dtype.is_floating_point:
         raise TypeError(problem("logprobs", "a float tensor", describe(logprobs)))
-    keywords = {
-        "rl_mask": rl_mask,
-        "echo_weights": echo_weights,
-        "advantages": advantages,
-        "inference_logprobs": inference_logprobs,
-        "old_logprobs": old_logprobs,
-        "ref_logprobs": ref_logprobs,
-        "sequence_ids": sequence_ids,
-        "observation_mask": observation_mask,
-        "env_names": env_names,
-    }
     if isinstance(inputs, torch.Tensor):
         raise TypeError(problem("inputs", "an echoloss.LossInputs record", describe(inputs)))
     x = resolve_inputs(
-        inputs, keywords, shape=logprobs.shape, device=logprobs.device, source="logprobs"
+        inputs, fields, shape=logprobs.shape, device=logprobs.device, source="logprobs"
     )
-    cfg = _check_config(config)
+    cfg = check_config(config)
     ent = None
     if entropy is not None:
         ent = check_per_token("entropy", entropy, x.shape, x.device, "float").reshape(-1)  # [N]
@@ -806,17 +604,7 @@ def echo_loss(
     backend: str = "auto",
     chunk_size: int | None = None,
     policy_fn: PolicyFn | None = None,
-    labels: torch.Tensor | None = None,
-    rl_mask: torch.Tensor | None = None,
-    echo_weights: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    inference_logprobs: torch.Tensor | None = None,
-    temperature: float | torch.Tensor | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    sequence_ids: torch.Tensor | None = None,
-    observation_mask: torch.Tensor | None = None,
-    env_names: Sequence[str] | None = None,
+    **fields: Any,
 ) -> LossOutput:
     """RL loss on action rows plus echo cross-entropy on observation rows, from logits.
 
@@ -832,9 +620,9 @@ def echo_loss(
 
     - ``echo_loss(logits, inputs)`` with a `echoloss.LossInputs` record (built by
       ``LossInputs.from_targets(next_token_targets(batch))`` or by hand);
-    - the keyword form ``echo_loss(logits, labels, rl_mask=..., echo_weights=..., ...)``, a thin
-      shim that builds the record from the keywords (the record's fields, same names; a scalar
-      or per-row ``temperature``).
+    - the keyword form ``echo_loss(logits, labels, rl_mask=..., echo_weights=..., ...)``: every
+      field of the record by name (`LossInputs.from_keywords` builds the record), so every field
+      the record gains is a keyword here too.
 
     Args:
         logits: ``[N, V]`` (or ``[B, T, V]``, then every per-token input is ``[B, T]``), any float
@@ -848,9 +636,8 @@ def echo_loss(
         chunk_size: rows per chunk of the logprob computation (None = automatic).
         policy_fn: ``fn(PolicyInputs, LossConfig) -> PolicyOutput`` for ``policy="custom"``
             (or register it once with [`echoloss.loss.register_policy`][echoloss.loss.policy.register_policy]).
-        labels, rl_mask, echo_weights, advantages, inference_logprobs, temperature, old_logprobs,
-            ref_logprobs, sequence_ids, observation_mask, env_names: the keyword form: the
-            fields of `echoloss.LossInputs`, with the same meaning and shapes.
+        **fields: the keyword form, instead of a record: fields of `echoloss.LossInputs` by
+            name, with the same meaning and shapes.
 
     Returns:
         [`LossOutput`][echoloss.loss.LossOutput] ``(loss, metrics)``.
@@ -881,28 +668,15 @@ def echo_loss(
     logits = check_tensor("logits", logits)
     if not logits.dtype.is_floating_point or logits.dim() not in (2, 3):
         raise TypeError(problem("logits", "a float tensor [N, V] or [B, T, V]", describe(logits)))
-    keywords = {
-        "labels": labels,
-        "rl_mask": rl_mask,
-        "echo_weights": echo_weights,
-        "advantages": advantages,
-        "inference_logprobs": inference_logprobs,
-        "old_logprobs": old_logprobs,
-        "ref_logprobs": ref_logprobs,
-        "sequence_ids": sequence_ids,
-        "observation_mask": observation_mask,
-        "temperature": temperature,
-        "env_names": env_names,
-    }
     lead = logits.shape[:-1]
-    x = resolve_inputs(inputs, keywords, shape=lead, device=logits.device, source="logits")
+    x = resolve_inputs(inputs, fields, shape=lead, device=logits.device, source="logits")
     if x.labels is None:
         raise ValueError(
             "labels is required by echo_loss ([N] int64, the token each logits row predicts): "
             "set LossInputs(labels=...) (from_targets takes them from next_token_targets)"
         )
-    cfg = _check_config(config)
-    spec = _check_requirements(x, cfg, policy_fn)
+    cfg = check_config(config)
+    spec = check_requirements(x, cfg, policy_fn)
     temp, need_ent = row_temperature_and_entropy(
         x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
     )

@@ -7,21 +7,15 @@ chunked fused-linear op [`echoloss.ops.fused_linear.linear_selective_logprobs`][
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from echoloss._compile import compiler_disable
 from echoloss._validate import check_chunk_size
+from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
 from echoloss.loss.config import LossConfig
-from echoloss.loss.core import (
-    LossOutput,
-    _check_config,
-    _check_requirements,
-    loss_from_logprobs,
-    resolve_inputs,
-    row_temperature_and_entropy,
-)
+from echoloss.loss.core import LossOutput, loss_from_logprobs, row_temperature_and_entropy
 from echoloss.loss.inputs import LossInputs
 from echoloss.loss.normalization import Normalizers
 from echoloss.loss.policy import PolicyFn
@@ -41,17 +35,7 @@ def echo_loss_from_hidden(
     chunk_size: int | None = None,
     backend: str = "auto",
     policy_fn: PolicyFn | None = None,
-    labels: torch.Tensor | None = None,
-    rl_mask: torch.Tensor | None = None,
-    echo_weights: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    inference_logprobs: torch.Tensor | None = None,
-    temperature: float | torch.Tensor | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    sequence_ids: torch.Tensor | None = None,
-    observation_mask: torch.Tensor | None = None,
-    env_names: Sequence[str] | None = None,
+    **fields: Any,
 ) -> LossOutput:
     """[`echoloss.echo_loss`][echoloss.loss.echo_loss] on ``logits = hidden @ weight.T``, without the ``[N, V]`` logits.
 
@@ -71,9 +55,8 @@ def echo_loss_from_hidden(
         inputs: the per-token inputs (`echoloss.LossInputs`, shape ``[N]``, ``labels``
             in ``[0, V)`` on every participating row), or the labels tensor of the keyword form.
         config, normalizers, policy_fn: as in [`echoloss.echo_loss`][echoloss.loss.echo_loss].
-        labels, rl_mask, echo_weights, advantages, inference_logprobs, temperature,
-            old_logprobs, ref_logprobs, sequence_ids, observation_mask, env_names: the keyword
-            form, as in [`echoloss.echo_loss`][echoloss.loss.echo_loss], every per-token tensor ``[N]``.
+        **fields: the keyword form, as in [`echoloss.echo_loss`][echoloss.loss.echo_loss]: fields
+            of `echoloss.LossInputs` by name, every per-token tensor ``[N]``.
         chunk_size: participating rows per chunk; None = about ``2^26`` logits elements.
         backend: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"reference"``
             or ``"triton"``: the selective-logprob phases run on each chunk's logits.
@@ -105,28 +88,15 @@ def echo_loss_from_hidden(
         (torch.Size([2, 2]), torch.Size([2, 2]))
     """
     hidden, weight = check_linear_inputs(hidden, weight)
-    keywords = {
-        "labels": labels,
-        "rl_mask": rl_mask,
-        "echo_weights": echo_weights,
-        "advantages": advantages,
-        "inference_logprobs": inference_logprobs,
-        "old_logprobs": old_logprobs,
-        "ref_logprobs": ref_logprobs,
-        "sequence_ids": sequence_ids,
-        "observation_mask": observation_mask,
-        "temperature": temperature,
-        "env_names": env_names,
-    }
     lead = hidden.shape[:1]
-    x = resolve_inputs(inputs, keywords, shape=lead, device=hidden.device, source="hidden")
+    x = resolve_inputs(inputs, fields, shape=lead, device=hidden.device, source="hidden")
     if x.labels is None:
         raise ValueError(
             "labels is required by echo_loss_from_hidden ([N] int64, the token each hidden row "
             "predicts): set LossInputs(labels=...)"
         )
-    cfg = _check_config(config)
-    spec = _check_requirements(x, cfg, policy_fn)
+    cfg = check_config(config)
+    spec = check_requirements(x, cfg, policy_fn)
     chunk_size = check_chunk_size(chunk_size)
     temp, need_ent = row_temperature_and_entropy(
         x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead

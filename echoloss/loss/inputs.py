@@ -26,9 +26,8 @@ from echoloss._validate import (
     problem,
 )
 from echoloss.loss.metrics import RESERVED_ENV
-from echoloss.loss.normalization import split_rows
 
-__all__ = ["LOGPROB_TOLERANCE", "LossInputs"]
+__all__ = ["LOGPROB_TOLERANCE", "LossInputs", "split_rows"]
 
 #: Largest log-probability accepted in ``inference_logprobs`` / ``old_logprobs`` /
 #: ``ref_logprobs``. A logprob is ≤ 0; one computed in fp32 for a near-certain token may round
@@ -38,6 +37,24 @@ __all__ = ["LOGPROB_TOLERANCE", "LossInputs"]
 LOGPROB_TOLERANCE = 1e-3
 
 Rows = Literal["all", "rl", "participating"]
+
+
+def split_rows(
+    rl_mask: torch.Tensor, echo_weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rl, echo)`` bool masks: echo = ``echo_weights > 0``; rl = ``rl_mask`` and not echo.
+
+    The single definition used by the loss, the counts and the metrics, so they always agree.
+
+    Examples:
+        >>> rl, echo = split_rows(torch.tensor([True, True, False]), torch.tensor([0.0, 0.5, 0.0]))
+        >>> rl.tolist(), echo.tolist()
+        ([True, False, False], [False, True, False])
+    """
+    if echo_weights is None:
+        return rl_mask, torch.zeros_like(rl_mask)
+    echo = echo_weights > 0
+    return rl_mask & ~echo, echo
 
 
 def _token(kind: str, rows: Rows, *, logprob: bool = False) -> dict[str, Any]:
@@ -206,6 +223,80 @@ class LossInputs:
         return dataclasses.replace(self, **changes)
 
     @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Every field a caller sets (the record's table, in declaration order).
+
+        The keyword form of the loss entry points and of
+        [`count_normalizers`][echoloss.loss.normalization.count_normalizers] accepts exactly these
+        names: a new field here is a new keyword there, with no edit to them.
+
+        Examples:
+            >>> LossInputs.field_names()[:3]
+            ('rl_mask', 'echo_weights', 'advantages')
+        """
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @classmethod
+    def from_keywords(cls, inputs: Any = None, /, **fields: Any) -> LossInputs:
+        """The record of a call in either form: ``inputs`` itself, or built from ``fields``.
+
+        The entry points' keyword form (``echo_loss(logits, labels, rl_mask=..., ...)``) ends
+        here: ``fields`` are record fields by name (None = not given), and a tensor ``inputs``
+        is the labels (the keyword form's positional argument).
+
+        Raises:
+            TypeError: a record and keywords together, an unknown keyword, or ``inputs`` neither
+                a record, a tensor nor None.
+
+        Examples:
+            >>> x = LossInputs.from_keywords(torch.tensor([4]), rl_mask=torch.tensor([True]))
+            >>> x.labels.tolist(), x.rl.tolist()
+            ([4], [True])
+        """
+        given = {k: v for k, v in fields.items() if v is not None}
+        names = cls.field_names()
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise TypeError(
+                problem(
+                    "keyword argument(s) " + ", ".join(unknown),
+                    f"a LossInputs field ({', '.join(names)}) or an argument of the call",
+                    "an unknown name",
+                    "check the spelling",
+                )
+            )
+        if isinstance(inputs, LossInputs):
+            if given:
+                raise TypeError(
+                    problem(
+                        "per-token keywords",
+                        "absent when a LossInputs record is given",
+                        ", ".join(sorted(given)),
+                        "put them in the record: inputs.replace(name=value)",
+                    )
+                )
+            return inputs
+        if isinstance(inputs, torch.Tensor):
+            if "labels" in given:
+                raise TypeError("labels given twice (positional argument and labels=)")
+            given["labels"] = inputs
+        elif inputs is not None:
+            raise TypeError(
+                problem(
+                    "inputs",
+                    "an echoloss.LossInputs record (or the labels tensor of the keyword form)",
+                    describe(inputs),
+                    "build one with LossInputs.from_targets(next_token_targets(batch))",
+                )
+            )
+        if "rl_mask" not in given:
+            raise TypeError(
+                "rl_mask is required: pass a LossInputs record, or rl_mask=[N] bool (True = RL "
+                "row) in the keyword form"
+            )
+        return cls(**given)
+
+    @classmethod
     def from_targets(cls, targets: Any, **extra: Any) -> LossInputs:
         """The record of [`echoloss.next_token_targets`][echoloss.data.targets.next_token_targets] (any object with those attributes).
 
@@ -222,7 +313,7 @@ class LossInputs:
             >>> x.labels.tolist(), x.rl.tolist(), x.env_names
             ([6, 7, 0], [True, True, False], ('',))
         """
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        names = set(cls.field_names())
         values = {n: getattr(targets, n) for n in names if hasattr(targets, n)}
         if "temperature" not in values and hasattr(targets, "temperatures"):
             values["temperature"] = targets.temperatures

@@ -4,12 +4,10 @@ Each term is divided by its own *global* count (over every micro-batch of the op
 every data-parallel rank), so that summing the micro-batch gradients and then the ranks' gradients
 gives the true per-token (or per-sequence) mean over the global batch. Recipe, once per step::
 
-    local = sum((count_normalizers(rl_mask=mb.rl_mask, echo_weights=mb.echo_weights,
-                                   sequence_ids=mb.sequence_ids) for mb in micro_batches),
-                Normalizers())
+    local = sum((count_normalizers(x) for x in micro_batch_inputs), Normalizers())
     norms = all_reduce_normalizers(local)                 # SUM over the data-parallel group
-    for mb in micro_batches:
-        echo_loss(..., normalizers=norms).loss.backward()  # gradients accumulate (sum)
+    for x in micro_batch_inputs:
+        echo_loss(logits, x, normalizers=norms).loss.backward()  # gradients accumulate
     undo_data_parallel_averaging(model, world_size)        # DDP/FSDP averaged: multiply back
 
 ``docs/normalization.md`` has the formulas of every mode and the λ conversion table.
@@ -24,11 +22,13 @@ from typing import Any
 import torch
 
 from echoloss._validate import describe, problem
+from echoloss.loss.inputs import LossInputs
 
 __all__ = [
     "Normalizers",
     "all_reduce_normalizers",
     "count_normalizers",
+    "count_rows",
     "undo_data_parallel_averaging",
 ]
 
@@ -93,69 +93,71 @@ class Normalizers:
         return cls(*(int(v) for v in t.tolist()))
 
 
-def split_rows(
-    rl_mask: torch.Tensor, echo_weights: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rl, echo)`` bool masks: echo = ``echo_weights > 0``; rl = ``rl_mask`` and not echo.
-
-    The single definition used by the loss, the counts and the metrics, so they always agree.
-
-    Examples:
-        >>> rl, echo = split_rows(torch.tensor([True, True, False]), torch.tensor([0.0, 0.5, 0.0]))
-        >>> rl.tolist(), echo.tolist()
-        ([True, False, False], [False, True, False])
-    """
-    if echo_weights is None:
-        return rl_mask, torch.zeros_like(rl_mask)
-    echo = echo_weights > 0
-    return rl_mask & ~echo, echo
-
-
-def count_normalizers(
-    *,
-    rl_mask: torch.Tensor,
-    echo_weights: torch.Tensor | None = None,
-    sequence_ids: torch.Tensor | None = None,
+def count_rows(
+    rl: torch.Tensor, echo: torch.Tensor, sequence_ids: torch.Tensor | None
 ) -> Normalizers:
-    """Counts of one micro-batch (this rank only); sum them over micro-batches, then all-reduce.
+    """The counts of one micro-batch from its ``[N]`` row masks: the one counting rule.
+
+    [`count_normalizers`][echoloss.loss.normalization.count_normalizers] and the loss (its local
+    counts, when no ``normalizers`` are given, and the check that given ones cover them) both
+    count here, so the two can never disagree.
 
     Args:
-        rl_mask: ``[N]`` bool, True = RL row.
-        echo_weights: ``[N]`` float, ``> 0`` = echo row (an echoed row leaves the RL set), or None.
-        sequence_ids: ``[N]`` int64 row → sequence within the micro-batch (``-1`` = padding), or
-            None (then ``sequences`` stays 0 and the ``sequence_mean*`` modes cannot be used).
-
-    Returns:
-        [`Normalizers`][echoloss.loss.normalization.Normalizers] of this micro-batch.
-
-    Raises:
-        TypeError, ValueError: as `echoloss.LossInputs` (the same checks: a NaN or
-            negative echo weight, a participating row with sequence id -1, ...).
+        rl: ``[N]`` bool RL rows (echoed rows already removed, `LossInputs.rl`).
+        echo: ``[N]`` bool echo rows (`LossInputs.echo`).
+        sequence_ids: ``[N]`` int64 row → sequence, or None (sequence counts stay 0).
 
     Examples:
-        >>> count_normalizers(rl_mask=torch.tensor([True, True, False, False]),
-        ...                   echo_weights=torch.tensor([0.0, 0.5, 0.1, 0.0]),
-        ...                   sequence_ids=torch.tensor([0, 0, 1, -1]))
-        Normalizers(rl_tokens=1, echo_tokens=2, sequences=2, echo_batches=1, rl_sequences=1, echo_sequences=2)
+        >>> count_rows(torch.tensor([True, False]), torch.tensor([False, True]), None)
+        Normalizers(rl_tokens=1, echo_tokens=1, sequences=0, echo_batches=1, rl_sequences=0, echo_sequences=0)
     """
-    from echoloss.loss.inputs import LossInputs  # the record's checks, one definition
-
-    x = LossInputs(rl_mask=rl_mask, echo_weights=echo_weights, sequence_ids=sequence_ids)
-    n_echo = int(x.echo.sum())
+    n_echo = int(echo.sum())
     seqs = rl_seqs = echo_seqs = 0
-    sid = x.flat("sequence_ids")
-    if sid is not None:
-        seqs = int(torch.unique(sid[x.rl | x.echo]).numel())
-        rl_seqs = int(torch.unique(sid[x.rl]).numel())
-        echo_seqs = int(torch.unique(sid[x.echo]).numel())
+    if sequence_ids is not None:
+        sid = sequence_ids.reshape(-1)  # [N]
+        seqs = int(torch.unique(sid[rl | echo]).numel())
+        rl_seqs = int(torch.unique(sid[rl]).numel())
+        echo_seqs = int(torch.unique(sid[echo]).numel())
     return Normalizers(
-        rl_tokens=int(x.rl.sum()),
+        rl_tokens=int(rl.sum()),
         echo_tokens=n_echo,
         sequences=seqs,
         echo_batches=int(n_echo > 0),
         rl_sequences=rl_seqs,
         echo_sequences=echo_seqs,
     )
+
+
+def count_normalizers(inputs: LossInputs | None = None, /, **fields: Any) -> Normalizers:
+    """Counts of one micro-batch (this rank only); sum them over micro-batches, then all-reduce.
+
+    Takes the same record as the loss (only ``rl_mask``, ``echo_weights`` and ``sequence_ids``
+    are read), so a micro-batch is counted exactly as [`echoloss.echo_loss`][echoloss.loss.echo_loss]
+    counts it (`count_rows`).
+
+    Args:
+        inputs: the micro-batch's `echoloss.LossInputs`.
+        **fields: the keyword form instead of ``inputs``: record fields by name
+            (``rl_mask=``, ``echo_weights=``, ``sequence_ids=``, ...).
+
+    Returns:
+        [`Normalizers`][echoloss.loss.normalization.Normalizers] of this micro-batch. Without
+        ``sequence_ids`` the sequence counts stay 0 and the ``sequence_mean*`` modes cannot use
+        them.
+
+    Raises:
+        TypeError, ValueError: as `echoloss.LossInputs` (the same checks: a NaN or
+            negative echo weight, a participating row with sequence id -1, ...).
+
+    Examples:
+        >>> x = LossInputs(rl_mask=torch.tensor([True, True, False, False]),
+        ...                echo_weights=torch.tensor([0.0, 0.5, 0.1, 0.0]),
+        ...                sequence_ids=torch.tensor([0, 0, 1, -1]))
+        >>> count_normalizers(x)
+        Normalizers(rl_tokens=1, echo_tokens=2, sequences=2, echo_batches=1, rl_sequences=1, echo_sequences=2)
+    """
+    x = LossInputs.from_keywords(inputs, **fields)
+    return count_rows(x.rl, x.echo, x.flat("sequence_ids"))
 
 
 def all_reduce_normalizers(

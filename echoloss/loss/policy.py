@@ -11,15 +11,14 @@ Notation: ``lp`` = trainer logprob (differentiable), ``lp_old`` = the ratio's de
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from echoloss.loss.config import LossConfig
+from echoloss.loss.inputs import LossInputs
 
 __all__ = [
     "POLICIES",
@@ -27,6 +26,7 @@ __all__ = [
     "PolicyInputs",
     "PolicyOutput",
     "PolicySpec",
+    "RecordRows",
     "cispo_loss",
     "dppo_loss",
     "gspo_loss",
@@ -51,6 +51,9 @@ class PolicyInputs(NamedTuple):
         sequence_index: ``[n]`` int64 local sequence of each row in ``[0, num_sequences)``, or
             None when ``sequence_ids`` was not given.
         num_sequences: number of local sequences ``sequence_index`` refers to.
+        rows: every per-token field of the call's `echoloss.LossInputs` on the RL rows, by
+            name (``[n]`` each, compacted on first access; a field the call did not give is
+            absent): a policy reads a new per-token input here, with no edit to the loss.
     """
 
     logprobs: torch.Tensor
@@ -58,6 +61,47 @@ class PolicyInputs(NamedTuple):
     advantages: torch.Tensor
     sequence_index: torch.Tensor | None
     num_sequences: int
+    rows: Mapping[str, torch.Tensor] = MappingProxyType({})
+
+
+class RecordRows(Mapping[str, torch.Tensor]):
+    """The per-token fields of a `LossInputs` on some rows, as a read-only mapping.
+
+    Each field is compacted (``index_select``) on first access, so a policy pays only for the
+    fields it reads.
+
+    Examples:
+        >>> x = LossInputs(rl_mask=torch.tensor([True, False, True]),
+        ...                advantages=torch.tensor([1.0, 0.0, 3.0]))
+        >>> rows = RecordRows(x, torch.tensor([0, 2]))
+        >>> rows["advantages"].tolist(), sorted(rows)
+        ([1.0, 3.0], ['advantages', 'rl_mask'])
+    """
+
+    def __init__(self, record: LossInputs, index: torch.Tensor) -> None:
+        self._record = record
+        self._index = index  # [n] int64 rows of the record
+        names = ("rl_mask", *(f.name for f in record.per_token_fields()))
+        self._names = tuple(n for n in names if getattr(record, n) is not None)
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(
+                f"{name!r} is not a per-token field given to this call (given: "
+                f"{', '.join(self._names)}); add it to the LossInputs record"
+            )
+        if name not in self._cache:
+            flat = self._record.flat(name)
+            assert flat is not None  # in self._names
+            self._cache[name] = flat.index_select(0, self._index)  # [n]
+        return self._cache[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class PolicyOutput(NamedTuple):
@@ -72,8 +116,28 @@ class PolicyOutput(NamedTuple):
     flags: dict[str, torch.Tensor]
 
 
-#: A policy: ``fn(inputs, config) -> PolicyOutput`` (``config`` is the ``LossConfig``).
-PolicyFn = Callable[[PolicyInputs, "LossConfig"], PolicyOutput]
+#: A policy: ``fn(inputs, config) -> PolicyOutput``; ``config`` is the call's ``LossConfig``
+#: (typed ``Any`` here so that this module does not import the config, which imports it).
+PolicyFn = Callable[[PolicyInputs, Any], PolicyOutput]
+
+
+class BuiltinPolicyParameters(Protocol):
+    """The ``LossConfig`` attributes the built-in policies read (``LossConfig`` has them all)."""
+
+    @property
+    def dppo_low(self) -> float: ...
+    @property
+    def dppo_high(self) -> float: ...
+    @property
+    def dual_clip(self) -> float | None: ...
+    @property
+    def cispo_max(self) -> float: ...
+    @property
+    def cispo_min(self) -> float | None: ...
+    @property
+    def log_ratio_clamp(self) -> float | None: ...
+    @property
+    def resolved_eps(self) -> tuple[float, float]: ...
 
 
 def _exp_ratio(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
@@ -508,29 +572,29 @@ def get_policy(name: str) -> PolicySpec:
     return spec
 
 
-def _dppo(x: PolicyInputs, c: LossConfig) -> PolicyOutput:
+def _dppo(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
     return dppo_loss(x, low=c.dppo_low, high=c.dppo_high, log_ratio_clamp=c.log_ratio_clamp)
 
 
-def _ppo_clip(x: PolicyInputs, c: LossConfig) -> PolicyOutput:
+def _ppo_clip(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
     lo, hi = c.resolved_eps
     return ppo_clip_loss(
         x, eps_low=lo, eps_high=hi, dual_clip=c.dual_clip, log_ratio_clamp=c.log_ratio_clamp
     )
 
 
-def _cispo(x: PolicyInputs, c: LossConfig) -> PolicyOutput:
+def _cispo(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
     return cispo_loss(
         x, weight_max=c.cispo_max, weight_min=c.cispo_min, log_ratio_clamp=c.log_ratio_clamp
     )
 
 
-def _gspo(x: PolicyInputs, c: LossConfig) -> PolicyOutput:
+def _gspo(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
     lo, hi = c.resolved_eps
     return gspo_loss(x, eps_low=lo, eps_high=hi, log_ratio_clamp=c.log_ratio_clamp)
 
 
-def _reinforce(x: PolicyInputs, c: LossConfig) -> PolicyOutput:
+def _reinforce(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
     return reinforce_loss(x)
 
 

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 import echoloss
 from echoloss.loss import (
     LossConfig,
+    LossInputs,
     Normalizers,
     all_reduce_normalizers,
     count_normalizers,
@@ -358,11 +359,12 @@ def heldout_observation_ce(model: Any, batches: list[echoloss.PackedBatch], attn
     nll, count = 0.0, 0
     for b in batches:
         t = echoloss.next_token_targets(b)
+        x = LossInputs(
+            rl_mask=torch.zeros_like(t.rl_mask), echo_weights=t.echo_weights, labels=t.labels
+        )
         out = echo_loss(
             packed_logits(model, b, attn_implementation=attn).float(),
-            t.labels,
-            rl_mask=torch.zeros_like(t.rl_mask),
-            echo_weights=t.echo_weights,
+            x,
             config=LossConfig(compute_entropy=False),
         )
         n = int(out.metrics["echo_tokens/all"])
@@ -892,15 +894,11 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         packed, real = _micro_batches(samples, cfg, pad_id, world)
         batches = [b.to(device) for b in packed]
         targets = [echoloss.next_token_targets(b) for b in batches]
-        local = sum(
-            (
-                count_normalizers(
-                    rl_mask=t.rl_mask, echo_weights=t.echo_weights, sequence_ids=t.sequence_ids
-                )
-                for t in targets
-            ),
-            Normalizers(),
-        )
+        records = [
+            LossInputs.from_targets(t, env_names=list(b.env_names))
+            for b, t in zip(batches, targets, strict=True)
+        ]
+        local = sum((count_normalizers(x) for x in records), Normalizers())
         norms = all_reduce_normalizers(local)
 
         # 4. Forward + backward per micro-batch; gradients accumulate (sum) in .grad.
@@ -909,7 +907,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
             group["lr"] = _warmup_lr(cfg, step) if warm else cfg.optim.lr
         agg, agg_obs = _Metrics(), _Metrics()
         tokens = 0
-        for i, (b, t) in enumerate(zip(batches, targets, strict=True)):
+        for i, (b, t, x) in enumerate(zip(batches, targets, records, strict=True)):
             sync = model.set_requires_gradient_sync if world > 1 else None
             if sync is not None:
                 sync(i == len(batches) - 1)  # reduce-scatter once, after the last micro-batch
@@ -917,31 +915,19 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
             if warm and echo is not None:  # the warm-up's observation CE (SFT mode has no echo)
                 obs = echo_loss(
                     logits,
-                    t.labels,
-                    rl_mask=torch.zeros_like(t.rl_mask),
-                    echo_weights=t.echo_weights,
+                    x.replace(rl_mask=torch.zeros_like(x.rl_mask), temperature=1.0, env_names=None),
                     config=cfg.loss.model_copy(update={"compute_entropy": False}),
                     normalizers=norms,
-                    sequence_ids=t.sequence_ids,
-                    observation_mask=t.observation_mask,
                 )
                 obs.loss.backward(retain_graph=True)
                 if i < real:
                     agg_obs.add(obs.metrics)
             res = echo_loss(
                 logits,
-                t.labels,
-                rl_mask=t.rl_mask,
-                echo_weights=None if warm else t.echo_weights,
-                advantages=t.advantages,
-                inference_logprobs=t.inference_logprobs,
-                temperature=t.temperatures,
+                x.replace(echo_weights=None) if warm else x,
                 config=loss_cfg,
                 normalizers=norms,
                 backend="auto",
-                sequence_ids=t.sequence_ids,
-                observation_mask=t.observation_mask,
-                env_names=list(b.env_names),
             )
             res.loss.backward()
             if i >= real:

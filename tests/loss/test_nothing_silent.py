@@ -311,17 +311,3 @@ def test_huge_sequence_ids_allocate_nothing_id_sized():
         losses.append(echo_loss_from_logprobs(lp, x, config=cfg).loss.item())
     # (mean(0.5, 1.0) + 2.0) / 2 sequences
     assert losses == [pytest.approx((0.75 + 2.0) / 2, rel=1e-15)] * 2
-
-
-def test_the_keyword_form_and_the_record_have_the_same_fields():
-    """The keyword shim builds the record: every keyword is a record field (a new per-token
-    input is one record field; the keyword form need not grow)."""
-    import inspect
-
-    from echoloss.loss.core import _KEYWORD_FIELDS
-
-    record = {f.name for f in LossInputs.__dataclass_fields__.values() if f.init}
-    assert set(_KEYWORD_FIELDS) == record
-    params = inspect.signature(echo_loss).parameters
-    assert set(_KEYWORD_FIELDS) <= set(params)
-    assert {f.name for f in LossInputs.per_token_fields()} <= record
