@@ -31,6 +31,7 @@ from echoloss.data import (
     pack,
     register_echo_filter,
     select_step_echo,
+    span_echo_filter,
     unpack,
 )
 from echoloss.loss import (
@@ -91,6 +92,7 @@ __all__ = [
     "resolve_advantage_fn",
     "select_step_echo",
     "selective_logprobs",
+    "span_echo_filter",
     "undo_data_parallel_averaging",
     "unpack",
 ]

@@ -8,7 +8,9 @@
 4. ``interleave``: [`Step`][echoloss.data.interleave.Step] (one model call) and [`Sample`][echoloss.data.interleave.Sample] (one training sequence), and
    [`interleave`][echoloss.data.interleave], which merges a trajectory's steps into samples.
 5. ``packing``: [`pack`][echoloss.data.packing.pack] / [`unpack`][echoloss.data.packing.unpack], samples into FlashAttention-style micro-batches.
-6. ``targets``: [`next_token_targets`][echoloss.data.targets.next_token_targets], the row-aligned record a loss consumes.
+6. ``spans``: [`span_echo_filter`][echoloss.data.spans.span_echo_filter], echo only the character spans a
+   selector marks (an ``echo_filter`` for ``interleave``).
+7. ``targets``: [`next_token_targets`][echoloss.data.targets.next_token_targets], the row-aligned record a loss consumes.
 
 The semantics are specified in ``docs/spec.md``; the public names are re-exported here and from
 ``echoloss``.
@@ -28,6 +30,7 @@ from echoloss.data.echo_config import (
 from echoloss.data.echo_weights import StepEcho, echo_weights, select_step_echo, validate_keep_mask
 from echoloss.data.interleave import Sample, Step, interleave
 from echoloss.data.packing import PackedBatch, pack, truncate_sample, unpack
+from echoloss.data.spans import span_echo_filter, span_token_mask
 from echoloss.data.targets import NextTokenTargets, next_token_targets
 
 __all__ = [
@@ -48,6 +51,8 @@ __all__ = [
     "pack",
     "register_echo_filter",
     "select_step_echo",
+    "span_echo_filter",
+    "span_token_mask",
     "truncate_sample",
     "unpack",
     "validate_keep_mask",

@@ -191,6 +191,14 @@ class EnvConfig(_Section):
     warmup_flip_prob: float = Field(0.0, ge=0, le=1)
     # mirrorgrid: probability that a turn of a warm-up demonstration is a random move
     demo_explore: float = Field(0.0, ge=0, lt=1)
+    # mirrorgrid: how long the hidden dynamics persist: "per-episode" (a mirroring drawn every
+    # episode) or "per-world" (one fixed direction permutation, `world`, in every RL and
+    # evaluation episode; warm-up in the ordinary world)
+    level: Literal["per-episode", "per-world"] = "per-episode"
+    world: int = 0  # the per-world level's world (a seed; `experiment` uses the run's seed)
+    # mirrorgrid: the observation's direction words: the key names, or their own vocabulary
+    # (north/south/west/east, no token shared with the action keys)
+    words: Literal["keys", "compass"] = "keys"
 
     @field_validator("name")
     @classmethod
@@ -306,6 +314,10 @@ class EchoSection(_Section):
     target: Literal["content", "message"] = "content"
     echo_warnings: bool = False
     max_tokens_per_message: int | None = Field(None, ge=1)
+    # which tokens of each observation are echoed: the whole body ("observation"), or only the
+    # env's spans: "hidden" (the hidden-dependent word) or "noise" (the uninformative digit of
+    # mirrorgrid-noise: the placebo). Through echoloss.span_echo_filter
+    span: Literal["observation", "hidden", "noise"] = "observation"
 
 
 class AdvantageConfig(_Section):
@@ -373,6 +385,10 @@ class TrainSection(_Section):
     # each task once greedily): 240 tasks x (1 + 4) = 1,200 episodes on mirrorgrid 4x4
     eval_samples: int = Field(4, ge=0)
     eval_at_start: bool = True  # evaluate before the first RL step
+    # every N RL steps (from the first) log echo_grad_norm and pg_grad_norm, the norms of the
+    # echo term's gradient and of the rest (one extra backward pass on those steps; single
+    # process only); 0 = never
+    grad_ratio_every: int = Field(0, ge=0)
     checkpoint_every: int = Field(50, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     plots: bool = True

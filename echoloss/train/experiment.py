@@ -48,8 +48,50 @@ ACTOBS_WEIGHT = 1.0  # the ActObs-style warm-start's observation CE weight
 THRESHOLD = 0.8  # "steps to 80 %": the first evaluation at or above this held-out success
 MARGIN = -0.03  # pre-registered non-inferiority margin for echo vs GRPO (success, absolute)
 
-# Per mode: seeds, λ of the echo arms, and --set overrides for every run.
+# The persistence design's arms (docs/experiment.md, "Persistence"): (level, arm, λ, extra --set).
+# Every arm of a seed starts from that seed's one warm-start (the ordinary world); the placebo
+# echoes only the uninformative digit of every observation (echo.span = noise).
+LEVEL_ARMS: list[tuple[str, str, float, list[str]]] = [
+    ("per-world", "grpo", 0.0, []),
+    ("per-world", "echo", 0.01, []),
+    ("per-world", "echo", 0.05, []),
+    ("per-world", "placebo", 0.05, ["echo.span=noise"]),
+    ("per-episode", "grpo", 0.0, []),
+    ("per-episode", "echo", 0.05, []),
+]
+# Per level: --set overrides. The per-world evaluation set has one task per held-out pair (60),
+# the per-episode one four (one per mirroring): 16 and 4 sampled episodes per task give 960 each.
+LEVEL_SETS: dict[str, list[str]] = {
+    "per-world": ["env.level=per-world", "train.eval_samples=16"],
+    "per-episode": ["env.level=per-episode", "train.eval_samples=4"],
+}
+PERSISTENCE_SET = [  # every run of the persistence design (warm-starts included)
+    "env.name=mirrorgrid-noise",
+    "env.words=compass",
+    "train.grad_ratio_every=10",
+]
+
+# Per mode: seeds, λ of the echo arms, and --set overrides for every run. A mode with
+# ``"levels": True`` runs the persistence design (LEVEL_ARMS) instead of grpo/echo-λ/actobs.
 MODES: dict[str, dict[str, Any]] = {
+    "persistence": {  # the pre-registered persistence experiment (docs/experiment.md)
+        "seeds": list(range(12)),
+        "alphas": [],
+        "levels": True,
+        "set": [*PERSISTENCE_SET, "train.max_steps=60", "train.eval_every=10"],
+    },
+    "persistence-quick": {  # its shape, at a fraction of the cost
+        "seeds": [0, 1],
+        "alphas": [],
+        "levels": True,
+        "set": [
+            *PERSISTENCE_SET,
+            "train.max_steps=10",
+            "train.eval_every=5",
+            "data.heldout_size=16",
+            "warmup.steps=20",
+        ],
+    },
     "quick": {  # the shape of the full experiment at a fraction of its cost
         "seeds": [0, 1],
         "alphas": [0.05],
@@ -142,7 +184,7 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
     last evaluation, or with a shared ``--warm-start`` its own first one) and at the end, and the
     RL curve's landmarks."""
     evals = _read_jsonl(out / job.name / "eval.jsonl")
-    if job.needs is not None:  # the RL start is the end of its warm-start job
+    if job.needs is not None and not job.meta.get("own_start"):  # the end of its warm-start
         start = [e for e in _read_jsonl(out / job.needs / "eval.jsonl") if e["rl_step"] == 0]
     else:  # a shared --warm-start: the arm evaluated its own RL start
         start = [e for e in evals if e["rl_step"] == 0]
@@ -158,8 +200,31 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
         vals = [r[key] for r in rows if key in r]
         return sum(vals) / len(vals) if vals else None
 
+    probes = [m for m in rl if m.get("pg_grad_norm")]
+    split = sorted({k for e in (first, last) for k in e if k.startswith(("ce_", "floor_"))})
+    level = job.meta.get("level")
+    extra: dict[str, Any] = {}
+    if level is not None:  # the persistence design's fields
+        extra = {
+            "level": level,
+            "model": "tiny",
+            "move_ce_start": first.get("ce_walks_move"),
+            "move_ce_end": last.get("ce_walks_move"),
+            **{f"{k}_start": first.get(k) for k in split if k.startswith("ce_")},
+            **{f"{k}_end": last.get(k) for k in split if k.startswith("ce_")},
+            **{k: last.get(k) for k in split if k.startswith("floor_")},
+            "zero_variance_groups": mean("zero_variance_groups", rl),
+            "echo_pg_grad_ratio": (
+                sum(m["echo_grad_norm"] / m["pg_grad_norm"] for m in probes) / len(probes)
+                if probes
+                else None
+            ),
+            "echo_nll_first5": mean("echo_nll", rl[:5]),
+        }
+
     return {
         "env": env,
+        **extra,
         "arm": job.meta["arm"],
         "alpha": job.meta["alpha"],
         "seed": job.meta["seed"],
@@ -171,6 +236,9 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
         "eval_success_sampled_end": last.get("eval_success_sampled"),
         "eval_episodes": last.get("eval_episodes"),
         "steps_to_80": steps_to(everything, "eval_success_greedy", THRESHOLD),
+        "eval_every": min(
+            (int(e["rl_step"]) for e in everything if e["rl_step"] > 0), default=None
+        ),
         # the held-out observation CE on the hidden-dependent tokens (the env's hidden_spans),
         # against its exact floor; "_all": on every observation-body token
         "heldout_obs_ce_start": first.get("heldout_hidden_ce", first.get("heldout_obs_ce")),
@@ -203,8 +271,46 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
     }
 
 
+def _level_jobs(args: argparse.Namespace, sets: list[str], base_cmd: list[str]) -> list[_Job]:
+    """The persistence design: per seed one warm-start in the ordinary world, then every arm of
+    `LEVEL_ARMS` from it, each evaluating its own RL start in its own world (seed by seed, so a
+    cut-off run completes whole paired seeds first)."""
+    jobs: list[_Job] = []
+    for seed in args.seeds:
+        warm = f"warm-base-seed{seed}"
+        cmd = [*base_cmd, "--seed", str(seed), "--output-dir", str(args.output_dir / warm)]
+        # the arms evaluate their start in their own world: the warm job's closing evaluation
+        # (in the ordinary world's held-out tasks) is cut to its greedy part
+        only_warm = ["train.max_steps=0", "train.plots=false", "train.eval_samples=0"]
+        for item in [*sets, *only_warm]:
+            cmd += ["--set", item]
+        jobs.append(_Job(warm, cmd, meta={"seed": seed, "kind": "warm"}))
+        for level, arm, alpha, extra in LEVEL_ARMS:
+            name = f"{level}-{arm}{'' if arm == 'grpo' else f'-{alpha:g}'}-seed{seed}"
+            cmd = [*base_cmd, "--seed", str(seed), "--output-dir", str(args.output_dir / name)]
+            own = [
+                f"model.path={args.output_dir / warm / 'final-model'}",
+                "warmup.steps=0",
+                "train.eval_at_start=true",
+                f"echo.alpha={alpha}",
+                f"env.world={seed}",
+                *LEVEL_SETS[level],
+                *extra,
+            ]
+            for item in [*sets, *own]:
+                cmd += ["--set", item]
+            meta = {
+                "seed": seed, "kind": "arm", "arm": arm, "alpha": alpha, "warmup": "base",
+                "level": level, "own_start": True,
+            }  # fmt: skip
+            jobs.append(_Job(name, cmd, needs=warm, meta=meta))
+    return jobs
+
+
 def _jobs(args: argparse.Namespace, mode: dict[str, Any], base_cmd: list[str]) -> list[_Job]:
     sets = [*mode["set"], *args.set, "train.threads=1", "train.progress=false"]
+    if mode.get("levels"):
+        return _level_jobs(args, sets, base_cmd)
     jobs: list[_Job] = []
     per_seed_warm_starts = [] if args.warm_start is not None else [("base", None)]
     if per_seed_warm_starts and not args.no_actobs:
@@ -325,24 +431,97 @@ def _progress(total: int) -> Any:
 # The summary
 
 
+def arm_label(row: dict[str, Any]) -> str:
+    """The arm a row belongs to: its ``arm`` (``echo-0.05``), or with a ``level`` (the
+    persistence design) ``"<level> <arm>[ <λ>]"``.
+
+    Examples:
+        >>> arm_label({"arm": "echo-0.05"}), arm_label({"level": "per-world", "arm": "grpo"})
+        ('echo-0.05', 'per-world grpo')
+        >>> arm_label({"level": "per-world", "arm": "placebo", "alpha": 0.05})
+        'per-world placebo 0.05'
+    """
+    level = row.get("level")
+    if not level:
+        return str(row["arm"])
+    return f"{level} {row['arm']}" + ("" if row["arm"] == "grpo" else f" {row['alpha']:g}")
+
+
+def reference_label(label: str) -> str:
+    """The GRPO arm an arm is paired with: ``grpo``, or the GRPO arm of its level."""
+    return f"{label.split(' ')[0]} grpo" if " " in label else "grpo"
+
+
 def runs_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (arm, seed): the last row written for it wins (a re-run replaces a row)."""
-    keyed = {(r["arm"], r["seed"]): r for r in rows}
+    keyed = {(arm_label(r), r["seed"]): r for r in rows}
     return [keyed[k] for k in sorted(keyed, key=lambda k: (k[1], k[0]))]
 
 
 def _diff(rows: list[dict[str, Any]], arm: str, key: str) -> tuple[list[float], list[float]]:
-    """Per-seed values of ``key`` for ``arm`` and paired differences against ``grpo``."""
-    by = {(r["arm"], r["seed"]): r for r in rows}
+    """Per-seed values of ``key`` for ``arm`` and paired differences against its GRPO arm."""
+    by = {(arm_label(r), r["seed"]): r for r in rows}
     vals, diffs = [], []
     for (a, seed), r in sorted(by.items()):
         if a != arm or r.get(key) is None:
             continue
         vals.append(float(r[key]))
-        ref = by.get(("grpo", seed))
+        ref = by.get((reference_label(arm), seed))
         if ref is not None and ref.get(key) is not None:
             diffs.append(float(r[key]) - float(ref[key]))
     return vals, diffs
+
+
+# Row fields of the persistence design that the summary also averages (with paired intervals).
+LEVEL_KEYS = (
+    "move_ce_start",
+    "move_ce_end",
+    "zero_variance_groups",
+    "echo_pg_grad_ratio",
+    "echo_nll_first5",
+)
+
+
+def speed_ratio(rows: list[dict[str, Any]], arm: str) -> dict[str, Any]:
+    """The co-primary outcome: RL steps to 80 % greedy held-out success, ``arm`` against its GRPO
+    arm, as the geometric mean over seeds of ``(T_arm + e) / (T_grpo + e)`` with ``e`` the
+    evaluation interval (so a start already at 80 % is finite) and a censored run (never at
+    80 %) counted at ``rl_steps + e``, a lower bound on its time; 95 % t interval on the log
+    scale. Censoring pulls the ratio towards 1 (conservative). Below 1: ``arm`` is faster.
+
+    Examples:
+        >>> rows = [{"level": "w", "arm": "grpo", "seed": 0, "steps_to_80": None, "rl_steps": 60,
+        ...          "eval_every": 10},
+        ...         {"level": "w", "arm": "echo", "alpha": 0.05, "seed": 0, "steps_to_80": 20,
+        ...          "rl_steps": 60, "eval_every": 10}]
+        >>> r = speed_ratio(rows, "w echo 0.05")
+        >>> round(r["ratio"], 4), r["n"], r["censored_arm"], r["censored_grpo"]
+        (0.375, 1, 0, 1)
+    """
+    by = {(arm_label(r), r["seed"]): r for r in rows}
+    logs, cens_arm, cens_ref = [], 0, 0
+    for (a, seed), r in sorted(by.items()):
+        ref = by.get((reference_label(arm), seed))
+        if a != arm or ref is None:
+            continue
+
+        def t(row: dict[str, Any]) -> float:
+            e = float(row.get("eval_every") or 10)
+            reached = row.get("steps_to_80")
+            return (float(row["rl_steps"]) + e if reached is None else float(reached)) + e
+
+        cens_arm += r.get("steps_to_80") is None
+        cens_ref += ref.get("steps_to_80") is None
+        logs.append(math.log(t(r) / t(ref)))
+    ci = paired_ci(logs)
+    return {
+        "ratio": math.exp(ci["mean"]) if logs else None,
+        "lo": math.exp(ci["lo"]) if len(logs) > 1 else None,
+        "hi": math.exp(ci["hi"]) if len(logs) > 1 else None,
+        "n": len(logs),
+        "censored_arm": cens_arm,
+        "censored_grpo": cens_ref,
+    }
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -378,32 +557,38 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "imagined_obs_rate_end",
         "invalid_reply_rate_end",
     ]
-    arms = sorted({r["arm"] for r in rows}, key=_arm_order)
+    keys += sorted({k for r in rows for k in r if k in LEVEL_KEYS or k.startswith("ce_")})
+    arms = sorted({arm_label(r) for r in rows}, key=_arm_order)
     out: dict[str, Any] = {"threshold": THRESHOLD, "margin": MARGIN, "arms": {}}
     for arm in arms:
+        mine = [r for r in rows if arm_label(r) == arm]
         entry: dict[str, Any] = {
-            "seeds": sorted(r["seed"] for r in rows if r["arm"] == arm),
-            "reached_80": sum(
-                1 for r in rows if r["arm"] == arm and r.get("steps_to_80") is not None
-            ),
+            "seeds": sorted(r["seed"] for r in mine),
+            "reached_80": sum(1 for r in mine if r.get("steps_to_80") is not None),
         }
         for key in keys:
             vals, diffs = _diff(rows, arm, key)
             entry[key] = {"mean": sum(vals) / len(vals) if vals else None, "n": len(vals)}
-            if arm != "grpo":
+            if reference_label(arm) != arm:
                 entry[key]["diff_vs_grpo"] = paired_ci(diffs)
+        if reference_label(arm) != arm and any("level" in r for r in mine):
+            entry["speed_ratio_vs_grpo"] = speed_ratio(rows, arm)
         out["arms"][arm] = entry
     floors = [r["obs_ce_floor"] for r in rows if r.get("obs_ce_floor") is not None]
     out["obs_ce_floor"] = floors[0] if floors else None
     return out
 
 
-def _arm_order(arm: str) -> tuple[int, float]:
+def _arm_order(arm: str) -> tuple[int, int, float]:
+    if " " in arm:  # the persistence design: per-world arms first, GRPO, echo by λ, placebo
+        level, kind, *alpha = arm.split(" ")
+        rank = {"grpo": 0, "echo": 1, "placebo": 2}.get(kind, 3)
+        return (0 if level == "per-world" else 1, rank, float(alpha[0]) if alpha else 0.0)
     if arm == "grpo":
-        return (0, 0.0)
+        return (0, 0, 0.0)
     if arm.startswith("echo-"):
-        return (1, float(arm.removeprefix("echo-")))
-    return (2, 0.0)
+        return (0, 1, float(arm.removeprefix("echo-")))
+    return (0, 2, 0.0)
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -490,10 +675,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ("eval_invalid_rate", "invalid replies (per reply, sampled)"),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(25, 4.4), constrained_layout=True)
-    arms = sorted({r["arm"] for r in rows}, key=_arm_order)
+    arms = sorted({arm_label(r) for r in rows}, key=_arm_order)
     cmap = plt.get_cmap("tab10")
     for i, arm in enumerate(arms):
-        runs = [r for r in rows if r["arm"] == arm]
+        runs = [r for r in rows if arm_label(r) == arm]
         for ax, (key, _) in zip(axes, panels, strict=True):
             curves = [
                 {c["rl_step"]: c[key] for c in r["curve"] if c.get(key) is not None} for r in runs
@@ -530,9 +715,9 @@ def _write_summary(out: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    arms = {r["arm"] for r in rows}
+    arms = {arm_label(r) for r in rows}
     seeds = sorted({r["seed"] for r in rows})
-    complete = [s for s in seeds if {r["arm"] for r in rows if r["seed"] == s} == arms]
+    complete = [s for s in seeds if {arm_label(r) for r in rows if r["seed"] == s} == arms]
     if complete != seeds:  # a cut-off experiment: compare arms on the same seeds only
         partial = sorted(set(seeds) - set(complete))
         print(f"summary and plot over the complete seeds {complete}; seeds {partial} have only "

@@ -72,6 +72,11 @@ ADDED_TOKENS = [
     "start",
     "hint",
     "error",
+    # mirrorgrid's own observation vocabulary (env.words = "compass"): no id shared with a key
+    "north",
+    "south",
+    "west",
+    "east",
 ]
 
 

@@ -42,6 +42,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,14 @@ from echoloss.train.model import (
     describe_model,
     load_model,
     packed_logits,
+)
+from echoloss.train.probes_world import (
+    EchoGradient,
+    EchoSpans,
+    WorldModelSet,
+    world_model_ce,
+    world_model_sets,
+    zero_variance_fraction,
 )
 
 __all__ = ["train"]
@@ -454,6 +463,7 @@ class _Heldout:
     floor: float = math.nan
     hidden: list[tuple[list[int], list[int]]] = field(default_factory=list)
     hidden_floor: float = math.nan
+    world_model: dict[str, WorldModelSet] = field(default_factory=dict)  # the split CE's sets
 
 
 def _heldout_batches(cfg: TrainConfig, env: Any, tok: Any, device: torch.device) -> _Heldout:
@@ -480,6 +490,7 @@ def _heldout_batches(cfg: TrainConfig, env: Any, tok: Any, device: torch.device)
     out.floor = nats / max(tokens, 1)
     if out.hidden:
         out.hidden_floor = hidden_nats / max(sum(len(p) for _, p in out.hidden), 1)
+    out.world_model = world_model_sets(env, tok, count=cfg.data.heldout_size)
     return out
 
 
@@ -523,6 +534,8 @@ def _evaluate(
     if heldout.hidden:
         out["heldout_hidden_ce"] = heldout_hidden_ce(model, heldout.hidden, device)
         out["hidden_ce_floor"] = heldout.hidden_floor
+    if heldout.world_model:
+        out.update(world_model_ce(model, heldout.world_model, device))
     return out
 
 
@@ -737,6 +750,11 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         weight_decay=cfg.optim.weight_decay,
     )
     env = make_env(cfg.env.name, **cfg.env.options())
+    if cfg.echo.span != "observation" and not isinstance(env, EchoSpans):
+        raise ValueError(
+            f"echo.span = {cfg.echo.span!r}: env {cfg.env.name} names no observation spans "
+            "(no echo_spans); use a mirrorgrid env, or echo.span = 'observation'"
+        )
     data = Batches(cfg, env, tok, rank, world)
     warm_steps = cfg.warmup.steps if cfg.data.source != "jsonl" else 0
     total = warm_steps + cfg.train.max_steps  # the warm-up comes before the RL steps
@@ -878,8 +896,18 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         for r, a in zip(rollouts, advantages, strict=True):
             if a is None:
                 continue  # errored, or a group without survivors: trains nothing
+            only = None  # echo restricted to the env's spans (echo.span), e.g. the placebo's
+            if (
+                not warm
+                and echo is not None
+                and isinstance(env, EchoSpans)
+                and cfg.echo.span != "observation"
+            ):
+                only = echoloss.span_echo_filter(
+                    r.messages, partial(env.echo_spans, cfg.echo.span), decode=tok.decode
+                )
             for s in echoloss.interleave(
-                r.steps, echo=echo, errored=r.errored, env_name=r.env_name
+                r.steps, echo=echo, errored=r.errored, env_name=r.env_name, echo_filter=only
             ):
                 s.advantage = a
                 samples.append(s)
@@ -907,6 +935,12 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
             group["lr"] = _warmup_lr(cfg, step) if warm else cfg.optim.lr
         agg, agg_obs = _Metrics(), _Metrics()
         tokens = 0
+        every = cfg.train.grad_ratio_every
+        grad_probe = (
+            EchoGradient([p for _, p in trained])
+            if not warm and echo is not None and every and rl_step % every == 0 and world == 1
+            else None
+        )
         for i, (b, t, x) in enumerate(zip(batches, targets, records, strict=True)):
             sync = model.set_requires_gradient_sync if world > 1 else None
             if sync is not None:
@@ -929,6 +963,14 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
                 normalizers=norms,
                 backend="auto",
             )
+            if grad_probe is not None and i < real:  # the echo term's own gradient, this batch
+                part = echo_loss(
+                    logits,
+                    x.replace(rl_mask=torch.zeros_like(x.rl_mask), temperature=1.0, env_names=None),
+                    config=cfg.loss.model_copy(update={"compute_entropy": False}),
+                    normalizers=norms,
+                )
+                grad_probe.add(part.loss)
             res.loss.backward()
             if i >= real:
                 continue  # a dummy batch: trains nothing, counts in no metric and no export
@@ -944,6 +986,7 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
 
         # 5. Data parallel: FSDP averaged the ranks' gradients; the global normalisers want the sum.
         undo_data_parallel_averaging(model, world)
+        echo_pg_norms = grad_probe.norms() if grad_probe is not None else None
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in trained], clip)
         if hasattr(grad_norm, "full_tensor"):
@@ -968,6 +1011,12 @@ def _train(cfg: TrainConfig, resume: str | Path | None, log: Any, files: ExitSta
         else:
             row["rl_step"] = rl_step + 1
             row.update(_rollout_metrics(rollouts, advantages, world))
+            groups: dict[Any, list[float]] = defaultdict(list)
+            for r in rollouts:
+                groups[r.group_id].append(r.reward)
+            row["zero_variance_groups"] = zero_variance_fraction(dict(groups))
+            if echo_pg_norms is not None:  # before clipping; their ratio is echo's pull
+                row.update(echo_grad_norm=echo_pg_norms[0], pg_grad_norm=echo_pg_norms[1])
             row.update(
                 loss_rl=m.get("loss_rl/all", math.nan),
                 entropy=m.get("entropy/all", math.nan),

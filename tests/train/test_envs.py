@@ -288,3 +288,126 @@ def test_the_trainer_docs_list_exactly_the_registered_envs():
     listed = re.search(r"`name` \(([^)]*)\)", row)
     assert listed is not None, row
     assert re.findall(r"`([a-z-]+)`", listed.group(1)) == list(ENVS)
+
+
+# -- persistence levels, the observation vocabulary, the exact per-token floors -----------------
+
+
+def test_per_world_permutation_is_fixed_never_the_identity_and_moves_the_agent():
+    from echoloss.train.envs.mirrorgrid import world_permutation
+
+    keys = tuple(MOVES)
+    perms = {w: world_permutation(w) for w in range(200)}
+    assert all(p != keys and sorted(p) == sorted(keys) for p in perms.values())
+    assert len(set(perms.values())) == 23  # every non-identity permutation of 4 occurs
+    env = MirrorGrid(size=4, level="per-world", world=7, words="compass")
+    perm = world_permutation(7)
+    tasks = [env.task(seed=s, index=i) for s in (0, 1) for i in range(20)]
+    assert {t.keys for t in tasks} == {perm} and {t.flip for t in tasks} == {(False, False)}
+    assert {t.keys for t in env.eval_tasks()} == {perm} and len(env.eval_tasks()) == 60
+    assert {env.heldout_task(index=i).keys for i in range(10)} == {perm}
+    # same (start, goal) stream at both levels; warm-up stays in the ordinary world
+    episode = MirrorGrid(size=4)
+    assert [(t.start, t.goal) for t in tasks[:20]] == [
+        (episode.task(seed=0, index=i).start, episode.task(seed=0, index=i).goal) for i in range(20)
+    ]
+    assert env.warmup_task(seed=0, index=3).keys is None
+    assert env.warmup_task(seed=0, index=3).flip == (False, False)
+    # each key moves where the permutation says; the observation names it in compass words
+    compass = {"up": "north", "down": "south", "left": "west", "right": "east"}
+    start = (1, 1)
+    for key, went in zip(MOVES, perm, strict=True):
+        ep = env.start(MirrorTask(start, (3, 3), (False, False), perm))
+        obs = env.act(ep, key)
+        dx, dy = MOVES[went]
+        assert ep.pos == (1 + dx, 1 + dy)
+        assert obs.split()[0] == compass[went]
+
+
+def test_compass_words_share_no_token_with_the_action_keys():
+    from echoloss.train.model import build_tokenizer
+
+    tok = build_tokenizer()
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    keys = {i for k in (*MOVES, "done") for i in ids(k)}
+    for word in ("north", "south", "west", "east", "wall"):
+        assert len(ids(word)) == 1 and not set(ids(word)) & keys, word
+    env = MirrorGrid(size=4, words="compass", variant="noise")
+    msgs = env.random_walk(MirrorTask((1, 2), (3, 0), (True, False)), random.Random(1), turns=6)
+    for i in env.hidden_spans(msgs):
+        assert not set(ids(msgs[i]["content"])) & keys
+
+
+@pytest.mark.parametrize("level", ["per-episode", "per-world"])
+@pytest.mark.parametrize("variant", ["hidden", "noise"])
+def test_hidden_token_floors_match_enumeration(level, variant):
+    """Per hidden word, the exact Bayes NLL: per world 0 (the world is known); per episode the
+    posterior over the four mirrorings, re-derived here by brute force from the observations."""
+    env = MirrorGrid(size=4, level=level, world=3, words="compass", variant=variant)
+    for i in range(40):
+        rng = random.Random(i)
+        task = env.heldout_task(index=i)
+        msgs = env.random_walk(task, rng, turns=rng.randint(2, 11))
+        info = env.hidden_tokens(msgs)
+        assert sorted(info) == sorted(env.hidden_spans(msgs))
+        for k, (kind, when, nats) in info.items():
+            word = msgs[k]["content"].split()[0]
+            assert kind == ("wall" if word == "wall" else "move")
+            if level == "per-world":
+                assert nats == 0.0
+                continue
+            before = consistent_mirrorings(4, msgs[:k])
+            after = consistent_mirrorings(4, msgs[: k + 1])
+            assert nats == pytest.approx(math.log(len(before) / len(after)), abs=1e-12)
+            axis = 0 if msgs[k - 1]["content"] in ("left", "right") else 1
+            earlier = [msgs[j - 1]["content"] for j in info if j < k]
+            seen = any((0 if a in ("left", "right") else 1) == axis for a in earlier)
+            assert when == ("later" if seen else "first")
+            assert nats == pytest.approx(0.0 if seen else math.log(2), abs=1e-12)
+        noise = math.log(10) * len(info) if variant == "noise" else 0.0
+        assert env.observation_nats(msgs) == pytest.approx(env.hidden_nats(msgs) + noise)
+
+
+def test_per_world_first_is_the_first_press_of_each_key():
+    env = MirrorGrid(size=4, level="per-world", world=0, words="compass")
+    task = env.heldout_task(index=0)
+    ep = env.start(task)
+    for key in ("up", "up", "left", "up", "left", "right"):
+        env.act(ep, key)
+    whens = [w for _, w, _ in env.hidden_tokens(ep.messages).values()]
+    assert whens == ["first", "later", "first", "later", "later", "first"]
+
+
+def test_bayes_optimal_world_demonstration_walks_straight_to_the_goal():
+    env = MirrorGrid(size=4, level="per-world", world=5, words="compass")
+    for i in range(30):
+        task = env.heldout_task(index=i)
+        msgs = env.demonstration(task, random.Random(i))
+        distance = abs(task.goal[0] - task.start[0]) + abs(task.goal[1] - task.start[1])
+        moves = [m for m in msgs if m["role"] == "assistant"]
+        assert len(moves) == distance + 1 and moves[-1]["content"] == "done"
+        assert all(w == "move" for w, _, _ in env.hidden_tokens(msgs).values())
+
+
+def test_noise_spans_mark_the_digit_only_and_levels_validate():
+    env = MirrorGrid(size=4, variant="noise", words="compass")
+    msgs = env.random_walk(MirrorTask((0, 0), (3, 3), (False, True)), random.Random(2), turns=5)
+    spans = env.noise_spans(msgs)
+    assert sorted(spans) == sorted(env.hidden_spans(msgs))
+    for i, (a, b) in spans.items():
+        assert b - a == 1 and msgs[i]["content"][a:b].isdigit() and msgs[i]["content"][a - 1] == " "
+    assert env.echo_spans("hidden", msgs) == env.hidden_spans(msgs)
+    assert MirrorGrid(size=4).noise_spans(msgs) == {}
+    with pytest.raises(ValueError, match="part must be"):
+        env.echo_spans("goal", msgs)
+    with pytest.raises(ValueError, match="level must be"):
+        MirrorGrid(level="per-run")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no per-world form"):
+        MirrorGrid(level="per-world", variant="shown")
+    with pytest.raises(ValueError, match="permutation"):
+        MirrorTask((0, 0), (1, 1), (False, False), ("up", "up", "left", "right"))
+    with pytest.raises(ValueError, match="does not take level"):
+        make_env("gridwalk", size=4, level="per-world")

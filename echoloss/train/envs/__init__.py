@@ -76,7 +76,7 @@ def _mirrorgrid(variant: Variant) -> Callable[..., MirrorGrid]:
 
 
 _GRID = ("size", "max_turns")
-_MIRRORGRID = (*_GRID, "warmup_flip_prob", "demo_explore")
+_MIRRORGRID = (*_GRID, "warmup_flip_prob", "demo_explore", "level", "world", "words")
 
 #: Every environment the trainer can run, by ``[env] name`` (the first is the default).
 ENVS: dict[str, EnvEntry] = {

@@ -46,6 +46,24 @@ Two controls, same dynamics:
   ``log 10`` nats per observation that no model can learn. If echo helped through generic
   regularisation it would help here as much; it can only help through the world model.
 
+Two levels of persistence of the hidden dynamics (``level``):
+
+* ``"per-episode"`` (the default, above): the mirroring is drawn again for every episode, so the
+  only world model to learn is an inference from the episode's own history.
+* ``"per-world"``: one fixed random permutation of the four directions per world (``world``, a
+  seed; never the identity) says where each key moves (``right`` may move up), the same in every
+  RL and evaluation episode. A model that knows the world predicts every direction word exactly
+  (CE floor 0 given the world); learning it means learning something that persists across
+  episodes, the way a pretrained agent learns how a tool behaves. Warm-up tasks stay in the
+  ordinary world (`warmup_task`).
+
+``words="compass"`` gives the observations their own vocabulary (``north``, ``south``,
+``west``, ``east``, ``wall``), sharing no token with the action keys::
+
+    user       start 1,2 goal +2,-2
+    assistant  right
+    tool       west goal +3,-2
+
 Tasks are pure functions of ``(seed, index)``: a resumed run sees exactly the tasks an
 uninterrupted run would.
 
@@ -71,7 +89,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["MirrorGrid", "MirrorTask", "consistent_mirrorings", "imagined_observation"]
+__all__ = [
+    "MirrorGrid",
+    "MirrorTask",
+    "consistent_mirrorings",
+    "imagined_observation",
+    "world_permutation",
+]
 
 MOVES: dict[str, tuple[int, int]] = {
     "up": (0, -1),
@@ -82,16 +106,68 @@ MOVES: dict[str, tuple[int, int]] = {
 TOOL_NAME = "move"
 _KEYS = ({1: "right", -1: "left"}, {1: "down", -1: "up"})  # per axis: direction -> key
 Variant = Literal["hidden", "shown", "noise"]
+Level = Literal["per-episode", "per-world"]
+Words = Literal["keys", "compass"]
+# The observation's direction words: the key names themselves, or their own vocabulary.
+_WORDS: dict[str, dict[str, str]] = {
+    "keys": {name: name for name in MOVES} | {"wall": "wall"},
+    "compass": {"up": "north", "down": "south", "left": "west", "right": "east", "wall": "wall"},
+}
 _SPLIT_SEED = "mirrorgrid-split-v1"  # fixed: the evaluation pairs never depend on the run's seed
 
 
 @dataclass(frozen=True)
 class MirrorTask:
-    """Start and goal ``(x, y)`` (x right, y down) and the hidden mirroring per axis."""
+    """Start and goal ``(x, y)`` (x right, y down) and the hidden dynamics: the mirroring per
+    axis, or (a per-world task) ``keys``, the direction each key moves (names of ``MOVES``, in the
+    order up, down, left, right), with ``flip`` then ``(False, False)``."""
 
     start: tuple[int, int]
     goal: tuple[int, int]
     flip: tuple[bool, bool]
+    keys: tuple[str, str, str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.keys is not None:
+            if sorted(self.keys) != sorted(MOVES):
+                raise ValueError(
+                    f"MirrorTask.keys must be a permutation of {list(MOVES)}, got {self.keys!r}"
+                )
+            if any(self.flip):
+                raise ValueError(
+                    f"MirrorTask: a task with keys (a per-world permutation) has flip "
+                    f"(False, False), got flip={self.flip}"
+                )
+
+
+def world_permutation(world: int) -> tuple[str, str, str, str]:
+    """The per-world dynamics of world ``world``: the direction each key moves (in the order
+    up, down, left, right), a uniformly random permutation other than the identity.
+
+    Examples:
+        >>> world_permutation(0) != ("up", "down", "left", "right")
+        True
+        >>> sorted(world_permutation(3)) == sorted(MOVES)
+        True
+    """
+    rng = random.Random(f"mirrorgrid-world/{world}")
+    keys = list(MOVES)
+    while True:
+        perm = list(keys)
+        rng.shuffle(perm)
+        if perm != keys:
+            return (perm[0], perm[1], perm[2], perm[3])
+
+
+def _delta(task: MirrorTask, action: str) -> tuple[int, int]:
+    """The move ``action`` makes in ``task``'s world."""
+    if task.keys is not None:
+        return MOVES[task.keys[list(MOVES).index(action)]]
+    return _flipped(MOVES[action], task.flip)
+
+
+def _flipped(d: tuple[int, int], flip: tuple[bool, bool]) -> tuple[int, int]:
+    return (-d[0] if flip[0] else d[0], -d[1] if flip[1] else d[1])
 
 
 @dataclass
@@ -109,14 +185,9 @@ class MirrorEpisode:
     stats: dict[str, float] = field(default_factory=lambda: {"walls": 0.0, "invalid": 0.0})
 
 
-def _step(size: int, pos: tuple[int, int], action: str, flip: tuple[bool, bool]) -> tuple[int, int]:
-    """Where ``action`` leads from ``pos`` under ``flip`` (a wall keeps the agent in place)."""
-    dx, dy = MOVES[action]
-    if flip[0]:
-        dx = -dx
-    if flip[1]:
-        dy = -dy
-    x, y = pos[0] + dx, pos[1] + dy
+def _step(size: int, pos: tuple[int, int], delta: tuple[int, int]) -> tuple[int, int]:
+    """Where the move ``delta`` leads from ``pos`` (a wall keeps the agent in place)."""
+    x, y = pos[0] + delta[0], pos[1] + delta[1]
     return (x, y) if 0 <= x < size and 0 <= y < size else pos
 
 
@@ -137,17 +208,17 @@ def consistent_mirrorings(size: int, messages: list[dict[str, Any]]) -> list[tup
         pos, ok = start, True
         for action, obs in _moves_and_observations(messages):
             if action in MOVES:
-                pos = _step(size, pos, action, flip)
+                pos = _step(size, pos, _flipped(MOVES[action], flip))
                 ok = ok and obs.split()[2] == _relative(pos, goal)
         if ok:
             out.append(flip)
     return out
 
 
-def _went(before: tuple[int, int], after: tuple[int, int]) -> str:
-    """The direction the agent actually moved (``wall`` when it stayed)."""
+def _went(before: tuple[int, int], after: tuple[int, int], words: str = "keys") -> str:
+    """The direction the agent actually moved (``wall`` when it stayed), in ``words``."""
     d = (after[0] - before[0], after[1] - before[1])
-    return next((name for name, v in MOVES.items() if v == d), "wall")
+    return _WORDS[words][next((name for name, v in MOVES.items() if v == d), "wall")]
 
 
 def _relative(pos: tuple[int, int], goal: tuple[int, int]) -> str:
@@ -197,6 +268,12 @@ class MirrorGrid:
             move (exploration in the warm-start's data: moves away from the goal, walls and
             recoveries; the warm-started policy keeps that much entropy to explore with).
         name: the env name used for per-env metrics.
+        level: ``"per-episode"`` (the mirroring drawn again every episode) or ``"per-world"``
+            (one fixed permutation of the directions, `world_permutation`, in every RL and
+            evaluation task; warm-up tasks stay in the ordinary world).
+        world: the per-world level's world (a seed: the experiment uses the run's seed).
+        words: the observation's direction words: ``"keys"`` (``left``, the key names) or
+            ``"compass"`` (``west``: a vocabulary of their own, no token shared with the keys).
     """
 
     size: int = 4
@@ -206,6 +283,9 @@ class MirrorGrid:
     warmup_flip_prob: float = 0.0
     demo_explore: float = 0.0
     name: str = "mirrorgrid"
+    level: Level = "per-episode"
+    world: int = 0
+    words: Words = "keys"
 
     def __post_init__(self) -> None:
         if not 2 <= self.size <= 10:
@@ -224,6 +304,17 @@ class MirrorGrid:
             )
         if not 0 <= self.demo_explore < 1:
             raise ValueError(f"MirrorGrid.demo_explore must be in [0, 1), got {self.demo_explore}")
+        if self.level not in ("per-episode", "per-world"):
+            raise ValueError(
+                f"MirrorGrid.level must be 'per-episode' or 'per-world', got {self.level!r}"
+            )
+        if self.words not in _WORDS:
+            raise ValueError(f"MirrorGrid.words must be one of {list(_WORDS)}, got {self.words!r}")
+        if self.level == "per-world" and self.variant == "shown":
+            raise ValueError(
+                "MirrorGrid: variant='shown' prints a per-episode mirroring; it has no per-world "
+                "form (level='per-world' needs variant 'hidden' or 'noise')"
+            )
         if not 0 <= self.warmup_flip_prob <= 1:
             raise ValueError(
                 f"MirrorGrid.warmup_flip_prob must be in [0, 1], got {self.warmup_flip_prob}"
@@ -261,11 +352,21 @@ class MirrorGrid:
         """The held-out (start, goal) pairs: no warm-up or RL task uses one."""
         return self._pairs()[1]
 
+    def _dynamics(
+        self, start: tuple[int, int], goal: tuple[int, int], rng: random.Random
+    ) -> MirrorTask:
+        """A task on ``(start, goal)`` in this env's RL world: a fresh mirroring per episode, or
+        the world's fixed permutation (the draws are made either way: same pairs at both levels)."""
+        flip = (rng.random() < 0.5, rng.random() < 0.5)
+        if self.level == "per-world":
+            return MirrorTask(start, goal, (False, False), world_permutation(self.world))
+        return MirrorTask(start, goal, flip)
+
     def task(self, *, seed: int, index: int) -> MirrorTask:
         """Training task ``index`` of the stream ``seed`` (a pure function: resumable)."""
         rng = random.Random(f"mirrorgrid/{self.size}/{seed}/{index}")
         start, goal = rng.choice(self.train_pairs())
-        return MirrorTask(start, goal, (rng.random() < 0.5, rng.random() < 0.5))
+        return self._dynamics(start, goal, rng)
 
     def warmup_task(self, *, seed: int, index: int) -> MirrorTask:
         """Warm-up task ``index``: the training task of the same index, with each axis mirrored
@@ -276,7 +377,11 @@ class MirrorGrid:
         return MirrorTask(start, goal, (rng.random() < p, rng.random() < p))
 
     def eval_tasks(self) -> list[MirrorTask]:
-        """The fixed evaluation set: every held-out pair under each of the four mirrorings."""
+        """The fixed evaluation set: every held-out pair under each of the four mirrorings
+        (per-world: every held-out pair once, in the world)."""
+        if self.level == "per-world":
+            keys = world_permutation(self.world)
+            return [MirrorTask(s, g, (False, False), keys) for s, g in self.eval_pairs()]
         return [
             MirrorTask(s, g, (fx, fy))
             for s, g in self.eval_pairs()
@@ -288,7 +393,7 @@ class MirrorGrid:
         """Held-out task ``index`` for the observation CE (evaluation pairs, seeded mirroring)."""
         rng = random.Random(f"mirrorgrid-heldout/{self.size}/{index}")
         start, goal = rng.choice(self.eval_pairs())
-        return MirrorTask(start, goal, (rng.random() < 0.5, rng.random() < 0.5))
+        return self._dynamics(start, goal, rng)
 
     # -- the episode ------------------------------------------------------------------------------
 
@@ -318,10 +423,10 @@ class MirrorGrid:
             return None
         if action in MOVES:
             before = episode.pos
-            new = _step(self.size, episode.pos, action, episode.task.flip)
+            new = _step(self.size, episode.pos, _delta(episode.task, action))
             episode.stats["walls"] += float(new == episode.pos)
             episode.pos = new
-            obs = f"{_went(before, new)} goal {_relative(new, episode.task.goal)}"
+            obs = f"{_went(before, new, self.words)} goal {_relative(new, episode.task.goal)}"
             if self.variant == "noise":
                 obs += f" {episode.rng.randrange(10)}"
         else:
@@ -343,7 +448,10 @@ class MirrorGrid:
         other key; at the goal, ``done``. With probability ``demo_explore`` a turn is a
         uniformly random move instead (what it shows about the mirroring is used too), so the
         demonstrations also cover moves away from the goal, walls and recoveries. With
-        ``demo_explore = 0`` this is the Bayes-optimal policy."""
+        ``demo_explore = 0`` this is the Bayes-optimal policy. A per-world task (``task.keys``)
+        is played knowing its world: the key that moves towards the goal is pressed at once."""
+        if task.keys is not None:
+            return self._world_demonstration(task, rng)
         episode = self.start(task)
         shown = self.variant == "shown"
         flipped: list[bool | None] = [task.flip[0], task.flip[1]] if shown else [None, None]
@@ -368,6 +476,23 @@ class MirrorGrid:
                 if went == 0:  # a wall: the agent tried to leave the grid on that side
                     went = -1 if before[moved_axis] == 0 else 1
                 flipped[moved_axis] = went != pressed
+        return episode.messages
+
+    def _world_demonstration(self, task: MirrorTask, rng: random.Random) -> list[dict[str, Any]]:
+        assert task.keys is not None
+        episode = self.start(task)
+        key_for = {MOVES[went]: key for key, went in zip(MOVES, task.keys, strict=True)}
+        while not episode.done:
+            axis = next((a for a in (0, 1) if episode.pos[a] != task.goal[a]), None)
+            if axis is None:
+                self.act(episode, "done")
+                break
+            if rng.random() < self.demo_explore:
+                key = rng.choice(list(MOVES))
+            else:
+                sign = 1 if task.goal[axis] > episode.pos[axis] else -1
+                key = key_for[(sign, 0) if axis == 0 else (0, sign)]
+            self.act(episode, key)
         return episode.messages
 
     def random_walk(self, task: MirrorTask, rng: random.Random, turns: int) -> list[dict[str, Any]]:
@@ -408,36 +533,104 @@ class MirrorGrid:
             out[i] = (0, msg["content"].index(" "))  # the direction actually moved, or "wall"
         return out
 
+    def hidden_tokens(self, messages: list[dict[str, Any]]) -> dict[int, tuple[str, str, float]]:
+        """Per `hidden_spans` entry (message index): its word kind (``"move"`` or ``"wall"``),
+        ``"first"`` or ``"later"``, and its Bayes-optimal NLL in nats given everything before it.
+
+        ``"first"``: per episode, the first move along that axis (a fair coin: ``log 2``; every
+        later word follows from the moves seen); per world, the first press of that key in the
+        episode (a model that only reads the episode's history cannot know it; one that knows
+        the world can). The NLL is exact: the posterior over the four mirrorings (per episode),
+        0 given the world (per world) or given the printed mirroring (``shown``).
+
+        Examples:
+            >>> env = MirrorGrid(size=4)
+            >>> msgs = env.random_walk(MirrorTask((1, 2), (3, 0), (True, False)),
+            ...                        random.Random(0), turns=2)
+            >>> [(k, f, round(n, 4)) for k, f, n in env.hidden_tokens(msgs).values()]
+            [('move', 'first', 0.6931), ('wall', 'later', 0.0)]
+        """
+        start, goal = _parse_start(messages)
+        known = self.variant == "shown" or self.level == "per-world"
+        flips = [(False, False), (True, False), (False, True), (True, True)]
+        where = {f: start for f in flips}  # each mirroring still consistent, and its position
+        seen_axes: set[int] = set()
+        seen_keys: set[str] = set()
+        out: dict[int, tuple[str, str, float]] = {}
+        spans = self.hidden_spans(messages)
+        for i in sorted(spans):
+            action, obs = messages[i - 1]["content"].strip(), messages[i]["content"]
+            word = obs[spans[i][0] : spans[i][1]]
+            axis = 0 if action in ("left", "right") else 1
+            first = (
+                (action not in seen_keys) if self.level == "per-world" else (axis not in seen_axes)
+            )
+            seen_axes.add(axis)
+            seen_keys.add(action)
+            nats = 0.0
+            if not known:
+                outcome = {}
+                for f, pos in where.items():
+                    new = _step(self.size, pos, _flipped(MOVES[action], f))
+                    outcome[f] = (new, _went(pos, new, self.words))
+                agree = [f for f in where if outcome[f][1] == word]
+                if not agree:
+                    raise ValueError(
+                        f"message {i}: observation {obs!r} is impossible under every mirroring "
+                        "consistent with the episode so far"
+                    )
+                nats = math.log(len(where) / len(agree))
+                where = {f: outcome[f][0] for f in agree}
+            kind = "wall" if word == "wall" else "move"
+            out[i] = (kind, "first" if first else "later", nats)
+        del goal
+        return out
+
     def hidden_nats(self, messages: list[dict[str, Any]]) -> float:
         """The Bayes-optimal total NLL (nats) of the `hidden_spans`: ``log 2`` for the first
-        move along each axis (``0`` in the ``shown`` variant, where nothing is hidden)."""
-        seen = [self.variant == "shown"] * 2
-        nats = 0.0
-        for action, _ in _moves_and_observations(messages):
-            if action in MOVES:
-                axis = 0 if action in ("left", "right") else 1
-                if not seen[axis]:
-                    nats += math.log(2)
-                    seen[axis] = True
-        return nats
+        move along each axis (``0`` in the ``shown`` variant, where nothing is hidden, and at the
+        per-world level, given the world)."""
+        return sum(n for _, _, n in self.hidden_tokens(messages).values())
 
     def observation_nats(self, messages: list[dict[str, Any]]) -> float:
         """The Bayes-optimal total NLL (nats) of the conversation's observation bodies given
-        everything before each: ``log 2`` for the first move along each axis (``hidden`` and
-        ``noise``), ``log 10`` per noise digit, 0 otherwise. Divide by the number of observation
-        tokens for the floor in nats/token."""
-        nats = 0.0
-        seen = [self.variant == "shown"] * 2
-        for action, obs in _moves_and_observations(messages):
-            if action in MOVES:
-                axis = 0 if action in ("left", "right") else 1
-                if not seen[axis]:
-                    nats += math.log(2)
-                    seen[axis] = True
-                if self.variant == "noise":
-                    nats += math.log(10)
-            del obs
+        everything before each: the `hidden_nats` (``log 2`` for the first move along each axis
+        per episode, 0 per world), ``log 10`` per noise digit, 0 otherwise. Divide by the number
+        of observation tokens for the floor in nats/token."""
+        nats = self.hidden_nats(messages)
+        if self.variant == "noise":
+            moves = sum(1 for action, _ in _moves_and_observations(messages) if action in MOVES)
+            nats += moves * math.log(10)
         return nats
+
+    def noise_spans(self, messages: list[dict[str, Any]]) -> dict[int, tuple[int, int]]:
+        """The uninformative part of each observation (``variant="noise"``): the character span
+        of the random digit after each move's answer; empty in the other variants. The placebo
+        arm echoes only these (a CE of the observation's kind that says nothing about the world).
+
+        Examples:
+            >>> env = MirrorGrid(size=4, variant="noise")
+            >>> msgs = env.random_walk(MirrorTask((1, 2), (3, 0), (True, False)),
+            ...                        random.Random(0), turns=1)
+            >>> [msgs[i]["content"][a:b].isdigit() for i, (a, b) in env.noise_spans(msgs).items()]
+            [True]
+        """
+        if self.variant != "noise":
+            return {}
+        out = {}
+        for i in self.hidden_spans(messages):
+            content = messages[i]["content"]
+            out[i] = (len(content) - 1, len(content))
+        return out
+
+    def echo_spans(self, part: str, messages: list[dict[str, Any]]) -> dict[int, tuple[int, int]]:
+        """The character spans of ``part`` of the observations: ``"hidden"`` (`hidden_spans`) or
+        ``"noise"`` (`noise_spans`)."""
+        if part == "hidden":
+            return self.hidden_spans(messages)
+        if part == "noise":
+            return self.noise_spans(messages)
+        raise ValueError(f"echo_spans: part must be 'hidden' or 'noise', got {part!r}")
 
 
 def imagined_observation(text: str) -> bool:
