@@ -801,11 +801,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.config:
         base_cmd += ["--config", args.config]
     jobs = _jobs(args, mode, base_cmd)
-    renamed = [item.split("=", 1)[1] for item in args.set if item.startswith("env.name=")]
+    sets = [*mode["set"], *args.set]  # the mode's, then the command line's (the later wins)
+    renamed = [item.split("=", 1)[1] for item in sets if item.startswith("env.name=")]
     env_name = renamed[-1] if renamed else base.env.name  # --set env.name=... runs a control
+    arms = (
+        ", ".join(f"{lv} {a}{'' if a == 'grpo' else f' {x:g}'}" for lv, a, x, _ in LEVEL_ARMS)
+        if mode.get("levels")
+        else f"λ {args.alphas}{'' if args.no_actobs else ' + actobs'}"
+    )
     print(
-        f"experiment ({args.mode}): env {env_name}, seeds {args.seeds}, λ {args.alphas}"
-        f"{'' if args.no_actobs else ' + actobs'}"
+        f"experiment ({args.mode}): env {env_name}, seeds {args.seeds}, arms: {arms}"
         f"{'' if args.warm_start is None else f', every arm from {str(args.warm_start)!r}'}; "
         f"{len(jobs)} runs, {args.jobs} at a time; "
         f"logs in {out}/*.log, rows streamed to {out}/results.jsonl",
