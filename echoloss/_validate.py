@@ -28,8 +28,10 @@ __all__ = [
     "bool_list",
     "check_bool",
     "check_chunk_size",
+    "check_count",
     "check_finite",
     "check_len",
+    "check_mask",
     "check_per_token",
     "check_temperature",
     "check_tensor",
@@ -163,6 +165,79 @@ def finite_float(name: str, value: Any, fix: str = "") -> float:
     if not math.isfinite(out):
         raise ValueError(problem(name, "a finite real number", describe(out), fix))
     return out
+
+
+def check_count(
+    name: str,
+    value: Any,
+    *,
+    minimum: float = 0.0,
+    integer: bool = False,
+    fix: str = "",
+) -> float:
+    """A finite count or constant ``≥ minimum`` (an int, a float or a 0-dim real tensor).
+
+    Every count, constant and factor that reaches a division or a multiplication goes through
+    this check where it enters (``num_items_in_batch``, ``dp_size``, ``batch_num_tokens``,
+    ...): ``bool`` is refused, NaN and ±inf are refused, and with ``integer=True`` the value
+    must be a whole number.
+
+    Examples:
+        >>> check_count("num_items_in_batch", torch.tensor(12.0))
+        12.0
+        >>> check_count("dp_size", 0, minimum=1, integer=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: dp_size must be a finite whole number ≥ 1, got int 0
+    """
+    what = f"a finite {'whole number' if integer else 'number'} ≥ {minimum:g}"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                problem(name, what + " (an int, a float or a 0-dim tensor)", describe(value), fix)
+            )
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(problem(name, what, describe(value), fix))
+    out = float(value) if not isinstance(value, int) else value
+    if isinstance(out, float) and not math.isfinite(out):
+        raise ValueError(problem(name, what, describe(out), fix))
+    if out < minimum or (integer and out != int(out)):
+        raise ValueError(problem(name, what, describe(value), fix))
+    return float(out)
+
+
+def check_mask(name: str, t: Any, fix: str = "") -> torch.Tensor:
+    """A ``[...]`` mask as bool: a bool tensor, or an integer/float tensor of exact 0s and 1s.
+
+    HF-style masks arrive as ``long`` or ``float``; any value other than 0 or 1 (0.5, NaN, -1)
+    is a mis-built mask and raises, naming the first bad entry, instead of being read as True.
+
+    Examples:
+        >>> check_mask("attention_mask", torch.tensor([1.0, 0.0])).tolist()
+        [True, False]
+        >>> check_mask("attention_mask", torch.tensor([1.0, 0.5]))
+        Traceback (most recent call last):
+        ...
+        ValueError: attention_mask[1] must be 0 or 1 (True = this token takes part), got 0.5
+    """
+    tensor = check_tensor(name, t)
+    if tensor.dtype == torch.bool:
+        return tensor
+    if tensor.is_complex():
+        raise TypeError(problem(name, "a bool or 0/1 mask", describe(tensor), fix))
+    bad = (tensor != 0) & (tensor != 1)
+    if bool(bad.any()):
+        i = int(bad.reshape(-1).nonzero()[0, 0])
+        raise ValueError(
+            problem(
+                f"{name}[{i}]" if tensor.dim() <= 1 else f"{name} (flat index {i})",
+                "0 or 1 (True = this token takes part)",
+                repr(tensor.reshape(-1)[i].item()),
+                fix,
+            )
+        )
+    return tensor != 0
 
 
 def check_len(field: str, values: Sequence[Any], expected: int, what: str) -> None:

@@ -236,7 +236,8 @@ def _import_trl() -> Any:
 
 def _build_classes() -> None:
     trl = _import_trl()
-    from echoloss import LossInputs, RoleEcho, echo_loss_from_logprobs, selective_logprobs
+    from echoloss import RoleEcho, echo_loss_from_logprobs, selective_logprobs
+    from echoloss.loss.core import check_scored_rows
 
     config_base: Any = trl.GRPOConfig
     trainer_base: Any = trl.GRPOTrainer
@@ -299,9 +300,14 @@ def _build_classes() -> None:
                     raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
             for name in ("echo_tool_alpha", "echo_assistant_alpha"):
                 value = getattr(self, name)
-                if value is not None and not (math.isfinite(value) and value > 0):
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(f"{name}={value!r}: expected a float λ ≥ 0, or None")
+                if not (math.isfinite(value) and value >= 0):
                     raise ValueError(
-                        f"{name}={value}: expected a finite λ > 0, or None to switch the role off"
+                        f"{name}={value}: expected a finite λ ≥ 0 (0 = the echo ablation: "
+                        "attributed, weight 0), or None to switch the role off"
                     )
             if self.echo_tool_names is not None and self.echo_tool_alpha is None:
                 raise ValueError(
@@ -312,11 +318,13 @@ def _build_classes() -> None:
         def echo_config(self) -> EchoConfig | None:
             """The [`echoloss.EchoConfig`][echoloss.data.echo_config.EchoConfig] of these fields (None when no role is on)."""
             tool = assistant = None
+            # λ = 0 (the ablation) attributes the role as if echoed; the trainer then sets the
+            # weights of that role's tokens to 0 (see EchoGRPOTrainer.zero_alpha_roles).
             if self.echo_tool_alpha is not None:
                 names = None if self.echo_tool_names is None else frozenset(self.echo_tool_names)
-                tool = RoleEcho(alpha=self.echo_tool_alpha, tool_names=names)
+                tool = RoleEcho(alpha=self.echo_tool_alpha or 1.0, tool_names=names)
             if self.echo_assistant_alpha is not None:
-                assistant = RoleEcho(alpha=self.echo_assistant_alpha)
+                assistant = RoleEcho(alpha=self.echo_assistant_alpha or 1.0)
             if tool is None and assistant is None:
                 return None
             return EchoConfig(tool=tool, assistant=assistant, target=self.echo_target)
@@ -340,7 +348,10 @@ def _build_classes() -> None:
         The loss of a micro-batch is divided exactly as TRL divides it (gradient accumulation,
         ``num_items_in_batch`` for ``dapo``/``cispo``). On-policy steps
         (``old_per_token_logps`` None) take the ratio's denominator from the same logprob pass.
-        Metrics are logged as ``echoloss/<name>``.
+        Metrics are logged as ``echoloss/<name>``, and TRL's own metrics (``kl``, ``entropy``,
+        ``clip_ratio/*``, ``cispo_clip_ratio``) with TRL's definitions over the RL tokens.
+        A batch with image fields (``pixel_values``, ...) is refused: the loss forward is
+        text-only.
         """
 
         def __init__(self, *args: Any, echo: EchoConfig | None = None, **kwargs: Any) -> None:
@@ -381,6 +392,12 @@ def _build_classes() -> None:
                     "echo_tool_alpha (EchoGRPOConfig) or pass echo=EchoConfig(...)",
                 )
             self.echo = echo
+            #: roles whose λ is 0 in the EchoGRPOConfig (attributed, weight 0: the ablation)
+            self.zero_alpha_roles = frozenset(
+                role
+                for role in ("tool", "assistant")
+                if from_args is not None and getattr(self.args, f"echo_{role}_alpha", None) == 0
+            )
             self.echo_normalization = getattr(self.args, "echo_normalization", "token_mean")
             self.echo_mapping = grpo_loss_mapping(
                 self.args, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high
@@ -451,6 +468,12 @@ def _build_classes() -> None:
                 )
                 weights.append([0.0 if x is None else x for x in sel.weights])
                 observation.append(sel.observation)
+            if self.zero_alpha_roles and given is None:
+                for i, ids in enumerate(completion_ids):
+                    mask = tool_mask[i] if tool_mask is not None else [1] * len(ids)
+                    for k, m in enumerate(mask):
+                        if ("assistant" if m else "tool") in self.zero_alpha_roles:
+                            weights[i][k] = 0.0
             self._echo_pending = (weights, observation)
             return out
 
@@ -477,6 +500,13 @@ def _build_classes() -> None:
             return output
 
         def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+            given = sorted(k for k in _VISION_FIELDS if inputs.get(k) is not None)
+            if given:
+                raise ValueError(
+                    f"inputs {given}: EchoGRPOTrainer's loss forward takes text only, so these "
+                    "image fields would be dropped and the loss computed without the images; "
+                    "use trl.GRPOTrainer for vision-language models, or a text-only dataset"
+                )
             prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
             completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -517,6 +547,7 @@ def _build_classes() -> None:
                 num_processes=nproc,
                 accumulation_steps=ga,
                 steps_per_generation=spg,
+                local_items=int(rl.sum()),
             )
             if mapping.loss_type == "bnpo":  # TRL: this micro-batch's loss tokens
                 norms = Normalizers(rl_tokens=max(int(rl.sum()), 1) * ga)
@@ -537,15 +568,20 @@ def _build_classes() -> None:
             adv = inputs["advantages"]
             adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, t).float()
             old = inputs.get("old_per_token_logps")
-            # On-policy: TRL's denominator is the current logprobs, detached; same pass here.
-            old = lp.detach() if old is None else old.float()
+            if old is None:
+                # On-policy: TRL's denominator is the current logprobs, detached (same pass
+                # here), so a non-finite one comes from the logits, and is named so.
+                check_scored_rows(lp.reshape(-1), rl.reshape(-1), echo.reshape(-1), "logits")
+                old = lp.detach()
+            else:
+                old = old.float()
             inference = None
             if cfg.mismatch is not None:
                 sampling = inputs["sampling_per_token_logps"].float()
                 # TRL gives a token whose sampling logprob is NaN an importance ratio of 1.
                 inference = torch.where(torch.isnan(sampling), old, sampling)
             ref = inputs.get("ref_per_token_logps") if cfg.kl_coef > 0 else None
-            record = LossInputs(
+            record = _trl_record(
                 rl_mask=rl,
                 echo_weights=scaled_echo,
                 advantages=adv,
@@ -567,13 +603,124 @@ def _build_classes() -> None:
             for key, value in result.metrics.items():
                 if key.endswith("/all"):
                     self._metrics[mode][f"echoloss/{key[: -len('/all')]}"].append(float(value))
+            self._log_trl_metrics(mode, lp.detach(), old, adv, ref, ent.detach(), rl)
             return result.loss
+
+        def _log_trl_metrics(
+            self,
+            mode: str,
+            lp: torch.Tensor,
+            old: torch.Tensor,
+            adv: torch.Tensor,
+            ref: torch.Tensor | None,
+            ent: torch.Tensor,
+            rl: torch.Tensor,
+        ) -> None:
+            """TRL's own metrics (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``)
+            with TRL's definitions, over the RL tokens (TRL's ``completion_mask · tool_mask``
+            when no assistant token is echoed), so dashboards built on TRL keep working."""
+            mask = rl.float()  # [B, T]
+            log_ratio = torch.where(rl, lp - old, torch.zeros_like(lp))  # [B, T]
+            if self.importance_sampling_level == "sequence":
+                log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+                log_ratio = log_ratio.unsqueeze(-1)  # [B, 1]
+            coef_1 = torch.exp(log_ratio)
+            if self.loss_type != "cispo" and self.args.delta is not None:
+                coef_1 = torch.clamp(coef_1, max=self.args.delta)
+            a = adv[:, :1]  # [B, 1] TRL's per-sequence advantage
+
+            def global_masked_mean(x: torch.Tensor) -> float:
+                if x.shape[1] == 1:
+                    local_sum = x.sum()
+                    local_count = torch.tensor(float(x.shape[0]), device=x.device)
+                else:
+                    local_sum, local_count = (x * mask).sum(), mask.sum().float()
+                totals = self.accelerator.reduce(
+                    torch.stack([local_sum, local_count]), reduction="sum"
+                )
+                return float(totals[0] / totals[1].clamp(min=1.0))
+
+            def masked_seq_mean(x: torch.Tensor) -> torch.Tensor:
+                if x.shape[1] == 1:
+                    return x.squeeze(1)
+                return (x * mask).sum(-1) / mask.sum(-1)
+
+            metrics = self._metrics[mode]
+            if ref is not None:
+                d = ref.float() - lp
+                metrics["kl"].append(global_masked_mean(torch.exp(d) - d - 1))
+            metrics["entropy"].append(global_masked_mean(ent))
+            if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+                low = ((coef_1 < 1 - self.epsilon_low) & (a < 0)).float()
+                high = ((coef_1 > 1 + self.epsilon_high) & (a > 0)).float()
+                metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
+                metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
+                metrics["clip_ratio/region_mean"].append(
+                    global_masked_mean(torch.maximum(low, high))
+                )
+                gathered_low = self.accelerator.gather(masked_seq_mean(low))
+                metrics["clip_ratio/low_min"].append(float(_trl_nanmin(gathered_low)))
+                gathered_high = self.accelerator.gather(masked_seq_mean(high))
+                metrics["clip_ratio/high_max"].append(float(_trl_nanmax(gathered_high)))
+            elif self.loss_type == "cispo":
+                clipped = ((coef_1 > self.epsilon_high) & (a > 0)).float()
+                metrics["cispo_clip_ratio"].append(global_masked_mean(clipped))
 
     for cls in (EchoGRPOConfig, EchoGRPOTrainer):
         cls.__module__ = __name__
         cls.__qualname__ = cls.__name__
     _CLASSES["EchoGRPOConfig"] = EchoGRPOConfig
     _CLASSES["EchoGRPOTrainer"] = EchoGRPOTrainer
+
+
+#: The image fields TRL's ``GRPOTrainer`` feeds to the loss forward of a vision-language model.
+_VISION_FIELDS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+#: The record's field names and TRL's names of the same tensors (for error messages).
+_TRL_NAMES = (
+    ("old_logprobs", "inputs['old_per_token_logps']"),
+    ("ref_logprobs", "inputs['ref_per_token_logps']"),
+    ("inference_logprobs", "inputs['sampling_per_token_logps']"),
+    ("advantages", "inputs['advantages']"),
+    ("echo_weights", "the echo weights (rollout_func 'echo_weights' or echo_tool_alpha)"),
+)
+
+
+def _trl_record(**fields: Any) -> Any:
+    """``LossInputs(**fields)`` with errors naming TRL's input instead of the record's field."""
+    from echoloss import LossInputs
+
+    try:
+        return LossInputs(**fields)
+    except (TypeError, ValueError) as err:
+        message = str(err)
+        for ours, theirs in _TRL_NAMES:
+            if message.startswith(ours):
+                message = theirs + message[len(ours) :]
+        raise type(err)(message) from None
+
+
+def _trl_nanmin(t: torch.Tensor) -> torch.Tensor:
+    from trl.trainer.utils import nanmin
+
+    return nanmin(t)
+
+
+def _trl_nanmax(t: torch.Tensor) -> torch.Tensor:
+    from trl.trainer.utils import nanmax
+
+    return nanmax(t)
 
 
 def _as_float(x: Any) -> float | None:

@@ -35,6 +35,9 @@ from typing import Any
 
 import torch
 
+from echoloss._validate import check_count, problem
+from echoloss.loss.inputs import LOGPROB_TOLERANCE
+
 __all__ = [
     "VERL_AGG_MODES",
     "echo_agg_loss",
@@ -103,12 +106,55 @@ def echo_batch_info(
         raise ValueError(
             f"echo_weights: expected [bs, response_length], got {list(echo_weights.shape)}"
         )
-    return {
-        "dp_size": dp_size,
-        "batch_num_tokens": batch_num_tokens,
-        "global_batch_size": global_batch_size,
-        "loss_scale_factor": loss_scale_factor,
+    return _checked_info(
+        {
+            "dp_size": dp_size,
+            "batch_num_tokens": batch_num_tokens,
+            "global_batch_size": global_batch_size,
+            "loss_scale_factor": loss_scale_factor,
+        },
+        echo_weights,
+    )
+
+
+def _checked_info(info: Mapping[str, Any], echo_weights: torch.Tensor) -> dict[str, Any]:
+    """verl's batch info for the echo term, every count checked where it enters.
+
+    ``dp_size`` multiplies the loss and the counts divide it: each must be a finite whole
+    number ≥ 1 (a global count also ≥ this micro-batch's own: it sums every rank). Unknown
+    keys are refused (verl's ``agg_loss`` would take them as keywords).
+    """
+    unknown = sorted(set(info) - set(_INFO_KEYS))
+    if unknown:
+        raise ValueError(problem("batch_info", f"keys among {_INFO_KEYS}", str(unknown)))
+    out = dict(info)
+    mask = echo_weights > 0
+    out["dp_size"] = int(check_count("dp_size", info.get("dp_size", 1), minimum=1, integer=True))
+    local = {
+        "batch_num_tokens": int(mask.sum()),
+        "global_batch_size": int(mask.any(dim=-1).sum()) if mask.dim() == 2 else 0,
     }
+    for key, own in local.items():
+        value = info.get(key)
+        if value is None:
+            continue
+        n = check_count(key, value, minimum=1, integer=True, fix="None = this micro-batch's count")
+        if n < own:
+            raise ValueError(
+                problem(
+                    key,
+                    f"≥ {own} (this micro-batch's own echo count; it sums every rank)",
+                    repr(n),
+                )
+            )
+        out[key] = int(n)
+    factor = info.get("loss_scale_factor")
+    if factor is not None:
+        out["loss_scale_factor"] = check_count("loss_scale_factor", factor, minimum=1e-30)
+    return out
+
+
+_INFO_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
 
 
 def echo_agg_loss(
@@ -146,8 +192,20 @@ def echo_agg_loss(
     w = echo_weights.to(log_prob.dtype)
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
         raise ValueError("echo_weights: expected finite weights ≥ 0 (0 = not echoed)")
-    info = dict(batch_info) if batch_info is not None else echo_batch_info(w)
+    info = _checked_info(batch_info, w) if batch_info is not None else echo_batch_info(w)
     mask = w > 0
+    bad = mask & ~(torch.isfinite(log_prob) & (log_prob <= LOGPROB_TOLERANCE))
+    if bool(bad.any()):
+        i, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            problem(
+                f"log_prob[{i}, {j}]",
+                f"a finite log-probability ≤ 0 (up to {LOGPROB_TOLERANCE}) on an echoed token",
+                repr(float(log_prob[i, j].detach())),
+                "a NaN or -inf logprob comes from the model's logits; a positive one is a "
+                "negative log-likelihood passed as log p",
+            )
+        )
     local = info.get("batch_num_tokens") is None and info.get("global_batch_size") is None
     if local and not bool(mask.any()):
         # verl's agg_loss would divide 0 by a zero local count; no echo token = no echo term.
@@ -177,7 +235,9 @@ def echo_inputs(
         _CURRENT.reset(token)
 
 
-def register_echo_policy_loss(name: str = "echo", *, base: str = "vanilla") -> Callable[..., Any]:
+def register_echo_policy_loss(
+    name: str = "echo", *, base: str = "vanilla", replace: bool = False
+) -> Callable[..., Any]:
     """Register ``name`` in verl's policy-loss registry: verl's ``base`` loss plus echo.
 
     Args:
@@ -189,12 +249,32 @@ def register_echo_policy_loss(name: str = "echo", *, base: str = "vanilla") -> C
         The registered function, with verl's ``PolicyLossFn`` signature plus keyword-only
         ``echo_weights`` and ``echo_batch_info`` (else taken from `echo_inputs`).
 
+        replace: allow ``name`` to replace a loss another library registered in verl's
+            registry (verl's own ``"vanilla"``, ...); without it, such a name is an error, since
+            the replacement would change that loss for every caller of verl. An echo loss
+            registered earlier by this function may be re-registered (a re-run cell).
+
     Raises:
-        ValueError: ``base`` is not registered in verl, or is this loss itself.
+        ValueError: ``base`` is not registered in verl, or is this loss itself, or ``name`` is
+            taken and ``replace`` is False.
     """
     core = _core_algos()
+    if not isinstance(name, str) or not name:
+        raise ValueError(problem("name", "a non-empty str", repr(name)))
     if base == name:
         raise ValueError(f"base={base!r}: the echo loss cannot wrap itself; pick verl's loss")
+    taken = core.POLICY_LOSS_REGISTRY.get(name)
+    if taken is not None and not replace and not getattr(taken, "_echoloss_echo_loss", False):
+        owner = getattr(taken, "__module__", "?")
+        raise ValueError(
+            problem(
+                "name",
+                "a name not in verl's policy-loss registry",
+                f"{name!r} (registered by {owner}: replacing it would change that loss for "
+                "every caller)",
+                "pick a new name such as 'echo', or pass replace=True to replace it on purpose",
+            )
+        )
     if base not in core.POLICY_LOSS_REGISTRY:
         raise ValueError(
             f"base={base!r} is not in verl's policy-loss registry; expected one of "
@@ -242,6 +322,7 @@ def register_echo_policy_loss(name: str = "echo", *, base: str = "vanilla") -> C
         return pg_loss + echo, metrics
 
     echo_policy_loss.__name__ = f"compute_policy_loss_{name}"
+    echo_policy_loss._echoloss_echo_loss = True  # type: ignore[attr-defined]
     core.register_policy_loss(name)(echo_policy_loss)
     return echo_policy_loss
 

@@ -8,7 +8,7 @@ only in how they get the log-probabilities.
 from __future__ import annotations
 
 from echoloss.loss.config import LossConfig
-from echoloss.loss.core import LossOutput, echo_loss, echo_loss_from_logprobs
+from echoloss.loss.core import LossOutput, NonFiniteLossError, echo_loss, echo_loss_from_logprobs
 from echoloss.loss.hidden import echo_loss_from_hidden
 from echoloss.loss.inputs import LossInputs
 from echoloss.loss.normalization import (
@@ -30,6 +30,7 @@ __all__ = [
     "LossConfig",
     "LossInputs",
     "LossOutput",
+    "NonFiniteLossError",
     "Normalizers",
     "PolicyInputs",
     "PolicyOutput",

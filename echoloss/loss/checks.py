@@ -72,6 +72,7 @@ def resolve_inputs(
         [True, False]
     """
     x = LossInputs.from_keywords(inputs, **fields)
+    x.check_unchanged()
     if x.shape != shape:
         raise ValueError(
             problem(

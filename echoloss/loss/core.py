@@ -22,6 +22,7 @@ field, so a new field of the record is a new keyword of every entry point.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,7 +32,7 @@ from echoloss._compile import compiler_disable
 from echoloss._validate import check_per_token, check_tensor, describe, problem
 from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
 from echoloss.loss.config import LossConfig
-from echoloss.loss.inputs import LossInputs
+from echoloss.loss.inputs import LOGPROB_TOLERANCE, LossInputs
 from echoloss.loss.metrics import loss_metrics
 from echoloss.loss.normalization import Normalizers, count_rows
 from echoloss.loss.policy import (
@@ -39,6 +40,7 @@ from echoloss.loss.policy import (
     PolicyInputs,
     PolicySpec,
     RecordRows,
+    check_policy_output,
     k3,
     kl_penalty,
     mismatch_weights,
@@ -47,11 +49,20 @@ from echoloss.ops.selective_logprobs import selective_logprobs
 
 __all__ = [
     "LossOutput",
+    "NonFiniteLossError",
+    "check_final_loss",
+    "check_scored_rows",
     "echo_loss",
     "echo_loss_from_logprobs",
     "loss_from_logprobs",
     "row_temperature_and_entropy",
 ]
+
+
+class NonFiniteLossError(ValueError):
+    """The loss (or a participating row's logprob) is not finite: the message names the term or
+    row, the likely input and the fix. A ``ValueError``, so callers catching bad input catch it;
+    trainers catch this class to stop with the message instead of training on."""
 
 
 class LossOutput(NamedTuple):
@@ -79,22 +90,48 @@ _SOURCE_CAUSE = {
 
 
 def _check_scored(lp: torch.Tensor, x: LossInputs, source: str) -> None:
-    """O(N): every participating row's logprob is finite (else name the first bad row).
+    """O(N): every participating row's logprob is finite (else name the first bad row)."""
+    check_scored_rows(lp, x.rl, x.echo, source)
+
+
+def check_scored_rows(lp: torch.Tensor, rl: torch.Tensor, echo: torch.Tensor, source: str) -> None:
+    """O(N): every RL or echo row's logprob ``lp [N]`` is finite, else name the first bad row.
 
     A NaN or +inf anywhere in a row of logits makes its log-sum-exp, hence its logprob,
     non-finite, and -inf at the label gives -inf: one ``isfinite`` over the ``[N]`` logprobs
-    catches all of them without reading the ``[N, V]`` logits again.
+    catches all of them without reading the ``[N, V]`` logits again. Logprobs given by the
+    caller (``source="logprobs"``) must also be ≤ 0 (up to ``LOGPROB_TOLERANCE``), like every
+    other logprob input.
+
+    Examples:
+        >>> check_scored_rows(torch.tensor([-0.1, float("nan")]), torch.tensor([True, False]),
+        ...                   torch.tensor([False, True]), "logits")
+        Traceback (most recent call last):
+        ...
+        echoloss.loss.core.NonFiniteLossError: logits row 1 must be a finite log-probability on an echo row, got nan (1 bad row(s); cause: NaN or +inf in that row of the logits, or -inf at its label); ...
     """
-    part = x.rl | x.echo  # [N] bool
+    part = rl | echo  # [N] bool
     bad = part & ~torch.isfinite(lp)  # [N] bool
+    if source == "logprobs":
+        bad = bad | (part & (lp > LOGPROB_TOLERANCE))  # [N] bool
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        kind = "an RL" if bool(x.rl[row]) else "an echo"
-        raise ValueError(
+        kind = "an RL" if bool(rl[row]) else "an echo"
+        value = float(lp[row].detach())
+        if math.isfinite(value):  # a positive "logprob": a negative log-likelihood passed
+            raise ValueError(
+                problem(
+                    f"{source}[{row}]",
+                    f"a log-probability ≤ 0 (up to {LOGPROB_TOLERANCE}) on {kind} row",
+                    repr(round(value, 6)),
+                    "pass log p, not the negative log-likelihood -log p",
+                )
+            )
+        raise NonFiniteLossError(
             problem(
                 f"{source} row {row}",
                 f"a finite log-probability on {kind} row",
-                f"{float(lp[row])} ({int(bad.sum())} bad row(s); cause: {_SOURCE_CAUSE[source]})",
+                f"{value} ({int(bad.sum())} bad row(s); cause: {_SOURCE_CAUSE[source]})",
                 "find where the model's output overflows (e.g. fp16 activations), or set "
                 "LossConfig(check_finite=False) to skip this check",
             )
@@ -244,7 +281,9 @@ def _rl_per_token(
     fn = spec.fn if spec.fn is not None else policy_fn
     assert fn is not None  # check_requirements
     rows = RecordRows(x, rl_idx)  # any field of the record, on the RL rows
-    out = fn(PolicyInputs(lp_rl, base, adv, seqs.rl_index, seqs.num, rows), cfg)
+    out = check_policy_output(
+        fn(PolicyInputs(lp_rl, base, adv, seqs.rl_index, seqs.num, rows), cfg), lp_rl, cfg.policy
+    )
     per_tok = out.loss  # [n_rl]
     if cfg.check_finite:
         _check_policy_output(per_tok, rl_idx, cfg.policy)
@@ -384,6 +423,97 @@ def _echo_term(
     return (per_seq / denom).sum() / max(norms.echo_sequences, 1)  # 0-dim
 
 
+# ---------------------------------------------------------------- 6b. the final loss
+
+
+class _Suspects(NamedTuple):
+    """What a non-finite term is diagnosed from (read only when the final check fails)."""
+
+    x: LossInputs
+    rl_idx: torch.Tensor
+    echo_idx: torch.Tensor
+    ent: torch.Tensor | None
+    cfg: LossConfig
+    norms: Normalizers
+
+
+def _largest(name: str, values: torch.Tensor | None, rows: torch.Tensor) -> tuple[float, str]:
+    """``(max |value|, "name (largest |value| = v at row r)")`` over ``rows``; (0, "") if none."""
+    if values is None or rows.numel() == 0:
+        return 0.0, ""
+    v = values.detach().reshape(-1).index_select(0, rows).double().abs()  # [n]
+    k = int(v.nan_to_num(nan=math.inf).argmax())
+    big = float(v[k])
+    return (
+        math.inf if math.isnan(big) else big
+    ), f"{name} (largest |value| {big:.3g} at row {int(rows[k])})"
+
+
+def _rl_suspects(s: _Suspects) -> list[tuple[float, str]]:
+    cfg = s.cfg
+    out = [_largest("advantages", s.x.advantages, s.rl_idx)]
+    if cfg.adv_tau != 1.0:
+        out.append((cfg.adv_tau, f"adv_tau={cfg.adv_tau:g}"))
+    if cfg.resolved_kl_tau:
+        out.append((cfg.resolved_kl_tau, f"kl_tau={cfg.resolved_kl_tau:g}"))
+    if cfg.kl_coef:
+        out.append((cfg.kl_coef, f"kl_coef={cfg.kl_coef:g}"))
+    if cfg.entropy_coef:
+        big, _ = _largest("entropy", s.ent, s.rl_idx)
+        out.append((abs(cfg.entropy_coef) * max(big, 1.0), f"entropy_coef={cfg.entropy_coef:g}"))
+    if cfg.rl_normalization == "token_sum_constant":
+        c = cfg.rl_normalization_constant
+        assert c is not None  # LossConfig
+        out.append((1.0 / c, f"rl_normalization_constant={c:g} (the divisor)"))
+    return [o for o in out if o[1]]
+
+
+def _echo_suspects(s: _Suspects) -> list[tuple[float, str]]:
+    out = [_largest("echo_weights", s.x.echo_weights, s.echo_idx)]
+    if s.cfg.echo_normalization == "sequence_mean" and s.cfg.echo_z_epsilon:
+        out.append((0.0, f"echo_z_epsilon={s.cfg.echo_z_epsilon:g}"))
+    return [o for o in out if o[1]]
+
+
+def check_final_loss(
+    loss: torch.Tensor, rl_term: torch.Tensor, echo_term: torch.Tensor, suspects: Any = None
+) -> None:
+    """O(1): the 0-dim loss is finite, else raise naming the non-finite term and the likely input.
+
+    Every per-token input is checked where it enters, but finite inputs can still overflow the
+    sum: advantages or echo weights of 3e38, ``kl_tau=1e308``, ``entropy_coef=-1e38``, a
+    divisor of 1e-300. One ``isfinite`` of the 0-dim loss (one host read) catches all of them;
+    the diagnosis below runs only when it fails.
+
+    Examples:
+        >>> check_final_loss(torch.tensor(1.0), torch.tensor(1.0), torch.tensor(0.0))
+        >>> check_final_loss(torch.tensor(float("inf")), torch.tensor(float("inf")), torch.tensor(0.0))
+        Traceback (most recent call last):
+        ...
+        echoloss.loss.core.NonFiniteLossError: loss must be finite, got inf (loss_rl (the RL term) = inf, loss_echo (the echo term) = 0); ...
+    """
+    if bool(torch.isfinite(loss)):
+        return
+    terms = {"loss_rl (the RL term)": rl_term, "loss_echo (the echo term)": echo_term}
+    parts = [f"{k} = {float(v.detach()):g}" for k, v in terms.items()]
+    causes = []
+    if suspects is not None:
+        for term, finder in ((rl_term, _rl_suspects), (echo_term, _echo_suspects)):
+            if not bool(torch.isfinite(term)):
+                found = sorted((o for o in finder(suspects) if o[0] > 0), key=lambda o: -o[0])
+                if found:
+                    causes.append(found[0][1] + "".join(f"; {f[1]}" for f in found[1:3]))
+    fix = (
+        "the checked inputs were finite, so a product, the sum or its scaling overflowed"
+        + (f"; likely input: {' | '.join(causes)}" if causes else "")
+        + "; bring that input to a realistic range (advantages and echo weights of order 1, "
+        "coefficients well below 1e30, normalisers ≥ 1), or set LossConfig(check_finite=False) "
+        "to skip this check"
+    )
+    got = f"{float(loss.detach()):g} ({', '.join(parts)})"
+    raise NonFiniteLossError(problem("loss", "finite", got, fix))
+
+
 # ---------------------------------------------------------------- 7. metrics
 
 
@@ -476,6 +606,8 @@ def loss_from_logprobs(
     echo_term = _echo_term(w_echo * -lp_echo, x, cfg, norms, seqs)  # 0-dim
 
     loss = rl_term + echo_term  # 0-dim
+    if cfg.check_finite:
+        check_final_loss(loss, rl_term, echo_term, _Suspects(x, rl_idx, echo_idx, ent, cfg, norms))
     if rl_idx.numel() == 0 and n_echo == 0:
         # Keep the (zero) loss connected to the graph: distributed backward must not hang.
         loss = loss + lp.sum() * 0.0
@@ -544,9 +676,31 @@ def echo_loss_from_logprobs(
     ent = None
     if entropy is not None:
         ent = check_per_token("entropy", entropy, x.shape, x.device, "float").reshape(-1)  # [N]
+        if cfg.check_finite:
+            _check_entropy(ent, x.rl)
     return loss_from_logprobs(
         logprobs.reshape(-1), ent, x, cfg, normalizers, policy_fn, source="logprobs"
     )
+
+
+#: Most negative entropy accepted from a caller: an entropy is ≥ 0; one computed in fp32 from a
+#: near-one-hot distribution may round a few ulps below 0, never by this much.
+ENTROPY_TOLERANCE = 1e-3
+
+
+def _check_entropy(ent: torch.Tensor, rl: torch.Tensor) -> None:
+    """The caller's entropy on RL rows (where it is read): finite and ≥ 0 (up to rounding)."""
+    bad = rl & ~(torch.isfinite(ent) & (ent >= -ENTROPY_TOLERANCE))  # [N]
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            problem(
+                f"entropy[{row}]",
+                f"a finite entropy ≥ 0 (up to -{ENTROPY_TOLERANCE}) on an RL row",
+                repr(float(ent[row].detach())),
+                "pass the per-token entropy -Σ p log p of the model's distribution",
+            )
+        )
 
 
 def row_temperature_and_entropy(

@@ -133,6 +133,7 @@ class LossInputs:
     env_names: tuple[str, ...] | None = None
     rl: torch.Tensor = field(init=False, repr=False)
     echo: torch.Tensor = field(init=False, repr=False)
+    _versions: tuple[tuple[str, torch.Tensor, int], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         rl_mask = check_tensor("rl_mask", self.rl_mask)
@@ -186,6 +187,48 @@ class LossInputs:
                 )
         object.__setattr__(self, "temperature", check_temperature(self.temperature, shape, dev))
         object.__setattr__(self, "env_names", self._checked_env_names())
+        object.__setattr__(self, "_versions", self._tensor_versions())
+
+    def _tensor_versions(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
+        """``(field, tensor, version)`` of every tensor field: PyTorch bumps a tensor's version
+        on every in-place write (to it or any view of its storage), so comparing it later is
+        O(1) per field."""
+        out = []
+        for name in ("rl_mask", *(f.name for f in self.per_token_fields()), "temperature"):
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor) and not value.is_inference():
+                out.append((name, value, value._version))
+        return tuple(out)
+
+    def check_unchanged(self) -> None:
+        """Raise if a tensor of this record was written in place after it was validated.
+
+        The record is frozen, but its tensors are mutable (``x.echo_weights[4] = nan``, or the
+        caller reusing a buffer it passed in). Rather than copying every tensor at construction
+        (memory and time on every call) or re-checking every value at use (``O(N)`` host reads),
+        each entry point compares the tensors' version counters with those seen at construction:
+        ``O(1)`` per field, no host read. (A write that bypasses autograd's counter, such as
+        ``.data`` assignment or a NumPy view, is not seen.)
+
+        Examples:
+            >>> x = LossInputs(rl_mask=torch.tensor([True]), echo_weights=torch.tensor([0.5]))
+            >>> x.echo_weights[0] = float("nan")
+            >>> x.check_unchanged()
+            Traceback (most recent call last):
+            ...
+            ValueError: inputs.echo_weights must be unchanged since the LossInputs was built (its values were checked then), got a tensor written in place afterwards; build a new record, e.g. inputs.replace(echo_weights=new_tensor), or pass a copy (tensor.clone()) if the caller reuses the buffer
+        """
+        for name, tensor, version in self._versions:
+            if tensor._version != version:
+                raise ValueError(
+                    problem(
+                        f"inputs.{name}",
+                        "unchanged since the LossInputs was built (its values were checked then)",
+                        "a tensor written in place afterwards",
+                        f"build a new record, e.g. inputs.replace({name}=new_tensor), or pass a "
+                        "copy (tensor.clone()) if the caller reuses the buffer",
+                    )
+                )
 
     @classmethod
     def per_token_fields(cls) -> tuple[dataclasses.Field[Any], ...]:

@@ -11,6 +11,7 @@ Notation: ``lp`` = trainer logprob (differentiable), ``lp_old`` = the ratio's de
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -539,21 +540,112 @@ def register_policy(
         )
     if not callable(fn):
         raise TypeError(f"fn must be callable fn(inputs, config) -> PolicyOutput, got {fn!r}")
+    if isinstance(reads, str) or not isinstance(reads, (tuple, list)):
+        raise TypeError(f"reads must be a tuple of LossConfig policy parameters, got {reads!r}")
     unknown = [r for r in reads if r not in POLICY_PARAMETERS]
     if unknown:
         raise ValueError(
             f"reads must name LossConfig policy parameters {POLICY_PARAMETERS}, got {unknown}"
         )
+    for flag, value in (("uses_ratio", uses_ratio), ("needs_sequences", needs_sequences)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {value!r}")
     spec = PolicySpec(
         name,
         fn,
         tuple(reads),
         uses_ratio=uses_ratio,
         needs_sequences=needs_sequences,
-        defaults=MappingProxyType(dict(defaults or {})),
+        defaults=MappingProxyType(_checked_defaults(defaults)),
     )
     _REGISTRY[name] = spec
     return spec
+
+
+#: The ``LossConfig`` fields a policy may default, and the range ``LossConfig`` accepts for each.
+_DEFAULTABLE: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "kl_tau": ("≥ 0", lambda v: v >= 0),
+    "eps_low": ("in [0, 1) (the clip's lower bound is 1 - eps_low)", lambda v: 0 <= v < 1),
+    "eps_high": ("≥ 0", lambda v: v >= 0),
+}
+
+
+def _checked_defaults(defaults: Mapping[str, float] | None) -> dict[str, float]:
+    """A policy's defaults, held to the rules ``LossConfig`` applies to the same fields."""
+    if defaults is None:
+        return {}
+    if not isinstance(defaults, Mapping):
+        raise TypeError(f"defaults must be a mapping of LossConfig fields, got {defaults!r}")
+    out: dict[str, float] = {}
+    for key, value in defaults.items():
+        if key not in _DEFAULTABLE:
+            raise ValueError(
+                f"defaults[{key!r}]: a policy may default only {sorted(_DEFAULTABLE)} (the "
+                "LossConfig fields left as None), got the key {key!r}"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"defaults[{key!r}] must be a float, got {value!r}")
+        expected, ok = _DEFAULTABLE[key]
+        if not (math.isfinite(value) and ok(value)):
+            raise ValueError(f"defaults[{key!r}] must be finite and {expected}, got {value!r}")
+        out[key] = float(value)
+    return out
+
+
+def check_policy_output(out: object, lp: torch.Tensor, name: str) -> PolicyOutput:
+    """A policy's result, checked like ``LossConfig`` checks its inputs: a ``PolicyOutput`` whose
+    loss is ``[n]`` float and connected to ``lp`` (when ``lp`` requires grad), and whose flags
+    are ``[n]`` bool masks. No host read: every check is on metadata.
+
+    Examples:
+        >>> lp = torch.zeros(2, requires_grad=True)
+        >>> check_policy_output(PolicyOutput(-lp.detach(), {}), lp, "mine")
+        Traceback (most recent call last):
+        ...
+        ValueError: the loss of policy 'mine' must be connected to inputs.logprobs (it is detached, so the RL rows would get no gradient), got float32 [2] on cpu without grad_fn; compute it from inputs.logprobs without .detach() or torch.no_grad()
+    """
+    who = f"the output of policy {name!r}"
+    if not isinstance(out, PolicyOutput):
+        raise TypeError(
+            f"{who} must be an echoloss.PolicyOutput(loss, flags), got {type(out).__name__}; "
+            "return PolicyOutput(per_token_loss, {}) (a bare tensor has no flags)"
+        )
+    loss, flags = out
+    if not isinstance(loss, torch.Tensor) or loss.shape != lp.shape:
+        got = (
+            f"{str(loss.dtype).removeprefix('torch.')} {list(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise ValueError(
+            f"the loss of policy {name!r} must be a [n_rl] = {list(lp.shape)} tensor (one entry "
+            f"per RL row), got {got}"
+        )
+    if not loss.dtype.is_floating_point:
+        raise TypeError(f"the loss of policy {name!r} must be a float tensor, got {loss.dtype}")
+    if lp.requires_grad and torch.is_grad_enabled() and not loss.requires_grad:
+        raise ValueError(
+            f"the loss of policy {name!r} must be connected to inputs.logprobs (it is detached, "
+            f"so the RL rows would get no gradient), got {str(loss.dtype).removeprefix('torch.')} "
+            f"{list(loss.shape)} on {loss.device} without grad_fn; compute it from "
+            "inputs.logprobs without .detach() or torch.no_grad()"
+        )
+    if not isinstance(flags, Mapping):
+        raise TypeError(f"the flags of policy {name!r} must be a dict name -> [n] bool tensor")
+    for key, flag in flags.items():
+        if not isinstance(key, str):
+            raise TypeError(f"the flags of policy {name!r} must have str names, got {key!r}")
+        if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool or flag.shape != lp.shape:
+            raise ValueError(
+                f"flag {key!r} of policy {name!r} must be a bool tensor of shape "
+                f"[n_rl] = {list(lp.shape)} (one entry per RL row), got "
+                + (
+                    f"{str(flag.dtype).removeprefix('torch.')} {list(flag.shape)}"
+                    if isinstance(flag, torch.Tensor)
+                    else type(flag).__name__
+                )
+            )
+    return out
 
 
 def get_policy(name: str) -> PolicySpec:

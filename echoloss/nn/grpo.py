@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from echoloss import LossConfig, Normalizers, PolicyInputs, PolicyOutput
+from echoloss._validate import check_count, describe, finite_float, problem
 
 __all__ = [
     "ECHO_NORMALIZATIONS",
@@ -76,6 +77,7 @@ class GRPOLossMapping:
         num_processes: int,
         accumulation_steps: int,
         steps_per_generation: int,
+        local_items: int | None = None,
     ) -> tuple[LossConfig, Normalizers | None]:
         """The config and normalisers whose RL term equals TRL's loss of one micro-batch.
 
@@ -94,27 +96,82 @@ class GRPOLossMapping:
         ============  ===============================================================
 
         ``bnpo`` takes its divisor from the RL rows in the loss itself (``token_mean`` with
-        ``rl_tokens`` scaled), every other type from the arguments.
+        ``rl_tokens`` scaled), every other type from the arguments. Every count is checked
+        (finite whole numbers, ≥ 1 where they divide; ``num_items_in_batch`` ≥ ``local_items``,
+        this call's own RL tokens when given) and the config is rebuilt with validation.
         """
         cfg, lt = self.config, self.loss_type
-        ga = accumulation_steps
+        batch_size = int(check_count("batch_size", batch_size, minimum=1, integer=True))
+        num_processes = int(check_count("num_processes", num_processes, minimum=1, integer=True))
+        ga = int(check_count("accumulation_steps", accumulation_steps, minimum=1, integer=True))
+        steps_per_generation = int(
+            check_count("steps_per_generation", steps_per_generation, minimum=1, integer=True)
+        )
         if lt in ("grpo", "sapo"):
             return cfg, _sequence_normalizers(batch_size * ga)
         if lt == "dr_grpo":
-            constant = float(batch_size * max_completion_length * ga)
+            length = check_count(
+                "max_completion_length",
+                max_completion_length,
+                minimum=1,
+                integer=True,
+                fix="loss_type='dr_grpo' divides by batch_size · max_completion_length",
+            )
+            constant = float(batch_size * length * ga)
         elif lt in ("dapo", "cispo"):
             if num_items_in_batch is None:
                 raise ValueError(
                     f"num_items_in_batch: loss_type={lt!r} divides by the RL tokens of the whole "
                     "generation batch (TRL's inputs['num_items_in_batch']); it is missing"
                 )
-            constant = max(float(num_items_in_batch), 1.0) / num_processes
+            items = check_items("num_items_in_batch", num_items_in_batch, local_items, "RL tokens")
+            # max(·, 1): a batch without RL tokens has a zero sum; the divisor is then unused.
+            constant = max(items, 1.0) / num_processes
             constant = constant * ga / steps_per_generation
         elif lt == "luspo":
             constant = float(batch_size * ga)
         else:  # bnpo: filled in by the caller from its RL-token count
             return cfg, None
-        return cfg.model_copy(update={"rl_normalization_constant": constant}), None
+        return with_fields(cfg, rl_normalization_constant=constant), None
+
+
+def with_fields(config: LossConfig, **changes: Any) -> LossConfig:
+    """A copy of ``config`` with ``changes``, validated like ``LossConfig(**fields)``.
+
+    ``model_copy(update=...)`` would skip every check of ``LossConfig`` (a zero or negative
+    normaliser, a NaN coefficient): every per-call config goes through this instead.
+
+    Examples:
+        >>> cfg = LossConfig(rl_normalization="token_sum_constant", rl_normalization_constant=1.0)
+        >>> with_fields(cfg, rl_normalization_constant=8.0).rl_normalization_constant
+        8.0
+    """
+    return LossConfig.model_validate({**config.model_dump(exclude_unset=True), **changes})
+
+
+def check_items(name: str, value: Any, local: int | None, what: str) -> float:
+    """A batch-wide token count: a finite whole number ≥ 0 and ≥ this call's own ``local``.
+
+    Examples:
+        >>> check_items("num_items_in_batch", 12, 5, "RL tokens")
+        12.0
+        >>> check_items("num_items_in_batch", 3, 5, "RL tokens")
+        Traceback (most recent call last):
+        ...
+        ValueError: num_items_in_batch must be ≥ 5 (the RL tokens of this call alone; it counts the whole batch over every process), got 3.0; pass the sum over every micro-batch of the step on every rank
+    """
+    items = check_count(name, value, minimum=0, integer=True)
+    if local is not None and items < local:
+        raise ValueError(
+            problem(
+                name,
+                f"≥ {local} (the {what} of this call alone; it counts the whole batch over "
+                "every process)",
+                repr(items),
+                "pass the sum over every micro-batch of the step on every rank",
+            )
+        )
+    return items
 
 
 def _sequence_normalizers(count: int) -> Normalizers:
@@ -184,6 +241,7 @@ def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> 
         f"importance_sampling_level={level!r}: expected 'token' or 'sequence'",
     )
     sequence = level == "sequence"
+    _check_options(args, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
     _require(
         float(getattr(args, "top_entropy_quantile", 1.0)) >= 1.0,
         f"top_entropy_quantile={args.top_entropy_quantile} is not supported by EchoGRPOTrainer "
@@ -274,6 +332,33 @@ def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> 
     return GRPOLossMapping(lt, LossConfig(**fields), policy_fn)
 
 
+def _check_options(args: Any, *, epsilon_low: float, epsilon_high: float) -> None:
+    """The numeric GRPO options, checked under their own names (before ``LossConfig`` sees
+    them under echoloss's names)."""
+    lo = finite_float("epsilon_low", epsilon_low)
+    if not 0 <= lo < 1:
+        raise ValueError(
+            problem("epsilon_low", "in [0, 1) (the clip is 1 - epsilon_low)", repr(lo))
+        )
+    if finite_float("epsilon_high", epsilon_high) < 0:
+        raise ValueError(problem("epsilon_high", "≥ 0", repr(epsilon_high)))
+    if finite_float("beta", getattr(args, "beta", 0.0)) < 0:
+        raise ValueError(problem("beta", "≥ 0 (the KL coefficient)", repr(args.beta)))
+    if getattr(args, "loss_type", None) == "sapo":
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            value = finite_float(name, getattr(args, name))
+            if value <= 0:
+                raise ValueError(
+                    problem(name, "> 0 (SAPO divides by it)", repr(value), f"e.g. {name}=1.0")
+                )
+    delta = getattr(args, "delta", None)
+    if delta is not None:
+        finite_float("delta", delta)
+    temperature = getattr(args, "temperature", 1.0)
+    if finite_float("temperature", temperature) <= 0:
+        raise ValueError(problem("temperature", "> 0", describe(temperature)))
+
+
 def _log_ratio(inputs: PolicyInputs, sequence: bool) -> torch.Tensor:
     log_ratio = inputs.logprobs - inputs.old_logprobs
     if not sequence:
@@ -359,6 +444,13 @@ def scale_echo_weights(
         tensor([[0.0000, 0.1250, 0.1250],
                 [0.1250, 0.0000, 0.0000]])
     """
+    num_processes = int(check_count("num_processes", num_processes, minimum=1, integer=True))
+    accumulation_steps = int(
+        check_count("accumulation_steps", accumulation_steps, minimum=1, integer=True)
+    )
+    steps_per_generation = int(
+        check_count("steps_per_generation", steps_per_generation, minimum=1, integer=True)
+    )
     echoed = echo_weights > 0
     if normalization == "token_mean":
         if num_echo_items_in_batch is None:
@@ -366,7 +458,11 @@ def scale_echo_weights(
                 "num_echo_items_in_batch: required by echo normalization 'token_mean' (echo "
                 "tokens of the generation batch over every process)"
             )
-        divisor = max(float(num_echo_items_in_batch), 1.0) / num_processes
+        items = check_items(
+            "num_echo_items_in_batch", num_echo_items_in_batch, int(echoed.sum()), "echo tokens"
+        )
+        # max(·, 1): only a batch without echo tokens has items == 0, and its weights are all 0.
+        divisor = max(items, 1.0) / num_processes
         return echo_weights / (divisor * accumulation_steps / steps_per_generation)
     if normalization == "batch_token_mean":
         return echo_weights / (max(int(echoed.sum()), 1) * accumulation_steps)

@@ -32,10 +32,13 @@ from echoloss import (
     selective_logprobs,
 )
 from echoloss._logging import warn_once
+from echoloss._validate import check_count, check_mask, check_tensor, describe, problem
+from echoloss.loss.core import check_scored_rows
 from echoloss.nn.grpo import (
     ECHO_NORMALIZATIONS,
     ECHO_TEMPERATURES,
     GRPOLossMapping,
+    check_items,
     grpo_loss_mapping,
     row_temperature,
     scale_echo_weights,
@@ -57,6 +60,26 @@ _LIGER_DEFAULTS: dict[str, Any] = {
     "delta": None,
     "use_bias_correction_kl": False,
 }
+
+
+#: The record's field names and the names the caller of the modules passed them as.
+_CALLER_NAMES = (
+    ("old_logprobs", "old_per_token_logps"),
+    ("ref_logprobs", "ref_per_token_logps"),
+    ("rl_mask", "attention_mask"),
+)
+
+
+def _record(source: str, **fields: Any) -> LossInputs:
+    """``LossInputs(**fields)``, with errors naming the argument the caller passed."""
+    try:
+        return LossInputs(**fields)
+    except (TypeError, ValueError) as err:
+        message = str(err)
+        for ours, theirs in _CALLER_NAMES:
+            if message.startswith(ours):
+                message = theirs + message[len(ours) :]
+        raise type(err)(message) from None
 
 
 def _world_size() -> int:
@@ -184,6 +207,12 @@ class EchoGRPOLoss(nn.Module):
                 "max_completion_length: required by loss_type='dr_grpo' (its normaliser is "
                 "B · max_completion_length)"
             )
+        if opts["max_completion_length"] is not None:
+            opts["max_completion_length"] = int(
+                check_count(
+                    "max_completion_length", opts["max_completion_length"], minimum=1, integer=True
+                )
+            )
         opts["top_entropy_quantile"] = 1.0
         from types import SimpleNamespace
 
@@ -201,9 +230,21 @@ class EchoGRPOLoss(nn.Module):
         attention_mask: torch.Tensor,
         echo_weights: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        valid = attention_mask.bool()
-        w = torch.zeros(valid.shape, device=valid.device) if echo_weights is None else echo_weights
-        w = w.float() * valid
+        valid = check_mask("attention_mask", attention_mask)
+        if echo_weights is None:
+            w = torch.zeros(valid.shape, device=valid.device)
+        else:
+            w = check_tensor("echo_weights", echo_weights)
+            if w.shape != valid.shape or not w.dtype.is_floating_point:
+                raise ValueError(
+                    problem(
+                        "echo_weights",
+                        f"a float tensor of the shape of attention_mask {list(valid.shape)}",
+                        describe(w),
+                    )
+                )
+            # Zero outside the mask with where (not a product: NaN · 0 is NaN).
+            w = torch.where(valid, w.float(), torch.zeros((), device=w.device))
         echo = w > 0
         return valid & ~echo, echo, w
 
@@ -224,11 +265,25 @@ class EchoGRPOLoss(nn.Module):
         num_echo_items_in_batch: float | torch.Tensor | None,
         normalizers: Normalizers | None,
         env_names: Sequence[str] | None,
+        source: str = "logits",
     ) -> LossOutput:
         b, t = rl.shape
-        adv = advantages.float()
+        adv = check_tensor("advantages", advantages)
+        if adv.shape not in ((b,), (b, t)) or not adv.dtype.is_floating_point:
+            raise ValueError(
+                problem(
+                    "advantages",
+                    f"a float tensor [B] = [{b}] or [B, T] = [{b}, {t}]",
+                    describe(adv),
+                )
+            )
+        adv = adv.float()
         adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, t)
-        obs = echo if observation_mask is None else (observation_mask.bool() | echo)
+        obs = (
+            echo
+            if observation_mask is None
+            else (check_mask("observation_mask", observation_mask) | echo)
+        )
         cfg, norms = self.config, normalizers
         if self.mapping is not None:
             if normalizers is not None:
@@ -238,8 +293,11 @@ class EchoGRPOLoss(nn.Module):
                 )
             world = _world_size()
             items = num_items_in_batch
+            n_rl = int(rl.sum())
             if items is None and self.mapping.loss_type in ("dapo", "cispo"):
                 items = _all_reduced(rl.sum().float())  # Liger: the batch's RL tokens, all ranks
+            elif items is not None:
+                items = check_items("num_items_in_batch", items, n_rl, "RL tokens")
             cfg, norms = self.mapping.micro_batch(
                 batch_size=b,
                 max_completion_length=self.max_completion_length or 0,
@@ -247,10 +305,13 @@ class EchoGRPOLoss(nn.Module):
                 num_processes=world,
                 accumulation_steps=1,
                 steps_per_generation=1,
+                local_items=n_rl,
             )
             if self.mapping.loss_type == "bnpo":
                 norms = Normalizers(rl_tokens=max(int(rl.sum()), 1))
             echo_items = num_echo_items_in_batch
+            if echo_items is not None:
+                echo_items = check_count("num_echo_items_in_batch", echo_items, integer=True)
             if echo_items is None and self.echo_normalization == "token_mean":
                 echo_items = _all_reduced(echo.sum().float())
             echo_w = scale_echo_weights(
@@ -267,8 +328,16 @@ class EchoGRPOLoss(nn.Module):
                 f"ref_per_token_logps: required by beta={cfg.kl_coef} ([B, T] reference-model "
                 "logprobs); or set beta=0.0"
             )
-        old = lp.detach() if old_per_token_logps is None else old_per_token_logps.float()
-        record = LossInputs(
+        if old_per_token_logps is None:
+            # On-policy: the ratio's denominator is this pass's logprobs, so a non-finite one
+            # is the model's output (named by its source), not an old logprob.
+            if cfg.check_finite:
+                check_scored_rows(lp.reshape(-1), rl.reshape(-1), echo.reshape(-1), source)
+            old = lp.detach()
+        else:
+            old = check_tensor("old_per_token_logps", old_per_token_logps).float()
+        record = _record(
+            source,
             rl_mask=rl,
             echo_weights=echo_w,
             advantages=adv,
@@ -468,4 +537,5 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             num_echo_items_in_batch=num_echo_items_in_batch,
             normalizers=normalizers,
             env_names=env_names,
+            source="hidden",
         )

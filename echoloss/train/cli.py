@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"echoloss-train: {err}", file=sys.stderr)
         return 2
     from echoloss.io import RolloutFileError
+    from echoloss.loss.core import NonFiniteLossError
     from echoloss.train.checkpoint import CheckpointError, final_model_complete
     from echoloss.train.recipe import train
 
@@ -140,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         _remove_if_created(out_dir, existed)
         print(f"echoloss-train: {err}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as err:
+        # Training on would turn every parameter into NaN: stop, keep what was written.
+        print(f"echoloss-train: training stopped: {err}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:
         if not final_model_complete(out / "final-model"):  # never "done" without the model
             print(f"echoloss-train: no complete model in {out}/final-model/", file=sys.stderr)

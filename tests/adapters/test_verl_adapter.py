@@ -228,3 +228,47 @@ def test_echo_ppo_loss_runs_verls_actor_loss_with_the_echo_field():
     (g1,) = torch.autograd.grad(loss, flat)
     (g2,) = torch.autograd.grad(expected, flat)
     assert float(g1.abs().max()) > 1e-3 and torch.allclose(g1, g2, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("batch_num_tokens", 0), ("batch_num_tokens", -2), ("batch_num_tokens", float("nan")),
+     ("batch_num_tokens", 1), ("global_batch_size", 0), ("dp_size", 0), ("dp_size", 1.5)],
+)  # fmt: skip
+def test_batch_info_counts_are_checked(key, value):
+    """Each count that divides or multiplies the echo term, where it enters (1 < the 4 echo
+    tokens of this micro-batch, which a global count sums)."""
+    _, _, _, _, echo = _batch()
+    with pytest.raises(ValueError, match=f"{key} must be"):
+        adapter.echo_batch_info(echo, **{key: value})
+    log_prob, *_ = _batch()
+    info = {"dp_size": 1, "batch_num_tokens": 4, "global_batch_size": 2, "loss_scale_factor": None}
+    with pytest.raises(ValueError, match=f"{key} must be"):
+        adapter.echo_agg_loss(log_prob, echo, loss_agg_mode="token-mean",
+                              batch_info={**info, key: value})  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [0.5, float("nan"), float("-inf")])
+def test_echoed_log_prob_is_checked(bad):
+    log_prob, _, _, _, echo = _batch()
+    log_prob = log_prob.detach().clone()
+    log_prob[1, 2] = bad
+    with pytest.raises(ValueError, match=r"log_prob\[1, 2\] must be a finite log-probability"):
+        adapter.echo_agg_loss(log_prob, echo, loss_agg_mode="token-mean")
+    log_prob[1, 2] = -1.0
+    log_prob[0, 0] = bad  # not echoed: never read
+    assert torch.isfinite(adapter.echo_agg_loss(log_prob, echo, loss_agg_mode="token-mean"))
+
+
+def test_a_name_verl_owns_is_not_replaced_unless_asked():
+    vanilla = core.POLICY_LOSS_REGISTRY["vanilla"]
+    with pytest.raises(ValueError, match="name must be a name not in verl's policy-loss registry"):
+        adapter.register_echo_policy_loss("vanilla", base="gspo")
+    assert core.POLICY_LOSS_REGISTRY["vanilla"] is vanilla
+    adapter.register_echo_policy_loss("echo_twice", base="vanilla")
+    adapter.register_echo_policy_loss("echo_twice", base="gspo")  # its own echo loss: a re-run
+    try:
+        fn = adapter.register_echo_policy_loss("vanilla", base="gspo", replace=True)
+        assert core.POLICY_LOSS_REGISTRY["vanilla"] is fn
+    finally:
+        core.POLICY_LOSS_REGISTRY["vanilla"] = vanilla

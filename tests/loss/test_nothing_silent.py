@@ -95,7 +95,7 @@ def test_non_finite_entropy_with_entropy_coef_is_named():
     x = LossInputs(rl_mask=torch.tensor([True, True]), advantages=torch.ones(2))
     ent = torch.tensor([1.0, float("inf")])
     cfg = LossConfig(policy="reinforce", entropy_coef=0.1)
-    with pytest.raises(ValueError, match=r"entropy at row 1 must be finite"):
+    with pytest.raises(ValueError, match=r"entropy\[1\] must be a finite entropy"):
         echo_loss_from_logprobs(lp, x, entropy=ent, config=cfg)
 
 

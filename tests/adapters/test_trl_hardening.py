@@ -1,0 +1,98 @@
+"""EchoGRPOTrainer end to end: overflow stops training, image inputs are refused by name, TRL's
+own metric names are logged, and λ = 0 is the echo ablation (one optimiser step each, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+trl = pytest.importorskip("trl")
+torch = pytest.importorskip("torch")
+
+from datasets import Dataset  # noqa: E402
+from test_trl_adapter import ANSWER, TOOL_CALL, _tokenizer, get_weather  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+
+def _train(tmp_path, *, inject=None, **fields):
+    """One scripted step (tool call, tool result, answer); returns (trainer, seen inputs)."""
+    from echoloss.adapters.trl import EchoGRPOConfig, EchoGRPOTrainer
+
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(
+        Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=16, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                    eos_token_id=tok.eos_token_id)
+    )  # fmt: skip
+    response_open = tok.convert_tokens_to_ids("<tool_response>")
+    seen: list[dict] = []
+
+    class Scripted(EchoGRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                                  has_tool_images=False):  # fmt: skip
+            out = [
+                tok.encode(ANSWER if response_open in p else TOOL_CALL, add_special_tokens=False)
+                for p in prompt_ids
+            ]
+            return out, None
+
+        def _compute_loss(self, model, inputs):
+            seen.append({k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return super()._compute_loss(model, {**inputs, **(inject or {})})
+
+    args = EchoGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=256, max_steps=1, learning_rate=1e-2, logging_steps=1,
+        report_to="none", use_cpu=True, save_strategy="no", **{"beta": 0.0, **fields},
+    )  # fmt: skip
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": "Weather in Paris?"}]}] * 2)
+    trainer = Scripted(model=model, reward_funcs=lambda completions, **kw: [0.0, 1.0], args=args,
+                       train_dataset=data, processing_class=tok, tools=[get_weather])  # fmt: skip
+    trainer.train()
+    return trainer, seen, model
+
+
+def test_overflowing_echo_weights_stop_training(tmp_path):
+    """λ = 3e38 is finite, its loss is not: train() raises naming the echo term, it does not
+    return with NaN parameters."""
+    with pytest.raises(ValueError, match=r"loss must be finite.*loss_echo.*echo_weights"):
+        _train(tmp_path, echo_tool_alpha=3e38)
+
+
+def test_image_fields_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"inputs \['image_grid_thw', 'pixel_values'\]"):
+        _train(tmp_path, echo_tool_alpha=0.05,
+               inject={"pixel_values": torch.zeros(1, 3), "image_grid_thw": torch.ones(1, 3)})  # fmt: skip
+
+
+def test_trls_metric_names_are_logged_with_trls_definitions(tmp_path):
+    trainer, _, _ = _train(tmp_path, echo_tool_alpha=0.05)
+    logged = trainer.state.log_history[0]
+    for name in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                 "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max"):  # fmt: skip
+        assert name in logged, name
+    # TRL's entropy: the mean over completion_mask · tool_mask, the RL tokens here.
+    assert logged["entropy"] == pytest.approx(logged["echoloss/entropy"], rel=1e-6)
+    # On-policy first step: every ratio is 1, nothing is clipped.
+    assert logged["clip_ratio/region_mean"] == 0.0 and logged["clip_ratio/high_max"] == 0.0
+
+
+def test_zero_tool_alpha_is_the_echo_ablation(tmp_path):
+    """echo_tool_alpha=0.0 is accepted: the tool bodies are attributed (observation mask) with
+    weight 0, so the loss is TRL's alone and the run trains."""
+    trainer, seen, _ = _train(tmp_path, echo_tool_alpha=0.0)
+    [inputs] = seen
+    assert float(inputs["echo_weights"].abs().sum()) == 0.0
+    assert int(inputs["observation_mask"].sum()) == 2 * len(b"Sunny in Paris")
+    assert trainer.state.log_history[0]["echoloss/echo_tokens"] == 0.0
+
+
+@pytest.mark.parametrize("alpha", [-0.1, float("nan"), float("inf")])
+def test_bad_tool_alpha_is_refused(tmp_path, alpha):
+    from echoloss.adapters.trl import EchoGRPOConfig
+
+    with pytest.raises(ValueError, match="echo_tool_alpha"):
+        EchoGRPOConfig(
+            output_dir=str(tmp_path), echo_tool_alpha=alpha, report_to="none", use_cpu=True
+        )
