@@ -133,10 +133,22 @@ def encode_plain(tokenizer: Any, text: str) -> list[int]:
     return [int(t) for t in out["input_ids"]]
 
 
+#: SentencePiece's meta symbol: the vocabulary's spelling of a space.
+META = "\u2581"
+
+
 class Decoder:
     """Decodes runs of tokens as they read in the middle of a text: each run is decoded after a
     fixed anchor token, whose own text is then cut off, so a decoder that strips a leading
-    space from the whole text (SentencePiece's) does not strip the run's."""
+    space from the whole text (SentencePiece's) does not strip the run's.
+
+    `expected` is the text a run must decode to. For a SentencePiece tokenizer (one whose
+    vocabulary spells a space as ``▁``) that is the text its offsets cover, with two things the
+    tokenizer itself adds: the ``▁`` it prepends to a segment (Llama-2-style normalizers and
+    ``Metaspace(prepend_scheme="always")`` prepend one to the text after every added token;
+    the token's offsets cover only the real characters), and a literal ``▁`` in the text,
+    which such a tokenizer encodes exactly as a space (both decode to ``" "``).
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -145,6 +157,11 @@ class Decoder:
             raise TypeError("the chat adapter needs tokenizer.decode(ids) to verify bodies")
         self.anchor = [int(t) for t in tokenizer("Q", add_special_tokens=False)["input_ids"]]
         self.anchor_text = self._decode([self.anchor])[0]
+        self.pieces = getattr(tokenizer, "convert_ids_to_tokens", None)
+        space = tokenizer(" Q Q", add_special_tokens=False)["input_ids"]
+        self.sentencepiece = self.pieces is not None and any(
+            META in str(p) for p in self.pieces([int(t) for t in space])
+        )
 
     def _decode(self, runs: list[list[int]]) -> list[str]:
         batch = getattr(self.tokenizer, "batch_decode", None)
@@ -157,6 +174,45 @@ class Decoder:
         out = self._decode([self.anchor + r for r in runs])
         n = len(self.anchor_text)
         return [s[n:] if s.startswith(self.anchor_text) else "\0" for s in out]
+
+    def expected(self, text: str, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> str:
+        """What the tokens ``ids`` (character spans ``spans`` in ``text``) must decode to.
+
+        Examples:
+            >>> class Tok:  # a SentencePiece vocabulary that prepends ▁ after added tokens
+            ...     vocab = {"▁Q": 0, "▁a": 1, "b": 2, "▁": 3}
+            ...     def __call__(self, text, add_special_tokens=False):
+            ...         return {"input_ids": [0] if text == "Q" else [3, 0, 3, 0]}
+            ...     def convert_ids_to_tokens(self, ids):
+            ...         inv = {v: k for k, v in self.vocab.items()}
+            ...         return [inv[i] for i in ids]
+            ...     def decode(self, ids, **kw):
+            ...         return "".join(self.convert_ids_to_tokens(ids)).replace("▁", " ")[1:]
+            >>> d = Decoder(Tok())
+            >>> d.expected("<x>ab", [1, 2], [(3, 4), (4, 5)])  # "▁a" covers "a": one prepended
+            ' ab'
+        """
+        lo, hi = spans[0][0], spans[-1][1]
+        if not self.sentencepiece or self.pieces is None:
+            return text[lo:hi]
+        out = []
+        at = lo
+        for piece, (s, e) in zip(self.pieces([int(t) for t in ids]), spans, strict=True):
+            covered = text[s:e]
+            piece = str(piece)
+            added = (
+                len(piece)
+                - len(piece.lstrip(META))
+                - (len(covered) - len(covered.lstrip(" " + META)))
+            )
+            if s >= at:
+                out.append(text[at:s])
+                at = s
+            if added == 1:
+                out.append(" ")
+            out.append(text[at:e])
+            at = max(at, e)
+        return "".join(out).replace(META, " ")
 
 
 def control_ids(tokenizer: Any) -> dict[int, str]:
