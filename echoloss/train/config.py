@@ -481,8 +481,11 @@ class TrainConfig(_Section):
                 f"echo.schedule_steps must be >= 1 for echo.schedule = {e.schedule!r} (the ramp's "
                 f"length in RL steps), got {e.schedule_steps}"
             )
-        if self.warmup.steps == 0 and self.train.max_steps == 0:
-            raise ValueError("warmup.steps and train.max_steps are both 0: nothing to train")
+        if self.warmup.steps == 0 and self.train.max_steps == 0 and not self.train.eval_at_start:
+            raise ValueError(
+                "warmup.steps and train.max_steps are both 0: nothing to train (set "
+                "train.eval_at_start = true to only evaluate model.path)"
+            )
         return self
 
 

@@ -184,7 +184,7 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
     last evaluation, or with a shared ``--warm-start`` its own first one) and at the end, and the
     RL curve's landmarks."""
     evals = _read_jsonl(out / job.name / "eval.jsonl")
-    if job.needs is not None and not job.meta.get("own_start"):  # the end of its warm-start
+    if job.needs is not None:  # the RL start: the end of its warm-start job, or its start job
         start = [e for e in _read_jsonl(out / job.needs / "eval.jsonl") if e["rl_step"] == 0]
     else:  # a shared --warm-start: the arm evaluated its own RL start
         start = [e for e in evals if e["rl_step"] == 0]
@@ -272,26 +272,37 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
 
 
 def _level_jobs(args: argparse.Namespace, sets: list[str], base_cmd: list[str]) -> list[_Job]:
-    """The persistence design: per seed one warm-start in the ordinary world, then every arm of
-    `LEVEL_ARMS` from it, each evaluating its own RL start in its own world (seed by seed, so a
-    cut-off run completes whole paired seeds first)."""
+    """The persistence design: per seed one warm-start in the ordinary world; per level one
+    evaluation of that warm-start in the level's world (the RL start of every arm of the level:
+    same model, same world, same evaluation generator, so one evaluation is every arm's); then
+    every arm of `LEVEL_ARMS` from the warm-start. Seed by seed, so a cut-off run completes whole
+    paired seeds first."""
     jobs: list[_Job] = []
     for seed in args.seeds:
         warm = f"warm-base-seed{seed}"
+        model = args.output_dir / warm / "final-model"
         cmd = [*base_cmd, "--seed", str(seed), "--output-dir", str(args.output_dir / warm)]
-        # the arms evaluate their start in their own world: the warm job's closing evaluation
-        # (in the ordinary world's held-out tasks) is cut to its greedy part
+        # the warm job's closing evaluation is in the ordinary world: cut to its greedy part
         only_warm = ["train.max_steps=0", "train.plots=false", "train.eval_samples=0"]
         for item in [*sets, *only_warm]:
             cmd += ["--set", item]
         jobs.append(_Job(warm, cmd, meta={"seed": seed, "kind": "warm"}))
+        for level in dict.fromkeys(level for level, *_ in LEVEL_ARMS):
+            start = f"{level}-start-seed{seed}"
+            cmd = [*base_cmd, "--seed", str(seed), "--output-dir", str(args.output_dir / start)]
+            own = [f"model.path={model}", "warmup.steps=0", "train.max_steps=0",
+                   "train.eval_at_start=true", "train.plots=false", f"env.world={seed}",
+                   *LEVEL_SETS[level]]  # fmt: skip
+            for item in [*sets, *own]:
+                cmd += ["--set", item]
+            jobs.append(_Job(start, cmd, needs=warm, meta={"seed": seed, "kind": "start"}))
         for level, arm, alpha, extra in LEVEL_ARMS:
             name = f"{level}-{arm}{'' if arm == 'grpo' else f'-{alpha:g}'}-seed{seed}"
             cmd = [*base_cmd, "--seed", str(seed), "--output-dir", str(args.output_dir / name)]
             own = [
-                f"model.path={args.output_dir / warm / 'final-model'}",
+                f"model.path={model}",
                 "warmup.steps=0",
-                "train.eval_at_start=true",
+                "train.eval_at_start=false",  # the level's start job evaluated this start
                 f"echo.alpha={alpha}",
                 f"env.world={seed}",
                 *LEVEL_SETS[level],
@@ -301,9 +312,9 @@ def _level_jobs(args: argparse.Namespace, sets: list[str], base_cmd: list[str]) 
                 cmd += ["--set", item]
             meta = {
                 "seed": seed, "kind": "arm", "arm": arm, "alpha": alpha, "warmup": "base",
-                "level": level, "own_start": True,
+                "level": level,
             }  # fmt: skip
-            jobs.append(_Job(name, cmd, needs=warm, meta=meta))
+            jobs.append(_Job(name, cmd, needs=f"{level}-start-seed{seed}", meta=meta))
     return jobs
 
 
@@ -366,9 +377,12 @@ def _run_one(args: list[str], log: str) -> int:
             return 1
 
 
-def _run_all(jobs: list[_Job], out: Path, workers: int, env: str) -> list[str]:
+def _run_all(
+    jobs: list[_Job], out: Path, workers: int, env: str, resume: bool = False
+) -> list[str]:
     """Run the jobs, ``workers`` at a time, each after the job it needs; stream finished arms'
-    rows to ``results.jsonl``. Returns the names of failed jobs."""
+    rows to ``results.jsonl``. With ``resume``, a job whose final model exists is not run again
+    (an arm's row is rebuilt from its files). Returns the names of failed jobs."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -411,6 +425,13 @@ def _run_all(jobs: list[_Job], out: Path, workers: int, env: str) -> list[str]:
                 bar.set_postfix_str(f"last: {job.name} {job.wall:.0f}s")
                 lock.notify_all()
 
+    for job in jobs:  # finished before (a resumed experiment): not run again, its row kept
+        if resume and (out / job.name / "final-model" / "config.json").is_file():
+            job.state = "done"
+            bar.update(1)
+            if job.meta["kind"] == "arm":
+                with open(results, "a") as f:
+                    f.write(json.dumps(_arm_row(out, job, env)) + "\n")
     threads = [threading.Thread(target=worker) for _ in range(workers)]
     for th in threads:
         th.start()
@@ -764,6 +785,12 @@ def main(argv: list[str] | None = None) -> int:
         "final-model) instead of a warm-start per seed; needs --no-actobs",
     )
     p.add_argument("--summarize-only", action="store_true", help="only rebuild tables and plots")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs of --output-dir whose final model exists (a cut-off experiment "
+        "continued with the same arguments); the others run from the start",
+    )
     args = p.parse_args(argv)
     mode = MODES[args.mode]
     args.seeds = args.seeds if args.seeds is not None else mode["seeds"]
@@ -817,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     t = time.perf_counter()
-    failed = _run_all(jobs, out, args.jobs, env_name)
+    failed = _run_all(jobs, out, args.jobs, env_name, resume=args.resume)
     print(f"{len(jobs) - len(failed)}/{len(jobs)} runs finished in {time.perf_counter() - t:.0f}s")
     if failed:
         print(f"echoloss-train experiment: runs failed, see {[f + '.log' for f in failed]}",
