@@ -263,6 +263,8 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
                     "heldout_obs_ce",
                     "eval_imagined_rate",
                     "eval_invalid_rate",
+                    "ce_walks_move",
+                    "ce_demos_move",
                 )
             }
             for e in everything
@@ -753,6 +755,16 @@ def _write_summary(out: Path) -> int:
         )
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if any(r.get("level") for r in paired):  # the persistence design: its own tables, figures
+        from echoloss.train import persistence
+
+        md = persistence.markdown(summary)
+        (out / "summary.md").write_text(md)
+        figures = persistence.plots(paired, summary, out)
+        print(md)
+        print(f"wrote {out}/results.json, summary.json, summary.md, "
+              f"{', '.join(f.name for f in figures)}")  # fmt: skip
+        return 0
     md = _markdown(summary)
     (out / "summary.md").write_text(md)
     plot(paired, out / "comparison.png")

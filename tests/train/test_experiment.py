@@ -278,3 +278,63 @@ def test_a_shared_warm_start_is_checked_before_anything_runs(tmp_path, capsys):
     assert main(["--warm-start", str(model), "--no-actobs", *out]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _level_row(level, arm, alpha, seed, *, end, move_end, reached=None):
+    curve = [
+        {"rl_step": s, "eval_success_greedy": 0.2 + end * s / 60, "ce_walks_move": 1.5 - s / 60 * (1.5 - move_end)}
+        for s in (0, 10, 20, 30, 40, 50, 60)
+    ]  # fmt: skip
+    return {
+        "env": "mirrorgrid-noise", "level": level, "arm": arm, "alpha": alpha, "seed": seed,
+        "model": "tiny", "rl_steps": 60, "eval_every": 10, "steps_to_80": reached,
+        "eval_success_start": 0.2, "eval_success_end": end, "eval_success_sampled_start": 0.3,
+        "eval_success_sampled_end": end, "heldout_obs_ce_start": 2.0, "heldout_obs_ce_end": 1.0,
+        "obs_ce_floor": 0.0, "move_ce_start": 1.5, "move_ce_end": move_end,
+        "ce_walks_move_end": move_end, "zero_variance_groups": 0.5, "curve": curve,
+    }  # fmt: skip
+
+
+def test_persistence_verdicts_follow_the_preregistered_criteria(tmp_path):
+    """Three seeds: echo 0.05 lowers the move CE below GRPO's and below log 2 and gains 10
+    points with reach-80 % speed-ups, the placebo gains nothing -> support; echo 0.01 lowers the
+    CE but gains ±1 point -> refutation; per episode the CE does not fall -> undecided."""
+    from echoloss.train import persistence
+    from echoloss.train.experiment import speed_ratio
+
+    rows = []
+    for seed, jitter in enumerate((0.0, 0.01, -0.01)):
+        rows += [
+            _level_row("per-world", "grpo", 0.0, seed, end=0.5 + jitter, move_end=1.2),
+            _level_row("per-world", "echo", 0.01, seed, end=0.5 + jitter + (0.01, -0.01, 0.0)[seed], move_end=0.5 + jitter),
+            _level_row("per-world", "echo", 0.05, seed, end=0.6 + 2 * jitter, move_end=0.4, reached=(20, 30, 20)[seed]),
+            _level_row("per-world", "placebo", 0.05, seed, end=0.5 + 2 * jitter, move_end=1.2),
+            _level_row("per-episode", "grpo", 0.0, seed, end=0.5, move_end=1.0),
+            _level_row("per-episode", "echo", 0.05, seed, end=0.5 + jitter, move_end=1.0 - jitter),
+        ]  # fmt: skip
+    s = summarize([dict(r) for r in rows])
+    assert list(s["arms"]) == [
+        "per-world grpo", "per-world echo 0.01", "per-world echo 0.05", "per-world placebo 0.05",
+        "per-episode grpo", "per-episode echo 0.05",
+    ]  # fmt: skip
+    strong = persistence.verdict(s, "per-world echo 0.05")
+    assert strong["verdict"] == "support" and strong["placebo_no_gain"] is True
+    assert strong["success_up"] and strong["speed_up"]  # (20 or 30 + 10) / (60 + 10 + 10)
+    r = speed_ratio(rows, "per-world echo 0.05")
+    assert r["ratio"] == pytest.approx(math.exp(sum(math.log(x / 80) for x in (30, 40, 30)) / 3))
+    assert (r["censored_arm"], r["censored_grpo"]) == (0, 3)
+    weak = persistence.verdict(s, "per-world echo 0.01")
+    assert weak["ce_below_grpo"] and weak["gains_above_3_ruled_out"]
+    assert weak["verdict"] == "refutation"
+    assert persistence.verdict(s, "per-episode echo 0.05")["verdict"] == "undecided"
+    md = persistence.markdown(s | {"complete_seeds": [0, 1, 2]})
+    assert "| per-world echo 0.05 | yes / yes | yes / yes | yes | no | **support** |" in md
+    assert "| per-world echo 0.01 | yes / yes | no / no | yes | yes | **refutation** |" in md
+    written = persistence.plots(rows, s, tmp_path)
+    assert [p.name for p in written] == [
+        "success.png",
+        "speed.png",
+        "world_model.png",
+        "per_episode.png",
+    ]
+    assert all(p.stat().st_size > 10_000 for p in written)
