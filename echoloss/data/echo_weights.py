@@ -132,10 +132,14 @@ def select_step_echo(
     initial_prompt_len: int | None = None,
     seen_prefix_len: int = 0,
     step_index: int = 0,
+    starts_sample: bool = False,
 ) -> StepEcho:
     """Echo weights *and* the ``Z = |O|`` observation mask of one step.
 
-    Same arguments as [`echo_weights`][echoloss.data.echo_weights.echo_weights]; see there.
+    Same arguments as [`echo_weights`][echoloss.data.echo_weights.echo_weights]; see there, plus
+    ``starts_sample``: this step's first token is position 0 of its sample, which is never
+    trained (it has no preceding token to predict it from), so it is neither echoed nor counted
+    in ``max_tokens_per_message`` (the cap counts tokens that are actually echoed).
 
     Examples:
         >>> from echoloss import EchoConfig, RoleEcho
@@ -166,6 +170,8 @@ def select_step_echo(
     taken: dict[int, int] = {}  # message index (-2 = this step's completion) -> tokens echoed
 
     def mark(k: int, alpha: float, message: int, is_warning: bool) -> None:
+        if starts_sample and k == 0:
+            return  # position 0 of the sample: never trained, so not echoed and not counted
         observation[k] = True
         if is_warning and not cfg.echo_warnings:
             return

@@ -464,6 +464,7 @@ def interleave(
                 initial_prompt_len=initial,
                 seen_prefix_len=seen,
                 step_index=i,
+                starts_sample=not matches,
             )
         rl = [
             m and (selection is None or selection.weights[p + k] is None)

@@ -8,6 +8,7 @@ The tokenizer is duck-typed (every ``transformers`` tokenizer qualifies; nothing
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -122,7 +123,44 @@ def encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]
 
 
 def encode_plain(tokenizer: Any, text: str) -> list[int]:
-    """``text`` as ordinary text: control-token strings inside it are not matched as tokens."""
+    """``text`` as ordinary text: no control token (`control_ids`) is matched inside it.
+
+    ``split_special_tokens=True`` keeps the tokenizer from matching its *special* tokens, but an
+    added non-special markup token (``<tool_response>``, ``<think>`` in Qwen3's vocabulary) is
+    still matched. Each occurrence of such a token is then cut after its first character and
+    the pieces are encoded one after another (each after an anchor, so a SentencePiece
+    tokenizer adds no ``▁`` at a cut); the result is verified to decode to ``text`` with no
+    control token left, else `ChatTemplateError`.
+    """
+    controls = control_ids(tokenizer)
+    out = _encode_after_anchor(tokenizer, text)
+    matched = sorted({controls[i] for i in out if controls.get(i)}, key=len)
+    if matched:  # added non-special tokens: cut each occurrence so no piece spells it
+        out = [
+            t for p in _cut_markup(text, matched[::-1]) for t in _encode_after_anchor(tokenizer, p)
+        ]
+    left = sorted({controls[i] for i in out if i in controls})
+    decoder = Decoder(tokenizer)
+    # A SentencePiece vocabulary encodes a literal ▁ exactly as a space (see Decoder).
+    want = text.replace(META, " ") if decoder.sentencepiece else text
+    if left or decoder([out])[0] != want:
+        raise ChatTemplateError(
+            f"control_tokens='escape' cannot encode {text!r} as ordinary text with this "
+            f"tokenizer ({'it still matches ' + ', '.join(left) if left else 'the pieces do not decode to the text'}); "
+            "use control_tokens='exclude' (kept in the ids, never echoed) or 'error'"
+        )
+    return out
+
+
+def _encode_after_anchor(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s ids as they read after other text: encoded after an anchor ``Q`` whose ids are
+    then cut off, so a SentencePiece tokenizer adds no ``▁`` at the start."""
+    anchor = _encode_split(tokenizer, "Q")
+    full = _encode_split(tokenizer, "Q" + text)
+    return full[len(anchor) :] if full[: len(anchor)] == anchor else _encode_split(tokenizer, text)
+
+
+def _encode_split(tokenizer: Any, text: str) -> list[int]:
     try:
         out = tokenizer(text, add_special_tokens=False, split_special_tokens=True)
     except TypeError as e:
@@ -131,6 +169,24 @@ def encode_plain(tokenizer: Any, text: str) -> list[int]:
             "(transformers tokenizers do)"
         ) from e
     return [int(t) for t in out["input_ids"]]
+
+
+def _cut_markup(text: str, markup: list[str]) -> list[str]:
+    """``text`` cut after the first character of every occurrence of a markup string, so that
+    no piece spells one (longest strings first: ``</tool_call>`` before ``<tool_call>``).
+
+    Examples:
+        >>> _cut_markup("a<think>b</think>", ["</think>", "<think>"])
+        ['a<', 'think>b<', '/think>']
+    """
+    cuts: set[int] = set()
+    for m in markup:
+        start = text.find(m)
+        while start >= 0:
+            cuts.add(start + 1)
+            start = text.find(m, start + 1)
+    bounds = [0, *sorted(cuts), len(text)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 #: SentencePiece's meta symbol: the vocabulary's spelling of a space.
