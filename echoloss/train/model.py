@@ -72,15 +72,14 @@ ADDED_TOKENS = [
     "start",
     "hint",
     "error",
-    # mirrorgrid's own observation vocabulary (env.words = "compass"): no id shared with a key
-    "north",
-    "south",
-    "west",
-    "east",
 ]
+# mirrorgrid's own observation vocabulary (env.words = "compass"): no id shared with a key. Added
+# only for it, after the others: the default vocabulary, and so the default model's
+# initialisation, stay those of every earlier run.
+COMPASS_TOKENS = ["north", "south", "west", "east"]
 
 
-def build_tokenizer() -> Any:
+def build_tokenizer(*, compass: bool = False) -> Any:
     """A small word + character tokenizer (printable ASCII, newline, the words of
     `ADDED_TOKENS`) with the ChatML chat template.
 
@@ -88,6 +87,9 @@ def build_tokenizer() -> Any:
     tokenize back to the ids the model sampled (unless it spells a known word letter by letter;
     then the next prompt does not extend the last one token for token and
     [`echoloss.interleave`][echoloss.data.interleave] starts a new sample, as it does for any real retokenisation).
+
+    Args:
+        compass: also the words of `COMPASS_TOKENS` (mirrorgrid's ``env.words = "compass"``).
 
     Returns:
         a ``transformers.PreTrainedTokenizerFast`` (eos ``<|im_end|>``, pad ``<|endoftext|>``).
@@ -109,7 +111,8 @@ def build_tokenizer() -> Any:
         vocab[t] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    words = ADDED_TOKENS + (COMPASS_TOKENS if compass else [])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in words])
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -96,10 +97,14 @@ def world_model_sets(env: Any, tokenizer: Any, *, count: int) -> dict[str, World
             # one token per hidden word (the tokenizer's words are single tokens): positions
             # come in message order, as do the sorted message indices of ``info``
             if len(positions) != len(info):
-                raise ValueError(
-                    f"world_model_sets: {len(positions)} hidden tokens for {len(info)} hidden "
-                    "words; the split CE needs one token per direction word"
+                warnings.warn(
+                    f"the split direction-word CE (ce_walks_*, ce_demos_*) is not measured: the "
+                    f"tokenizer spells the direction words of {env.name} in {len(positions)} "
+                    f"tokens for {len(info)} words, and it needs one token per word (the tiny "
+                    "model's tokenizer with env.words = 'compass' builds them as words)",
+                    stacklevel=2,
                 )
+                return {}
             cats = [(info[i][0], info[i][1]) for i in sorted(info)]
             nats = [info[i][2] for i in sorted(info)]
             s.conversations.append((ids, positions, cats, nats))

@@ -143,7 +143,7 @@ def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any]:
             gguf_file=m.gguf_file,
         )
     else:
-        tok = build_tokenizer()
+        tok = build_tokenizer(compass=cfg.env.words == "compass")
         model = build_tiny_model(
             arch=m.arch,
             vocab_size=len(tok),

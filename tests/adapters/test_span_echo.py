@@ -19,7 +19,7 @@ def _placebo_case():
     from echoloss.train.envs import MirrorGrid, MirrorTask
     from echoloss.train.model import build_tokenizer
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(compass=True)
     env = MirrorGrid(size=4, variant="noise", words="compass")
     msgs = env.random_walk(MirrorTask((1, 2), (3, 0), (True, False)), random.Random(0), turns=5)
     return tok, env, msgs, scripted_steps(msgs, tok)

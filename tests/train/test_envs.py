@@ -159,7 +159,7 @@ def test_hidden_token_positions_pick_exactly_the_direction_words():
     from echoloss.train.data import hidden_token_positions
     from echoloss.train.model import build_tokenizer
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(compass=True)
     env = MirrorGrid(size=4)
     task = MirrorTask(start=(1, 2), goal=(3, 0), flip=(True, False))
     messages = env.random_walk(task, random.Random(1), turns=5)
@@ -327,12 +327,15 @@ def test_per_world_permutation_is_fixed_never_the_identity_and_moves_the_agent()
 def test_compass_words_share_no_token_with_the_action_keys():
     from echoloss.train.model import build_tokenizer
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(compass=True)
 
     def ids(text):
         return tok(text, add_special_tokens=False)["input_ids"]
 
     keys = {i for k in (*MOVES, "done") for i in ids(k)}
+    plain = build_tokenizer()  # the default vocabulary is every earlier run's: compass only adds
+    assert len(tok) == len(plain) + 4 and tok.get_vocab() | plain.get_vocab() == tok.get_vocab()
+    assert all(tok.get_vocab()[w] == i for w, i in plain.get_vocab().items())
     for word in ("north", "south", "west", "east", "wall"):
         assert len(ids(word)) == 1 and not set(ids(word)) & keys, word
     env = MirrorGrid(size=4, words="compass", variant="noise")
