@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-__all__ = ["SCHEDULES", "Schedule", "echo_alpha"]
+__all__ = ["SCHEDULES", "Schedule", "echo_alpha", "unused_schedule_settings"]
 
 Schedule = Literal["constant", "warmup", "decay"]
 SCHEDULES: tuple[Schedule, ...] = ("constant", "warmup", "decay")
@@ -59,15 +59,23 @@ def echo_alpha(
         ...
         ValueError: steps must be >= 1 for schedule='warmup', got 0 (the ramp's length in RL steps)
     """
+    for name, count in (("step", step), ("steps", steps)):
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise TypeError(f"{name} must be an int, got {type(count).__name__} {count!r}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     for name, value in (("alpha", alpha), ("final_alpha", final_alpha)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    if schedule == "constant":
-        return alpha
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    ignored = unused_schedule_settings(schedule, steps=steps, final_alpha=final_alpha)
+    if ignored:
+        raise ValueError(ignored)
+    if schedule == "constant":
+        return float(alpha)
     if steps < 1:
         raise ValueError(
             f"steps must be >= 1 for schedule={schedule!r}, got {steps} (the ramp's length in "
@@ -77,3 +85,28 @@ def echo_alpha(
         return alpha * min(step + 1, steps) / steps
     frac = min(step, steps) / steps
     return alpha + (final_alpha - alpha) * frac
+
+
+def unused_schedule_settings(schedule: str, *, steps: int, final_alpha: float) -> str:
+    """The message for a setting ``schedule`` ignores (set away from its default), or ``""``.
+
+    ``steps`` is read by the ramps only, ``final_alpha`` by ``"decay"`` only; a value the
+    schedule would ignore is an error rather than silently unused.
+
+    Examples:
+        >>> unused_schedule_settings("warmup", steps=4, final_alpha=0.01)
+        "final_alpha=0.01 is ignored by schedule='warmup' (only 'decay' ends at final_alpha); remove it or use schedule='decay'"
+        >>> unused_schedule_settings("decay", steps=4, final_alpha=0.01)
+        ''
+    """
+    if schedule == "constant" and steps != 0:
+        return (
+            f"steps={steps} is ignored by schedule='constant' (the weight never changes); "
+            "remove it or use schedule='warmup' or 'decay'"
+        )
+    if schedule != "decay" and final_alpha != 0:
+        return (
+            f"final_alpha={final_alpha} is ignored by schedule={schedule!r} (only 'decay' ends "
+            "at final_alpha); remove it or use schedule='decay'"
+        )
+    return ""

@@ -403,9 +403,25 @@ class TrainSection(_Section):
     # Trackers besides metrics.jsonl (echoloss.train.tracking; the `tracking` extra)
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
 
+    @field_validator("output_dir")
+    @classmethod
+    def _named_dir(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError(
+                "output_dir is empty: the run would write into the working directory; name a "
+                "directory, e.g. runs/my-run"
+            )
+        return v
+
     @field_validator("report_to")
     @classmethod
     def _trackers_installed(cls, v: list[str]) -> list[str]:
+        twice = sorted({t for t in v if v.count(t) > 1})
+        if twice:
+            raise ValueError(
+                f"report_to lists {', '.join(twice)} more than once: every scalar would be "
+                "logged once per entry; list each tracker once"
+            )
         from echoloss._optional import MissingExtraError
         from echoloss.train.tracking import check_trackers
 
@@ -480,6 +496,18 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"echo.schedule_steps must be >= 1 for echo.schedule = {e.schedule!r} (the ramp's "
                 f"length in RL steps), got {e.schedule_steps}"
+            )
+        from echoloss.schedules import unused_schedule_settings
+
+        ignored = unused_schedule_settings(
+            e.schedule, steps=e.schedule_steps, final_alpha=e.final_alpha
+        )
+        if ignored:
+            raise ValueError(
+                "echo."
+                + ignored.replace("steps=", "schedule_steps=", 1).replace(
+                    "schedule=", "echo.schedule="
+                )
             )
         if self.warmup.steps == 0 and self.train.max_steps == 0 and not self.train.eval_at_start:
             raise ValueError(

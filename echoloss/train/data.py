@@ -379,7 +379,8 @@ def heldout_conversations(env: Any, *, count: int) -> list[list[dict[str, Any]]]
     for i in range(count):
         rng = random.Random(f"heldout/{i}")
         task = env.heldout_task(index=i)
-        out.append(env.random_walk(task, rng, turns=rng.randint(2, env.turn_limit - 1)))
+        longest = max(env.turn_limit - 1, 1)  # the last turn is left for 'done'
+        out.append(env.random_walk(task, rng, turns=rng.randint(min(2, longest), longest)))
     return out
 
 

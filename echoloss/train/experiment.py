@@ -729,12 +729,43 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def non_finite_keys(value: Any, path: str = "") -> list[str]:
+    """The key paths of every NaN or infinite number inside ``value`` (dicts and lists walked).
+
+    Examples:
+        >>> non_finite_keys({"a": 1.0, "b": [0.5, float("nan")], "c": {"d": float("inf")}})
+        ['b[1]', 'c.d']
+    """
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [path or "<value>"]
+    if isinstance(value, dict):
+        return [
+            k for key, v in value.items() for k in non_finite_keys(v, f"{path}.{key}".lstrip("."))
+        ]
+    if isinstance(value, list):
+        return [k for i, v in enumerate(value) for k in non_finite_keys(v, f"{path}[{i}]")]
+    return []
+
+
 def _write_summary(out: Path) -> int:
     rows = runs_table(_read_jsonl(out / "results.jsonl"))
     if not rows:
         print(
             f"echoloss-train experiment: no finished runs in {str(out)!r} (no results.jsonl rows); "
             "run the experiment first",
+            file=sys.stderr,
+        )
+        return 2
+    bad = [(r, keys) for r in rows if (keys := non_finite_keys(r))]
+    if bad:
+        named = "; ".join(
+            f"{arm_label(r)} seed {r.get('seed')}: {', '.join(keys[:4])}" for r, keys in bad[:5]
+        )
+        print(
+            f"echoloss-train experiment: {len(bad)} run(s) in {str(out)!r} have non-finite "
+            f"numbers ({named}); a mean or interval over them is not a number. Find why the run "
+            "diverged (its metrics.jsonl), then rerun it (delete its directory and run with "
+            "--resume) before summarising",
             file=sys.stderr,
         )
         return 2
@@ -752,9 +783,10 @@ def _write_summary(out: Path) -> int:
         json.dumps(
             [{k: v for k, v in r.items() if k != "curve"} | {"curve": r["curve"]} for r in rows],
             indent=1,
+            allow_nan=False,
         )
     )
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     if any(r.get("level") for r in paired):  # the persistence design: its own tables, figures
         from echoloss.train import persistence
 
@@ -807,9 +839,18 @@ def main(argv: list[str] | None = None) -> int:
     mode = MODES[args.mode]
     args.seeds = args.seeds if args.seeds is not None else mode["seeds"]
     args.alphas = args.alphas if args.alphas is not None else mode["alphas"]
-    if any(a <= 0 for a in args.alphas):
-        print(f"echoloss-train experiment: --alphas must be > 0 (got {args.alphas}); "
+    if not all(math.isfinite(a) and a > 0 for a in args.alphas):
+        print(f"echoloss-train experiment: --alphas must be finite and > 0 (got {args.alphas}); "
               "λ = 0 is the grpo arm, always run", file=sys.stderr)  # fmt: skip
+        return 2
+    for name, values in (("--seeds", args.seeds), ("--alphas", [f"{a:g}" for a in args.alphas])):
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            print(f"echoloss-train experiment: {name} lists {twice} more than once: two jobs "
+                  "would write the same run directories; list each once", file=sys.stderr)  # fmt: skip
+            return 2
+    if args.jobs < 1:
+        print(f"echoloss-train experiment: --jobs must be >= 1 (got {args.jobs})", file=sys.stderr)
         return 2
     if args.warm_start is not None and not args.summarize_only:
         if not args.no_actobs:
