@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -71,6 +72,7 @@ __all__ = [
     "final_model_complete",
     "find_checkpoint",
     "latest_checkpoint",
+    "load_checkpoint",
     "load_tensors",
     "output_sizes",
     "read_state",
@@ -187,32 +189,155 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], *, kee
 # Verification and choice of a checkpoint
 
 
+def _manifest_files(raw: bytes) -> dict[str, dict[str, Any]]:
+    """The ``files`` table of a manifest, every entry checked (raises ValueError naming it)."""
+    manifest = json.loads(raw.decode("utf-8"))
+    if not isinstance(manifest, dict):
+        raise ValueError("it is not a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(
+            f"format is {manifest.get('format')!r}, this echoloss reads checkpoint format {FORMAT}"
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ValueError("'files' is not a table of file name -> {bytes, sha256}")
+    for rel, meta in files.items():
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts or rel == MANIFEST:
+            raise ValueError(f"file name {rel!r} is not a plain name inside the checkpoint")
+        if not isinstance(meta, dict):
+            raise ValueError(f"entry {rel!r} is not a table with 'bytes' and 'sha256'")
+        size, digest = meta.get("bytes"), meta.get("sha256")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"entry {rel!r}: 'bytes' must be an int >= 0, got {size!r}")
+        if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= set(_HEX)):
+            raise ValueError(f"entry {rel!r}: 'sha256' must be 64 hex digits, got {digest!r}")
+    if "state.json" not in files:
+        raise ValueError("it lists no state.json")
+    return files
+
+
+_HEX = "0123456789abcdef"
+
+
 def verify_checkpoint(path: Path) -> str | None:
     """Why ``path`` is not a complete checkpoint, or None when its manifest matches its files."""
     path = Path(path)
     if not path.is_dir():
         return "not a directory"
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-        if not isinstance(files, dict):
-            raise TypeError("files is not a table")
+        files = _manifest_files((path / MANIFEST).read_bytes())
     except FileNotFoundError:
         return f"no {MANIFEST} (incomplete, or written by an echoloss older than checkpoint format {FORMAT})"
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-        return f"{MANIFEST} is unreadable ({type(err).__name__}: {err})"
-    if "state.json" not in files:
-        return f"{MANIFEST} lists no state.json"
+    except (ValueError, UnicodeDecodeError) as err:
+        return f"{MANIFEST} is unreadable or malformed ({err})"
     for rel, meta in sorted(files.items()):
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"
         size = f.stat().st_size
-        if size != meta.get("bytes"):
-            return f"{rel} has {size} bytes, the manifest says {meta.get('bytes')} (truncated?)"
-        if _sha256(f) != meta.get("sha256"):
+        if size != meta["bytes"]:
+            return f"{rel} has {size} bytes, the manifest says {meta['bytes']} (truncated?)"
+        if _sha256(f) != meta["sha256"]:
             return f"{rel} does not match its SHA-256 checksum (corrupt or modified)"
     return None
+
+
+def load_checkpoint(path: Path, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(state, {name: contents})`` of a checkpoint, loaded from the very bytes that were verified.
+
+    Every file is read once, through one handle on the directory (a directory swapped in its
+    place afterwards is not read); its size and SHA-256 are checked against the manifest on
+    those bytes, and ``state.json`` and the ``.pt`` files in ``names`` are parsed from them
+    (``torch.load(weights_only=True)``: no code runs). Nothing is read twice, so nothing can
+    change between the check and the load.
+
+    Raises:
+        CheckpointError: a malformed manifest or ``state.json``, a file that does not match the
+            manifest, or a ``.pt`` file holding more than tensors and plain containers.
+    """
+    path = Path(path)
+    try:
+        dfd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as err:
+        raise CheckpointError(f"--resume: cannot open checkpoint {str(path)!r} ({err})") from None
+    try:
+        try:
+            files = _manifest_files(_read_at(dfd, MANIFEST))
+        except (OSError, ValueError, UnicodeDecodeError) as err:
+            raise CheckpointError(
+                f"--resume: {str(path / MANIFEST)!r} is missing, unreadable or malformed ({err}); "
+                "give another checkpoint"
+            ) from None
+        data: dict[str, bytes] = {}
+        for rel in ("state.json", *names):
+            meta = files.get(rel)
+            if meta is None:
+                raise CheckpointError(f"--resume: {str(path)!r}: the manifest lists no {rel}")
+            try:
+                raw = _read_at(dfd, rel)
+            except OSError as err:
+                raise CheckpointError(
+                    f"--resume: cannot read {str(path / rel)!r} ({err})"
+                ) from None
+            if len(raw) != meta["bytes"] or hashlib.sha256(raw).hexdigest() != meta["sha256"]:
+                raise CheckpointError(
+                    f"--resume: {str(path / rel)!r} does not match the manifest ({len(raw)} bytes, "
+                    f"the manifest says {meta['bytes']}, or a different SHA-256): corrupt or "
+                    "modified; give another checkpoint"
+                )
+            data[rel] = raw
+    finally:
+        os.close(dfd)
+    state = _checked_state(data.pop("state.json"), path)
+    return state, {rel: _torch_load(io.BytesIO(raw), path / rel) for rel, raw in data.items()}
+
+
+def _read_at(dfd: int, rel: str) -> bytes:
+    fd = os.open(rel, os.O_RDONLY, dir_fd=dfd)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _checked_state(raw: bytes, path: Path) -> dict[str, Any]:
+    """``state.json``'s contents, each field the trainer reads checked (CheckpointError naming it).
+
+    ``step`` must equal the directory's ``step_NNNNNN`` number (when it has one) and be ≥ 0.
+    """
+    f = path / "state.json"
+    try:
+        state = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"--resume: {str(f)!r} is not valid JSON ({err})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"--resume: {str(f)!r} is not a JSON object")
+
+    def bad(key: str, expected: str) -> CheckpointError:
+        return CheckpointError(
+            f"--resume: {str(f)!r}: {key} must be {expected}, got {state.get(key)!r}; the file "
+            "was not written by echoloss-train, or was edited"
+        )
+
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise bad("step", "an int >= 0")
+    named = _step_of(path) if path.name.startswith("step_") else None
+    if named is not None and named >= 0 and step != named:
+        raise bad("step", f"{named} (the step of its directory {path.name})")
+    for key, low in (("data_position", 0), ("world_size", 1)):
+        v = state.get(key)
+        if key in state and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise bad(key, f"an int >= {low}")
+    outputs = state.get("outputs", {})
+    if not isinstance(outputs, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k, v in outputs.items()
+    ):
+        raise bad("outputs", "a table of file name -> size in bytes (int >= 0)")
+    for key in ("config", "rae"):
+        if state.get(key) is not None and not isinstance(state[key], dict):
+            raise bad(key, "a table (or null)")
+    return state
 
 
 def _step_of(path: Path) -> int:
@@ -222,6 +347,36 @@ def _step_of(path: Path) -> int:
         return -1
 
 
+def _pointer(root: Path) -> Path | None:
+    """The directory ``root/latest`` names (None when there is no ``latest``).
+
+    Raises:
+        CheckpointError: ``latest`` names anything but a ``step_NNNNNN`` directory of ``root``
+            (an absolute path, ``..``, another directory): resuming there would read another
+            run's checkpoint and append to this run's outputs.
+    """
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    try:
+        text = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"--resume: cannot read {str(pointer)!r} ({err})") from None
+    named = root / text
+    if (
+        not text.startswith("step_")
+        or Path(text).name != text
+        or _step_of(named) < 0
+        or named.resolve().parent != root.resolve()
+    ):
+        raise CheckpointError(
+            f"--resume: {str(pointer)!r} names {text!r}, which is not a step_NNNNNN directory "
+            f"of {str(root)!r}; a checkpoint elsewhere belongs to another run. Fix latest to name "
+            "one of this run's checkpoints, or pass that checkpoint directory to --resume"
+        )
+    return named
+
+
 def _candidates(root: Path) -> list[Path]:
     """The checkpoint ``latest`` names, then the older ones, newest first."""
     steps = sorted(
@@ -229,8 +384,7 @@ def _candidates(root: Path) -> list[Path]:
         key=_step_of,
         reverse=True,
     )
-    pointer = root / "latest"
-    named = root / pointer.read_text().strip() if pointer.is_file() else None
+    named = _pointer(root)
     if named is None or not named.is_dir():
         return steps
     # Checkpoints newer than `latest` belong to an abandoned branch of the run (a resume from an
@@ -242,11 +396,21 @@ def latest_checkpoint(root: Path, *, warn: bool = True) -> Path | None:
     """The newest complete checkpoint under ``root``, or None if there is none.
 
     A newer checkpoint that fails `verify_checkpoint` is skipped with a
-    `ResumeWarning` (set ``warn=False`` to skip it silently).
+    `ResumeWarning` (set ``warn=False`` to skip it silently); so is a ``latest`` that names a
+    checkpoint that does not exist (the warning names it and the one used instead).
     """
-    for path in _candidates(Path(root)):
+    root = Path(root)
+    named = _pointer(root)
+    for path in _candidates(root):
         problem = verify_checkpoint(path)
         if problem is None:
+            if warn and named is not None and not named.is_dir():
+                warnings.warn(
+                    f"--resume: {str(root / 'latest')!r} names {named.name}, which does not "
+                    f"exist; resuming from {str(path)!r}, the newest complete checkpoint",
+                    ResumeWarning,
+                    stacklevel=2,
+                )
             return path
         if warn:
             warnings.warn(
@@ -291,20 +455,14 @@ def find_checkpoint(resume: str | Path) -> Path:
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    """``state.json`` of a checkpoint directory, with a clear error when it is not one."""
+    """``state.json`` of a checkpoint directory, checked (`CheckpointError` naming the field)."""
     f = Path(path) / "state.json"
     if not f.is_file():
         raise FileNotFoundError(
             f"--resume: {str(path)!r} is not a checkpoint directory (no state.json); give a "
             "step_NNNNNN directory, or an output directory with checkpoints/latest"
         )
-    try:
-        state = json.loads(f.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"--resume: {str(f)!r} is not valid JSON ({err})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise CheckpointError(f"--resume: {str(f)!r} has no integer 'step'")
-    return state
+    return _checked_state(f.read_bytes(), Path(path))
 
 
 def load_tensors(path: Path) -> Any:
@@ -314,8 +472,12 @@ def load_tensors(path: Path) -> Any:
         CheckpointError: the file holds objects other than tensors and plain containers (it is
             refused before any of them is built), or it is truncated or not a torch file.
     """
+    return _torch_load(path, path)
+
+
+def _torch_load(source: Any, path: Path) -> Any:
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        return torch.load(source, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(

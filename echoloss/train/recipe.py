@@ -636,12 +636,12 @@ def _load(
         set_optimizer_state_dict,
     )
 
-    state = ckpt.read_state(path)
     full = StateDictOptions(full_state_dict=True)
-    # weights_only: a checkpoint file never runs code (ckpt.load_tensors refuses what it would)
-    model_sd, opt_sd, rngs = (
-        ckpt.load_tensors(path / f) for f in ("model.pt", "optimizer.pt", "rng.pt")
-    )
+    # One read: the bytes checked against the manifest are the bytes loaded (weights_only: a
+    # checkpoint file never runs code)
+    names = ("model.pt", "optimizer.pt", "rng.pt")
+    state, files = ckpt.load_checkpoint(path, names)
+    model_sd, opt_sd, rngs = (files[f] for f in names)
     try:
         set_model_state_dict(model, model_sd, options=full)
         set_optimizer_state_dict(model, opt, opt_sd, options=full)
