@@ -34,6 +34,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -203,6 +204,18 @@ class RolloutRecord(BaseModel):
     metrics: dict[str, Finite] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("metadata", "tools")
+    @classmethod
+    def _json_numbers(cls, v: Any) -> Any:
+        # JSON has no NaN/Infinity: written, they would become null (a changed value).
+        bad = _non_finite_path(v)
+        if bad is not None:
+            raise ValueError(
+                f"{bad or 'the value'} is a non-finite number (JSON has no NaN or Infinity); "
+                "write null, a string, or drop the entry"
+            )
+        return v
+
     @model_validator(mode="after")
     def _form(self) -> RolloutRecord:
         if not self.steps and not self.messages:
@@ -320,6 +333,33 @@ class RolloutFileError(ValueError):
         super().__init__(f"{source}: {len(errors)} bad rollout record(s):\n{shown}{tail}")
 
 
+def _non_finite_path(value: Any, path: str = "") -> str | None:
+    """The key path of the first NaN or infinite float inside ``value``, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            found = _non_finite_path(v, f"{path}.{k}" if path else str(k))
+            if found is not None:
+                return found
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _non_finite_path(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a key given twice is an error (not the last one wins)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice in one object (which value is meant?)")
+        out[k] = v
+    return out
+
+
 def _reject_constant(name: str) -> float:
     raise ValueError(f"non-finite number {name} (JSON has no NaN or Infinity; write null)")
 
@@ -330,7 +370,7 @@ def _loc(loc: Sequence[Any]) -> str:
 
 def _parse_line(line: str, lineno: int) -> tuple[RolloutRecord | None, list[RecordError]]:
     try:
-        obj = json.loads(line, parse_constant=_reject_constant)
+        obj = json.loads(line, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except (json.JSONDecodeError, ValueError) as e:
         return None, [RecordError(lineno, "", f"invalid JSON: {e}")]
     if not isinstance(obj, dict):
@@ -463,11 +503,26 @@ def write_rollouts(
         pydantic.ValidationError: a dict record is not a valid rollout; nothing after it is
             written (the lines before it are).
     """
+    if isinstance(records, (Mapping, RolloutRecord, str, bytes)) or not isinstance(
+        records, Iterable
+    ):
+        raise TypeError(
+            f"records must be an iterable of RolloutRecord or dict records, got "
+            f"{type(records).__name__}; pass a list, e.g. write_rollouts(path, [record])"
+        )
+    if not isinstance(destination, (str, os.PathLike)) and not hasattr(destination, "write"):
+        raise TypeError(
+            f"destination must be a path or an open text file, got {type(destination).__name__}"
+        )
     if isinstance(destination, (str, os.PathLike)):
         with Path(destination).open("a" if append else "w", encoding="utf-8") as f:
             return write_rollouts(f, records)
     n = 0
     for record in records:
+        if not isinstance(record, (RolloutRecord, Mapping)):
+            raise TypeError(
+                f"records[{n}] must be a RolloutRecord or a dict, got {type(record).__name__}"
+            )
         destination.write(dump_rollout(record) + "\n")
         n += 1
     return n

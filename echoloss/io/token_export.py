@@ -20,6 +20,7 @@ from typing import IO, Any
 
 import torch
 
+from echoloss._validate import describe, problem
 from echoloss.data.packing import PackedBatch
 
 __all__ = ["RL_ONLY_COLUMNS", "TOKEN_EXPORT_SCHEMA_VERSION", "TokenExporter", "token_records"]
@@ -140,6 +141,20 @@ def token_records(
         >>> rec["rl_mask"], rec["echo_weights"], rec["trainer_logprobs"]
         ([False, False, True, False], [None, None, None, 0.1], [0.0, -1.0, None, -2.0])
     """
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(
+            problem(
+                "batch",
+                "an echoloss.PackedBatch",
+                describe(batch),
+                "pack the samples first: token_records(pack(samples, max_tokens=...)[0], ...)",
+            )
+        )
+    for name, stats in (("token_stats", token_stats), ("row_stats", row_stats)):
+        if stats is not None and not isinstance(stats, Mapping):
+            raise TypeError(
+                problem(name, "a dict column name -> [L] values, or None", describe(stats))
+            )
     n = len(batch)
     extra: dict[str, list[Any]] = {}
     for name, values in (token_stats or {}).items():

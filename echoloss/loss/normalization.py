@@ -33,6 +33,10 @@ __all__ = [
 ]
 
 
+#: Largest count a ``Normalizers`` field takes: exact in float64 (and in int64).
+MAX_COUNT = 2**53
+
+
 @dataclass(frozen=True)
 class Normalizers:
     """Global counts for one optimiser step (sum over micro-batches and data-parallel ranks).
@@ -70,8 +74,16 @@ class Normalizers:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(problem(f"Normalizers.{f.name}", "an int ≥ 0", describe(v)))
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+                raise ValueError(
+                    problem(
+                        f"Normalizers.{f.name}",
+                        f"an int in [0, {MAX_COUNT}] (2**53: exact in float64 and int64)",
+                        describe(v),
+                        "a count of tokens or sequences of one step; sum the per-micro-batch "
+                        "counts (count_normalizers), not their products",
+                    )
+                )
 
     def __add__(self, other: Normalizers) -> Normalizers:
         if not isinstance(other, Normalizers):
@@ -225,11 +237,25 @@ def undo_data_parallel_averaging(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(problem("world_size", "an int ≥ 1", describe(world_size)))
-    params = (
-        model_or_params.parameters()
-        if isinstance(model_or_params, torch.nn.Module)
-        else model_or_params
-    )
+    params: list[torch.Tensor]
+    if isinstance(model_or_params, torch.nn.Module):
+        params = list(model_or_params.parameters())
+    elif isinstance(model_or_params, (str, bytes, torch.Tensor)) or not isinstance(
+        model_or_params, Iterable
+    ):
+        raise TypeError(
+            problem(
+                "model_or_params",
+                "a torch.nn.Module or an iterable of parameters",
+                describe(model_or_params),
+                "pass the model, or model.parameters()",
+            )
+        )
+    else:
+        params = list(model_or_params)
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(problem(f"model_or_params[{i}]", "a tensor", describe(p)))
     if world_size == 1:
         return
     with torch.no_grad():

@@ -31,6 +31,7 @@ What was simplified, and why (this is a recipe, not a framework):
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -722,7 +723,12 @@ def train(
         torch.use_deterministic_algorithms(deterministic)
         torch.set_num_threads(threads)
         if _OWNED_GROUP and dist.is_initialized():
-            dist.destroy_process_group()  # a live gloo group aborts the interpreter at exit
+            # FSDP2's modules hold the group through reference cycles (hooks, the device mesh):
+            # collect them now, while every rank is past the final barrier, so the group is torn
+            # down here and not by the garbage collector during interpreter exit, where gloo's
+            # threads abort the process (SIGABRT) when a peer has already gone.
+            gc.collect()
+            dist.destroy_process_group()
             _OWNED_GROUP.clear()
 
 

@@ -63,9 +63,8 @@ def test_loads_what_it_verified(tmp_path):
 def test_malformed_manifest_is_named(tmp_path, edit, match):
     d = _save(tmp_path / "checkpoints", 3)
     _rewrite_manifest(d, edit)
-    assert (
-        match.replace("\\", "").split("(")[0][:10]
-        in (ckpt.verify_checkpoint(d) or "").replace("\\", "")
+    assert match.replace("\\", "").split("(")[0][:10] in (ckpt.verify_checkpoint(d) or "").replace(
+        "\\", ""
     )
     with pytest.raises(ckpt.CheckpointError, match=match):
         ckpt.load_checkpoint(d, NAMES)
