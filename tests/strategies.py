@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from echoloss import EchoConfig, RoleEcho, Sample, Step, TokenAttribution
+from echoloss.data.interleave import STREAMS
 
 # -- rewards and advantage keys -------------------------------------------------------------------
 
@@ -80,38 +81,49 @@ def echo_configs(draw):
 
 # -- samples and trajectories ----------------------------------------------------------------------
 
-# Weights exactly representable in float32, so that unpack(pack(x)) == x holds bit for bit.
-WEIGHTS = st.sampled_from([0.0625, 0.125, 0.5, 1.0, 2.0])
-LOGPROBS = st.sampled_from([-0.25, -1.5, -3.0])
+# Every stream's values are drawn from its declared examples (exactly representable in float32, so
+# that unpack(pack(x)) == x holds bit for bit): a stream added to STREAMS is drawn with no edit here.
+
+
+def normal_form(values: dict, p: int) -> dict:
+    """The streams of a sample in normal form (docs/spec.md §7), what pack -> unpack returns as
+    is: nothing trained at position 0, echoed tokens out of the RL mask, every echoed token an
+    observation. Only the built-in streams' relations need a rule; any other stream is kept."""
+    for stream in STREAMS:
+        v = values[stream.name]
+        if v and stream.untrained_at_zero and (stream.scope == "sequence" or p == 0):
+            v[0] = stream.missing
+    echo = values["echo_weights"]
+    if echo is not None:
+        values["completion_mask"] = [
+            m and echo[p + k] is None for k, m in enumerate(values["completion_mask"])
+        ]
+        if values["observation_mask"] is not None:
+            values["observation_mask"] = [
+                o or w is not None for o, w in zip(values["observation_mask"], echo, strict=True)
+            ]
+    return values
 
 
 @st.composite
 def normal_form_samples(draw):
     p = draw(st.integers(0, 5))
     c = draw(st.integers(0 if p else 1, 6))
-    n = p + c
-    echo = draw(st.none() | st.lists(st.none() | WEIGHTS, min_size=n, max_size=n))
-    if echo is not None:
-        echo[0] = None
-    obs = None
-    if echo is not None and draw(st.booleans()):
-        obs = [w is not None or (k > 0 and draw(st.booleans())) for k, w in enumerate(echo)]
-    mask = [
-        draw(st.booleans()) and (echo is None or echo[p + k] is None) and p + k > 0
-        for k in range(c)
-    ]
+    values = {}
+    for stream in STREAMS:
+        if stream.optional and draw(st.booleans()):
+            values[stream.name] = None
+            continue
+        n = stream.length(p, c)
+        values[stream.name] = draw(
+            st.lists(st.sampled_from(stream.examples), min_size=n, max_size=n)
+        )
     return Sample(
         prompt_ids=draw(st.lists(st.integers(1, 50), min_size=p, max_size=p)),
         completion_ids=draw(st.lists(st.integers(1, 50), min_size=c, max_size=c)),
-        completion_mask=mask,
-        completion_logprobs=draw(st.lists(LOGPROBS, min_size=c, max_size=c)),
-        completion_temperatures=draw(
-            st.none() | st.lists(st.sampled_from([0.5, 1.0]), min_size=c, max_size=c)
-        ),
-        echo_weights=echo,
-        observation_mask=obs,
         advantage=draw(st.sampled_from([-1.0, 0.0, 0.5])),
         env_name=draw(st.sampled_from(["", "env-a", "env-b"])),
+        **normal_form(values, p),
     )
 
 

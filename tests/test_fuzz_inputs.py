@@ -294,7 +294,15 @@ def test_pack_and_targets(
         assert bool((b.temperatures > 0).all())
         assert not bool((b.rl_mask & (b.echo_weights > 0)).any())
         targets = next_token_targets(b)
-        assert all(x.shape == (len(b),) for x in targets)
+        assert all(
+            x.shape == (len(b),)
+            for x in (
+                targets.labels,
+                targets.sequence_ids,
+                targets.advantages,
+                *targets.streams.values(),
+            )
+        )
         assert not bool(targets.rl_mask[-1]) and float(targets.echo_weights[-1]) == 0.0
 
 

@@ -1,9 +1,13 @@
 """Import directions between the layers of echoloss, read from the source (AST, no import).
 
-Layers, bottom up: ``ops`` (kernels and their PyTorch references) → ``loss`` (the loss entry
-points on top of the ops) → ``adapters`` (orchestrators) → ``train`` (the reference trainer).
+Layers, bottom up: ``advantages`` (per-group advantages, a leaf) → ``data`` (the data path,
+which stamps advantages) ; ``ops`` (kernels and their PyTorch references, leaves) → ``loss`` (the
+loss entry points on top of the ops) → ``nn`` (modules around the loss) ; then ``adapters``
+(orchestrators), ``io`` (interchange formats) and ``train`` (the reference trainer). The data path
+and the loss never import each other: ``LossInputs.from_targets`` reads the targets by name.
 Every ``import`` statement counts, including the lazy ones inside functions and those under
-``TYPE_CHECKING``: a lazy import still ties the layers together.
+``TYPE_CHECKING``: a lazy import still ties the layers together. Besides the layers, no two modules
+of the package may import each other, directly or through others (no import circle).
 """
 
 from __future__ import annotations
@@ -17,10 +21,31 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "echoloss"
 
 #: (layer whose modules are checked, packages it must never import, why)
+APPS = ("echoloss.adapters", "echoloss.io", "echoloss.train")
 RULES = [
-    ("ops", ("echoloss.loss", "echoloss.train", "echoloss.adapters"), "ops are leaves"),
-    ("loss", ("echoloss.train", "echoloss.adapters"), "the loss is below orchestrators"),
-    ("adapters", ("echoloss.train",), "adapters are library code, the trainer is an app"),
+    (
+        "advantages",
+        ("echoloss.data", "echoloss.loss", "echoloss.ops", "echoloss.nn", *APPS),
+        "advantages are a leaf: functions of rewards",
+    ),
+    (
+        "data",
+        ("echoloss.loss", "echoloss.ops", "echoloss.nn", *APPS),
+        "the data path builds batches; it does not know the loss",
+    ),
+    (
+        "ops",
+        ("echoloss.loss", "echoloss.data", "echoloss.advantages", "echoloss.nn", *APPS),
+        "ops are leaves",
+    ),
+    (
+        "loss",
+        ("echoloss.data", "echoloss.advantages", "echoloss.nn", *APPS),
+        "the loss is below orchestrators and reads the data path's records by name",
+    ),
+    ("nn", ("echoloss.data", "echoloss.advantages", *APPS), "modules wrap the loss only"),
+    ("adapters", ("echoloss.train", "echoloss.io"), "adapters are library code, below io"),
+    ("io", ("echoloss.train", "echoloss.nn"), "interchange formats, below the trainer"),
 ]
 
 
@@ -74,7 +99,7 @@ def _violations(layer_of: Callable[[Path], bool], forbidden: tuple[str, ...]) ->
 
 
 def test_the_package_has_the_layers_this_test_checks():
-    for layer in ("ops", "loss", "adapters", "train"):
+    for layer in ("advantages", "data", "ops", "loss", "nn", "adapters", "io", "train"):
         assert (PACKAGE / layer / "__init__.py").is_file(), layer
     assert len(_modules()) > 20
 
@@ -109,3 +134,95 @@ def test_the_checker_sees_relative_lazy_and_from_package_imports(tmp_path):
     assert "echoloss.adapters.trl" in found
     assert _hits("echoloss.train", ("echoloss.train",))
     assert not _hits("echoloss.training_utils", ("echoloss.train",))
+
+
+# -- import circles ------------------------------------------------------------------------------
+
+
+def _module_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package modules it imports. ``from pkg import sub`` points at ``pkg.sub``
+    when that is a module (importing a submodule runs its package, which is no circle), else at
+    ``pkg``; ``import a.b.c`` points at ``a.b.c``."""
+    modules = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[: len(package) - node.level + 1] + [base] * bool(base))
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.append(sub if sub in modules else base)
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _circles(inside_trainer: bool) -> list[list[str]]:
+    return [
+        c for c in _cycles(_module_graph()) if c[0].startswith("echoloss.train.") == inside_trainer
+    ]
+
+
+def test_no_import_circle_in_the_package():
+    cycles = _circles(inside_trainer=False)
+    assert not cycles, "modules that import each other (directly or through others):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+@pytest.mark.xfail(reason="cli, recipe and experiment of echoloss.train import each other")
+def test_no_import_circle_in_the_trainer():
+    cycles = _circles(inside_trainer=True)
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_sees_lazy_and_relative_circles(tmp_path):
+    pkg = tmp_path / "echoloss"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data" / "__init__.py").write_text("from echoloss.data import a\n")
+    (pkg / "data" / "a.py").write_text("from . import b\n")
+    (pkg / "data" / "b.py").write_text("def f():\n    from echoloss.data.a import x\n")
+    (pkg / "data" / "c.py").write_text("from echoloss.data import a\n")
+    graph = _module_graph(pkg)
+    assert graph["echoloss.data.a"] == {"echoloss.data.b"}
+    assert graph["echoloss.data"] == {"echoloss.data.a"}  # a submodule, not the package itself
+    assert _cycles(graph) == [["echoloss.data.a", "echoloss.data.b"]]

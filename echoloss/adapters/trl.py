@@ -39,7 +39,7 @@ from echoloss import (
     select_step_echo,
 )
 from echoloss._logging import warn_once
-from echoloss.data._checks import check_echo_config
+from echoloss.data.echo_config import check_echo_config
 from echoloss.nn.grpo import (
     ECHO_NORMALIZATIONS,
     ECHO_TEMPERATURES,

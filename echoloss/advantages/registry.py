@@ -5,36 +5,58 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
+
+from echoloss._registry import Registry
 
 __all__ = ["AdvantageFn", "list_advantage_fns", "register_advantage_fn", "resolve_advantage_fn"]
 
 AdvantageFn = Callable[..., Sequence[float]]
 """``fn(rewards: list[float], **kwargs) -> one finite float per reward, in input order``."""
 
-_REGISTRY: dict[str, AdvantageFn] = {}
+_REGISTRY: Registry[AdvantageFn] = Registry(
+    "advantage fn", register_with="register_advantage_fn", forbidden=":."
+)
 
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Sequence[float]])
 
 
-def register_advantage_fn(name: str, *, overwrite: bool = False) -> Callable[[_Fn], _Fn]:
-    """Register a per-group advantage function under ``name`` (a decorator).
+@overload
+def register_advantage_fn(name: str, fn: _Fn, *, overwrite: bool = False) -> _Fn: ...
+
+
+@overload
+def register_advantage_fn(
+    name: str, fn: None = None, *, overwrite: bool = False
+) -> Callable[[_Fn], _Fn]: ...
+
+
+def register_advantage_fn(
+    name: str, fn: _Fn | None = None, *, overwrite: bool = False
+) -> _Fn | Callable[[_Fn], _Fn]:
+    """Register a per-group advantage function under ``name`` (a decorator, or a direct call).
 
     The function must take one group's rewards as its first positional argument (``[G]``,
     ``list[float]``, survivors only) and return one finite float per reward, in input order;
     hyperparameters are keyword arguments, bound later by [`resolve_advantage_fn`][echoloss.advantages.registry.resolve_advantage_fn].
+    Like every registry of echoloss (policies, echo filters): ``@register_advantage_fn(name)``
+    or ``register_advantage_fn(name, fn)``, one ``overwrite`` flag, and a listing
+    ([`list_advantage_fns`][echoloss.advantages.registry.list_advantage_fns]).
 
     Args:
         name: The registry name, e.g. ``"my_grpo"``. It may not contain ``":"`` or ``"."``,
             which mark import paths.
-        overwrite: Replace an existing registration instead of raising.
+        fn: the function (a direct call); None = return a decorator.
+        overwrite: Replace another function registered under ``name`` instead of raising
+            (registering the same function again is a no-op).
 
     Returns:
-        A decorator that registers the function and returns it unchanged.
+        ``fn``; without it, a decorator that registers the function and returns it unchanged.
 
     Raises:
         ValueError: If ``name`` is invalid or already registered and ``overwrite`` is False.
+        TypeError: If the function is not callable.
 
     Examples:
         >>> from echoloss.advantages import compute_advantages
@@ -44,23 +66,15 @@ def register_advantage_fn(name: str, *, overwrite: bool = False) -> Callable[[_F
         >>> compute_advantages([2.0, -1.0], ["a", "a"], fn="sign_doc_example")
         [1.0, -1.0]
     """
-    if not isinstance(name, str) or not name or ":" in name or "." in name:
-        raise ValueError(
-            f"advantage fn name must be a non-empty str without ':' or '.', got {name!r}"
-        )
+    _REGISTRY.check_name(name)
 
-    def decorator(fn: _Fn) -> _Fn:
-        if not callable(fn):
-            raise TypeError(f"register_advantage_fn({name!r}) needs a callable, got {fn!r}")
-        if name in _REGISTRY and not overwrite and _REGISTRY[name] is not fn:
-            raise ValueError(
-                f"advantage fn {name!r} is already registered ({_describe(_REGISTRY[name])}); "
-                "pick another name or pass overwrite=True"
-            )
-        _REGISTRY[name] = fn
-        return fn
+    def decorator(f: _Fn) -> _Fn:
+        if not callable(f):
+            raise TypeError(f"register_advantage_fn({name!r}) needs a callable, got {f!r}")
+        _REGISTRY.register(name, f, overwrite=overwrite)
+        return f
 
-    return decorator
+    return decorator if fn is None else decorator(fn)
 
 
 def list_advantage_fns() -> list[str]:
@@ -73,7 +87,7 @@ def list_advantage_fns() -> list[str]:
         >>> [n for n in list_advantage_fns() if n in ("grpo", "rloo")]
         ['grpo', 'rloo']
     """
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def _describe(fn: Any) -> str:

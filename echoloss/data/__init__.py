@@ -6,7 +6,9 @@
 3. ``echo_weights``: [`echo_weights`][echoloss.data.echo_weights] / [`select_step_echo`][echoloss.data.echo_weights.select_step_echo], one step's per-token echo
    weights and observation mask.
 4. ``interleave``: [`Step`][echoloss.data.interleave.Step] (one model call) and [`Sample`][echoloss.data.interleave.Sample] (one training sequence), and
-   [`interleave`][echoloss.data.interleave], which merges a trajectory's steps into samples.
+   [`interleave`][echoloss.data.interleave], which merges a trajectory's steps into samples;
+   [`STREAMS`][echoloss.data.interleave.STREAMS], the table of a sample's per-token streams
+   (``streams``: [`TokenStream`][echoloss.data.streams.TokenStream]) that every later step loops over.
 5. ``packing``: [`pack`][echoloss.data.packing.pack] / [`unpack`][echoloss.data.packing.unpack], samples into FlashAttention-style micro-batches.
 6. ``spans``: [`span_echo_filter`][echoloss.data.spans.span_echo_filter], echo only the character spans a
    selector marks (an ``echo_filter`` for ``interleave``).
@@ -28,13 +30,15 @@ from echoloss.data.echo_config import (
     register_echo_filter,
 )
 from echoloss.data.echo_weights import StepEcho, echo_weights, select_step_echo, validate_keep_mask
-from echoloss.data.interleave import Sample, Step, interleave
+from echoloss.data.interleave import STREAMS, Sample, Step, interleave
 from echoloss.data.packing import PackedBatch, pack, truncate_sample, unpack
 from echoloss.data.spans import span_echo_filter, span_token_mask
+from echoloss.data.streams import TokenStream
 from echoloss.data.targets import NextTokenTargets, next_token_targets
 
 __all__ = [
     "STANDARD_ROLES",
+    "STREAMS",
     "EchoConfig",
     "EchoFilter",
     "NextTokenTargets",
@@ -44,6 +48,7 @@ __all__ = [
     "Step",
     "StepEcho",
     "TokenAttribution",
+    "TokenStream",
     "echo_weights",
     "interleave",
     "list_echo_filters",

@@ -9,13 +9,9 @@ an error here rather than a silent ``0``/``inf`` later (docs/spec.md §2.3).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any
 
 from echoloss._validate import describe, finite_float_list, int_list, problem
-
-if TYPE_CHECKING:
-    from echoloss.data.echo_config import EchoConfig
 
 __all__ = [
     "FLOAT32_MAX",
@@ -23,7 +19,6 @@ __all__ = [
     "LOGPROB_SLACK",
     "MAX_TOKENS",
     "MAX_TOKEN_ID",
-    "check_echo_config",
     "exact_bool",
     "exact_int",
     "float32_weight",
@@ -202,36 +197,3 @@ def float32_weight(name: str, value: Any) -> float:
             )
         )
     return v
-
-
-@overload
-def check_echo_config(name: str, config: Any, *, optional: Literal[False]) -> EchoConfig: ...
-
-
-@overload
-def check_echo_config(name: str, config: Any, *, optional: Literal[True]) -> EchoConfig | None: ...
-
-
-def check_echo_config(name: str, config: Any, *, optional: bool) -> EchoConfig | None:
-    """An [`EchoConfig`][echoloss.data.echo_config.EchoConfig] (a dict is validated into one), or None if ``optional``.
-
-    Examples:
-        >>> check_echo_config("echo", {"tool": {"alpha": 0.5}}, optional=True).enabled_roles()
-        {'tool': 0.5}
-    """
-    from echoloss.data.echo_config import EchoConfig  # echo_config imports this module
-
-    if config is None and optional:
-        return None
-    if isinstance(config, EchoConfig):
-        return config
-    if isinstance(config, Mapping):
-        return EchoConfig.model_validate(dict(config))
-    raise TypeError(
-        problem(
-            name,
-            "an EchoConfig" + (" or None" if optional else ""),
-            describe(config),
-            "build one with EchoConfig(tool=RoleEcho(alpha=0.05)) or pass its dict form",
-        )
-    )

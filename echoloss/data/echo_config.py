@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from echoloss._registry import Registry
+from echoloss._validate import describe, problem
 from echoloss.data._checks import FLOAT32_MAX, FLOAT32_TINY
 
 __all__ = [
@@ -101,20 +103,42 @@ def import_object(path: str) -> Any:
     return obj
 
 
-_FILTERS: dict[str, Callable[..., Any]] = {}
+_FILTERS: Registry[Callable[..., Any]] = Registry(
+    "echo filter", register_with="register_echo_filter", forbidden=":."
+)
+
+_Filter = TypeVar("_Filter", bound=Callable[..., Any])
+
+
+@overload
+def register_echo_filter(name: str, fn: _Filter, *, overwrite: bool = False) -> _Filter: ...
+
+
+@overload
+def register_echo_filter(
+    name: str, fn: None = None, *, overwrite: bool = False
+) -> Callable[[_Filter], _Filter]: ...
 
 
 def register_echo_filter(
-    name: str, *, overwrite: bool = False
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register an echo filter under ``name`` (a decorator), for ``EchoFilter(import_path=name)``.
+    name: str, fn: _Filter | None = None, *, overwrite: bool = False
+) -> _Filter | Callable[[_Filter], _Filter]:
+    """Register an echo filter under ``name`` (a decorator, or a direct call), for ``EchoFilter(import_path=name)``.
 
     A configuration names filters by registry name; registering is how your own process vouches
     for the code. The function is called as ``fn(steps, **kwargs)`` (see [`EchoFilter`][echoloss.data.echo_config.EchoFilter]).
+    Like every registry of echoloss (policies, advantage functions): ``@register_echo_filter(name)``
+    or ``register_echo_filter(name, fn)``, one ``overwrite`` flag, and a listing
+    ([`list_echo_filters`][echoloss.data.echo_config.list_echo_filters]).
 
     Args:
         name: the registry name; it may not contain ``":"`` or ``"."``, which mark import paths.
-        overwrite: replace an existing registration instead of raising.
+        fn: the filter (a direct call); None = return a decorator.
+        overwrite: replace another filter registered under ``name`` instead of raising
+            (registering the same function again is a no-op).
+
+    Returns:
+        ``fn``; without it, a decorator that registers the function and returns it unchanged.
 
     Examples:
         >>> @register_echo_filter("keep_all_doc_example")
@@ -123,23 +147,15 @@ def register_echo_filter(
         >>> EchoFilter(import_path="keep_all_doc_example").resolve().__name__
         'keep_all'
     """
-    if not isinstance(name, str) or not name or ":" in name or "." in name:
-        raise ValueError(
-            f"echo filter name must be a non-empty str without ':' or '.', got {name!r}"
-        )
+    _FILTERS.check_name(name)
 
-    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if not callable(fn):
-            raise TypeError(f"register_echo_filter({name!r}) needs a callable, got {fn!r}")
-        if name in _FILTERS and not overwrite and _FILTERS[name] is not fn:
-            raise ValueError(
-                f"echo filter {name!r} is already registered; pick another name or pass "
-                "overwrite=True"
-            )
-        _FILTERS[name] = fn
-        return fn
+    def decorator(f: _Filter) -> _Filter:
+        if not callable(f):
+            raise TypeError(f"register_echo_filter({name!r}) needs a callable, got {f!r}")
+        _FILTERS.register(name, f, overwrite=overwrite)
+        return f
 
-    return decorator
+    return decorator if fn is None else decorator(fn)
 
 
 def list_echo_filters() -> list[str]:
@@ -152,7 +168,7 @@ def list_echo_filters() -> list[str]:
         >>> "keep_everything_doc_example" in list_echo_filters()
         True
     """
-    return sorted(_FILTERS)
+    return _FILTERS.names()
 
 
 class EchoFilter(BaseModel):
@@ -321,3 +337,34 @@ class EchoConfig(BaseModel):
     def enabled_roles(self) -> dict[str, float]:
         """``{role: alpha}`` for every enabled role."""
         return {name: rc.alpha for name, rc in self.role_settings().items()}
+
+
+@overload
+def check_echo_config(name: str, config: Any, *, optional: Literal[False]) -> EchoConfig: ...
+
+
+@overload
+def check_echo_config(name: str, config: Any, *, optional: Literal[True]) -> EchoConfig | None: ...
+
+
+def check_echo_config(name: str, config: Any, *, optional: bool) -> EchoConfig | None:
+    """An [`EchoConfig`][echoloss.data.echo_config.EchoConfig] (a dict is validated into one), or None if ``optional``.
+
+    Examples:
+        >>> check_echo_config("echo", {"tool": {"alpha": 0.5}}, optional=True).enabled_roles()
+        {'tool': 0.5}
+    """
+    if config is None and optional:
+        return None
+    if isinstance(config, EchoConfig):
+        return config
+    if isinstance(config, Mapping):
+        return EchoConfig.model_validate(dict(config))
+    raise TypeError(
+        problem(
+            name,
+            "an EchoConfig" + (" or None" if optional else ""),
+            describe(config),
+            "build one with EchoConfig(tool=RoleEcho(alpha=0.05)) or pass its dict form",
+        )
+    )

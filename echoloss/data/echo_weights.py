@@ -20,9 +20,9 @@ from typing import Any
 
 from echoloss._logging import warn_once
 from echoloss._validate import bool_list, type_name
-from echoloss.data._checks import MAX_TOKENS, check_echo_config, exact_int
+from echoloss.data._checks import MAX_TOKENS, exact_int
 from echoloss.data.attribution import TokenAttribution
-from echoloss.data.echo_config import EchoConfig
+from echoloss.data.echo_config import EchoConfig, check_echo_config
 
 __all__ = ["StepEcho", "echo_weights", "select_step_echo", "validate_keep_mask"]
 

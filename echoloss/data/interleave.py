@@ -16,7 +16,6 @@ from typing import Any
 from echoloss._logging import warn_once
 from echoloss._validate import bool_list, check_len, describe, finite_float_list, problem
 from echoloss.data._checks import (
-    check_echo_config,
     exact_bool,
     float32_weight,
     logprob_list,
@@ -24,10 +23,11 @@ from echoloss.data._checks import (
     token_id_list,
 )
 from echoloss.data.attribution import TokenAttribution
-from echoloss.data.echo_config import EchoConfig
+from echoloss.data.echo_config import EchoConfig, check_echo_config
 from echoloss.data.echo_weights import select_step_echo, validate_keep_mask
+from echoloss.data.streams import TokenStream
 
-__all__ = ["Sample", "Step", "interleave"]
+__all__ = ["STREAMS", "Sample", "Step", "interleave"]
 
 # Logprob written for environment tokens interleaved into a sample's completion region. They are
 # never in the RL mask, so the value is never read by a loss; 0.0 matches what orchestrators send.
@@ -212,42 +212,17 @@ class Sample:
                 f"{where}.prompt_ids and {where}.completion_ids are both empty; a sample needs at "
                 "least one token"
             )
-        self.completion_mask = _bool_list(where, "completion_mask", self.completion_mask)
-        _check_len(where, "completion_mask", self.completion_mask, c, "len(completion_ids)")
-        self.completion_logprobs = _logprobs(where, "completion_logprobs", self.completion_logprobs)
-        _check_len(where, "completion_logprobs", self.completion_logprobs, c, "len(completion_ids)")
-        if self.completion_temperatures is not None:
-            temps = _float_list(where, "completion_temperatures", self.completion_temperatures)
-            _check_len(where, "completion_temperatures", temps, c, "len(completion_ids)")
-            for i, t in enumerate(temps):
-                positive_float32(f"{where}.completion_temperatures[{i}]", t)
-            self.completion_temperatures = temps
-        if self.echo_weights is not None:
-            if not isinstance(self.echo_weights, (list, tuple)):
-                raise TypeError(
-                    problem(
-                        f"{where}.echo_weights",
-                        "None or a list of float | None",
-                        describe(self.echo_weights),
+        for stream in STREAMS:
+            setattr(self, stream.name, stream.validate(self, where))
+            if stream.may_be_none and stream.carries_nothing(getattr(self, stream.name) or []):
+                setattr(self, stream.name, None)  # an all-None list says nothing: no stream
+        if self.observation_mask is not None and self.echo_weights is not None:
+            for i, (w, o) in enumerate(zip(self.echo_weights, self.observation_mask, strict=True)):
+                if w is not None and not o:
+                    raise ValueError(
+                        f"{where}.observation_mask[{i}] is False but echo_weights[{i}] = {w}; "
+                        "every echoed token is an observation token (counted in Z = |O|)"
                     )
-                )
-            echo = list(self.echo_weights)
-            _check_len(where, "echo_weights", echo, n, "len(prompt_ids) + len(completion_ids)")
-            for i, w in enumerate(echo):
-                if w is not None:
-                    echo[i] = float32_weight(f"{where}.echo_weights[{i}]", w)
-            self.echo_weights = echo if any(w is not None for w in echo) else None
-        if self.observation_mask is not None:
-            obs = _bool_list(where, "observation_mask", self.observation_mask)
-            _check_len(where, "observation_mask", obs, n, "len(prompt_ids) + len(completion_ids)")
-            if self.echo_weights is not None:
-                for i, w in enumerate(self.echo_weights):
-                    if w is not None and not obs[i]:
-                        raise ValueError(
-                            f"{where}.observation_mask[{i}] is False but echo_weights[{i}] = {w}; "
-                            "every echoed token is an observation token (counted in Z = |O|)"
-                        )
-            self.observation_mask = obs
         if self.advantage is not None:
             if (
                 isinstance(self.advantage, bool)
@@ -485,40 +460,154 @@ def interleave(
 
 
 def _new_sample(step: Step, rl: list[bool], selection: Any, env_name: str) -> Sample:
-    weights = observation = None
-    if selection is not None and any(w is not None for w in selection.weights[1:]):
-        weights = list(selection.weights)
-        weights[0] = None  # position 0 has no valid prediction
-    if selection is not None and any(selection.observation[1:]):
-        observation = list(selection.observation)
-        observation[0] = False
-    if not step.prompt_ids and rl:
-        rl = [False, *rl[1:]]  # the first completion token sits at position 0
+    """A sample of one model call: every stream's step values (completion part for completion
+    streams), position 0 cleared where nothing is trained, all-absent optional streams None."""
+    p = len(step.prompt_ids)
+    values: dict[str, Any] = {}
+    for stream in STREAMS:
+        view = stream.step_view(step, selection, rl)
+        if view is None:
+            missing = [stream.missing] * stream.length(p, len(step.completion_ids))
+            values[stream.name] = None if stream.optional else missing
+            continue
+        body = view[p:] if stream.scope == "completion" else view
+        if stream.untrained_at_zero and body and (stream.scope == "sequence" or p == 0):
+            body[0] = stream.missing  # position 0 has no valid prediction
+        values[stream.name] = (
+            None if stream.empty_is_none and stream.carries_nothing(body) else body
+        )
     return Sample(
         prompt_ids=list(step.prompt_ids),
         completion_ids=list(step.completion_ids),
-        completion_mask=rl,
-        completion_logprobs=list(step.completion_logprobs),
-        completion_temperatures=[step.temperature] * len(step.completion_ids),
-        echo_weights=weights,
-        observation_mask=observation,
         env_name=env_name,
+        **values,
     )
 
 
 def _extend(sample: Sample, step: Step, rl: list[bool], selection: Any, prefix_len: int) -> None:
-    tail = step.prompt_ids[prefix_len:]
-    before = len(sample)
-    sample.completion_ids += tail + step.completion_ids
-    sample.completion_mask += [False] * len(tail) + rl
-    sample.completion_logprobs += [ENV_TOKEN_LOGPROB] * len(tail) + step.completion_logprobs
-    assert sample.completion_temperatures is not None
-    sample.completion_temperatures += [step.temperature] * (len(tail) + len(step.completion_ids))
-    if selection is None:
-        return
-    new_weights = selection.weights[prefix_len:]
-    if sample.echo_weights is not None or any(w is not None for w in new_weights):
-        sample.echo_weights = (sample.echo_weights or [None] * before) + new_weights
-    new_obs = selection.observation[prefix_len:]
-    if sample.observation_mask is not None or any(new_obs):
-        sample.observation_mask = (sample.observation_mask or [False] * before) + new_obs
+    """Append the step's tokens past ``prefix_len`` (the new prompt tail, then its completion) to
+    ``sample``: every stream extends in lockstep; an optional stream the sample does not carry
+    yet starts (absent on the earlier tokens) once the step gives it something."""
+    new = len(step.prompt_ids) + len(step.completion_ids) - prefix_len
+    before = {"sequence": len(sample), "completion": len(sample.completion_ids)}
+    for stream in STREAMS:
+        view = stream.step_view(step, selection, rl)
+        tail = [stream.missing] * new if view is None else view[prefix_len:]
+        current = getattr(sample, stream.name)
+        if current is None and (
+            view is None or (stream.empty_is_none and stream.carries_nothing(tail))
+        ):
+            continue
+        head = [stream.missing] * before[stream.scope] if current is None else current
+        setattr(sample, stream.name, head + tail)
+    sample.completion_ids = (
+        sample.completion_ids + step.prompt_ids[prefix_len:] + step.completion_ids
+    )
+
+
+def _completion_mask(step: Step, selection: Any, rl: list[bool]) -> list[bool]:
+    return [False] * len(step.prompt_ids) + rl  # the prompt (and a merged tail) is never RL
+
+
+def _completion_logprobs(step: Step, selection: Any, rl: list[bool]) -> list[float]:
+    # Environment tokens merged into a completion get the placeholder logprob (never read).
+    return [ENV_TOKEN_LOGPROB] * len(step.prompt_ids) + step.completion_logprobs
+
+
+def _temperatures(step: Step, selection: Any, rl: list[bool]) -> list[float]:
+    return [step.temperature] * (len(step.prompt_ids) + len(step.completion_ids))
+
+
+def _echo_weights(step: Step, selection: Any, rl: list[bool]) -> list[float | None] | None:
+    return None if selection is None else list(selection.weights)
+
+
+def _observation(step: Step, selection: Any, rl: list[bool]) -> list[bool] | None:
+    return None if selection is None else list(selection.observation)
+
+
+def _temperature_list(name: str, values: Any) -> list[float]:
+    temps = finite_float_list(name, values)
+    for i, t in enumerate(temps):
+        positive_float32(f"{name}[{i}]", t)
+    return temps
+
+
+def _echo_weight_list(name: str, values: Any) -> list[float | None]:
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(problem(name, "None or a list of float | None", describe(values)))
+    return [None if w is None else float32_weight(f"{name}[{i}]", w) for i, w in enumerate(values)]
+
+
+def _prompt_temperature(sample: Sample) -> float:
+    # The prompt's temperature is the sample's first sampling temperature (docs/spec.md §8.4).
+    return sample.completion_temperatures[0] if sample.completion_temperatures else 1.0
+
+
+#: Every per-token stream of a `Sample`, declared once: validation, the merge above,
+#: ``truncate_sample``, ``pack``, ``unpack`` and ``next_token_targets`` loop over this table.
+#: A new stream is a `Sample` field plus a row here (CONTRIBUTING.md, "Add a per-token stream").
+STREAMS: tuple[TokenStream, ...] = (
+    TokenStream(
+        name="completion_mask",
+        packed="rl_mask",
+        kind="bool",
+        scope="completion",
+        fill=False,
+        examples=(False, True),
+        check=bool_list,
+        from_step=_completion_mask,
+        untrained_at_zero=True,
+        pack_values=lambda s: s.rl_mask(),  # echo wins over RL; position 0 cleared
+    ),
+    TokenStream(
+        name="completion_logprobs",
+        packed="inference_logprobs",
+        kind="float",
+        scope="completion",
+        fill=ENV_TOKEN_LOGPROB,
+        examples=(-0.25, -1.5, -3.0),
+        check=logprob_list,
+        from_step=_completion_logprobs,
+    ),
+    TokenStream(
+        name="completion_temperatures",
+        packed="temperatures",
+        kind="float",
+        scope="completion",
+        fill=1.0,
+        optional=True,
+        examples=(0.5, 1.0),
+        check=_temperature_list,
+        from_step=_temperatures,
+        prompt_value=_prompt_temperature,
+    ),
+    TokenStream(
+        name="echo_weights",
+        packed="echo_weights",
+        kind="float",
+        scope="sequence",
+        fill=0.0,
+        optional=True,
+        may_be_none=True,
+        empty_is_none=True,
+        examples=(None, 0.0625, 0.125, 0.5, 1.0, 2.0),
+        check=_echo_weight_list,
+        from_step=_echo_weights,
+        untrained_at_zero=True,
+    ),
+    TokenStream(
+        name="observation_mask",
+        packed="observation_mask",
+        kind="bool",
+        scope="sequence",
+        fill=False,
+        optional=True,
+        empty_is_none=True,
+        examples=(False, True),
+        check=bool_list,
+        from_step=_observation,
+        untrained_at_zero=True,
+        pack_values=lambda s: s.token_observation_mask(),  # defaults to the echoed tokens
+    ),
+)

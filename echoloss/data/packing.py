@@ -4,14 +4,16 @@ A [`PackedBatch`][echoloss.data.packing.PackedBatch] is one row of concatenated 
 ``cu_seqlens`` marks the boundaries and ``position_ids`` restart at 0 for every sequence. Every
 per-token stream is a tensor of the same length ``L``; optional streams of the samples (echo
 weights, observation mask, temperatures) are backfilled so that bins mixing samples with and
-without them stay aligned.
+without them stay aligned. Every per-token stream is handled by looping over
+[`STREAMS`][echoloss.data.interleave.STREAMS], the streams' one declaration.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from echoloss._logging import warn_once
 from echoloss._validate import describe, problem
 from echoloss.advantages import broadcast_packed_advantages
 from echoloss.data._checks import MAX_TOKEN_ID, MAX_TOKENS, exact_bool, exact_int, token_id_list
-from echoloss.data.interleave import Sample
+from echoloss.data.interleave import STREAMS, Sample
 
 __all__ = ["PackedBatch", "pack", "truncate_sample", "unpack"]
 
@@ -37,44 +39,77 @@ class PackedBatch:
         position_ids: ``[L]`` int64, restarting at 0 for every segment.
         cu_seqlens: ``[S + 1]`` int32 cumulative segment lengths, ``cu_seqlens[-1] == L``.
         max_seqlen: longest segment.
-        rl_mask: ``[L]`` bool, token trained with RL.
-        echo_weights: ``[L]`` float32, echo weight, ``0.0`` = not echoed. Disjoint from ``rl_mask``.
-        observation_mask: ``[L]`` bool, token counted in ``Z = |O|``.
+        streams: every per-token stream of [`STREAMS`][echoloss.data.interleave.STREAMS] by its
+            packed name, ``[L]`` each (``fill`` where a sample says nothing and on padding):
+            ``rl_mask``, ``inference_logprobs``, ``temperatures``, ``echo_weights``,
+            ``observation_mask`` (each also an attribute below) and any stream added to the table.
         advantages: ``[L]`` float32, the sample's advantage on its RL tokens, 0 elsewhere.
-        inference_logprobs: ``[L]`` float32, sampling logprobs (0.0 outside completions).
-        temperatures: ``[L]`` float32, sampling temperature of each token (prompt tokens take the
-            sample's first completion temperature, or 1.0).
         sample_indices: per segment, the index of the sample in the list given to [`pack`][echoloss.data.packing.pack];
             ``-1`` for the padding segment.
         prompt_lens: per segment, the sample's prompt length (0 for padding).
         sample_advantages: per segment, the sample's advantage (``None`` if unset).
         env_names: per segment, the sample's env name (``""`` for padding).
         num_padding: padding tokens at the end (one extra segment when > 0).
-        has_echo, has_observation, has_temperatures: per segment, whether the sample carried the
-            optional stream (so [`unpack`][echoloss.data.packing.unpack] can restore ``None``).
+        carried: per optional stream (by ``Sample`` attribute name), per segment, whether the
+            sample carried it (so [`unpack`][echoloss.data.packing.unpack] can restore ``None``).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
-    rl_mask: torch.Tensor
-    echo_weights: torch.Tensor
-    observation_mask: torch.Tensor
+    streams: Mapping[str, torch.Tensor]
     advantages: torch.Tensor
-    inference_logprobs: torch.Tensor
-    temperatures: torch.Tensor
     sample_indices: tuple[int, ...]
     prompt_lens: tuple[int, ...]
     sample_advantages: tuple[float | None, ...]
     env_names: tuple[str, ...]
     num_padding: int
-    has_echo: tuple[bool, ...]
-    has_observation: tuple[bool, ...]
-    has_temperatures: tuple[bool, ...]
+    carried: Mapping[str, tuple[bool, ...]]
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def rl_mask(self) -> torch.Tensor:
+        """``[L]`` bool, token trained with RL."""
+        return self.streams["rl_mask"]
+
+    @property
+    def echo_weights(self) -> torch.Tensor:
+        """``[L]`` float32 echo weight, ``0.0`` = not echoed. Disjoint from ``rl_mask``."""
+        return self.streams["echo_weights"]
+
+    @property
+    def observation_mask(self) -> torch.Tensor:
+        """``[L]`` bool, token counted in ``Z = |O|``."""
+        return self.streams["observation_mask"]
+
+    @property
+    def inference_logprobs(self) -> torch.Tensor:
+        """``[L]`` float32 sampling logprobs (0.0 outside completions)."""
+        return self.streams["inference_logprobs"]
+
+    @property
+    def temperatures(self) -> torch.Tensor:
+        """``[L]`` float32 sampling temperature of each token (prompt tokens take the sample's
+        first completion temperature, or 1.0)."""
+        return self.streams["temperatures"]
+
+    @property
+    def has_echo(self) -> tuple[bool, ...]:
+        """Per segment: the sample carried echo weights."""
+        return self.carried["echo_weights"]
+
+    @property
+    def has_observation(self) -> tuple[bool, ...]:
+        """Per segment: the sample carried an observation mask."""
+        return self.carried["observation_mask"]
+
+    @property
+    def has_temperatures(self) -> tuple[bool, ...]:
+        """Per segment: the sample carried completion temperatures."""
+        return self.carried["completion_temperatures"]
 
     @property
     def num_sequences(self) -> int:
@@ -94,6 +129,7 @@ class PackedBatch:
         moved: dict[str, Any] = {
             k: v.to(device) for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)
         }
+        moved["streams"] = MappingProxyType({k: v.to(device) for k, v in self.streams.items()})
         return dataclasses.replace(self, **moved)
 
 
@@ -111,21 +147,12 @@ def truncate_sample(sample: Sample, max_tokens: int) -> Sample:
     if len(sample) <= max_tokens:
         return sample
     p = min(len(sample.prompt_ids), max_tokens)
-    c = max_tokens - p
     return Sample(
         prompt_ids=sample.prompt_ids[:p],
-        completion_ids=sample.completion_ids[:c],
-        completion_mask=sample.completion_mask[:c],
-        completion_logprobs=sample.completion_logprobs[:c],
-        completion_temperatures=None
-        if sample.completion_temperatures is None
-        else sample.completion_temperatures[:c],
-        echo_weights=None if sample.echo_weights is None else sample.echo_weights[:max_tokens],
-        observation_mask=None
-        if sample.observation_mask is None
-        else sample.observation_mask[:max_tokens],
+        completion_ids=sample.completion_ids[: max_tokens - p],
         advantage=sample.advantage,
         env_name=sample.env_name,
+        **{s.name: s.truncate(getattr(sample, s.name), max_tokens, p) for s in STREAMS},
     )
 
 
@@ -223,7 +250,7 @@ def pack(
     if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence):
         raise TypeError(problem("pack: samples", "a list of echoloss.Sample", describe(samples)))
     prepared: list[Sample] = []
-    prompt_temperatures: list[float] = []
+    prompt_values: list[dict[str, Any]] = []
     for i, s in enumerate(samples):
         if not isinstance(s, Sample):
             raise TypeError(
@@ -232,10 +259,11 @@ def pack(
         s.validate(where=f"samples[{i}]")
         if vocab_size is not None:
             token_id_list(f"samples[{i}].token_ids", s.token_ids, vocab_size=vocab_size)
-        # The prompt's temperature is the sample's first sampling temperature; read it before a
-        # truncation that may cut every completion token away (docs/spec.md §8.4).
-        prompt_temperatures.append(
-            s.completion_temperatures[0] if s.completion_temperatures else 1.0
+        # A completion stream's value on the prompt (e.g. the prompt's temperature is the
+        # sample's first sampling temperature) is read before a truncation that may cut every
+        # completion token away (docs/spec.md §8.4).
+        prompt_values.append(
+            {st.name: st.fill if st.prompt_value is None else st.prompt_value(s) for st in STREAMS}
         )
         if len(s) > max_tokens:
             if not truncate:
@@ -259,50 +287,34 @@ def pack(
             )
         prepared.append(s)
     bins = _first_fit_decreasing([len(s) for s in prepared], max_tokens)
-    return [
-        _build(prepared, prompt_temperatures, idx, pad_to_multiple_of, pad_token_id) for idx in bins
-    ]
+    return [_build(prepared, prompt_values, idx, pad_to_multiple_of, pad_token_id) for idx in bins]
 
 
 def _build(
     samples: list[Sample],
-    prompt_temperatures: list[float],
+    prompt_values: list[dict[str, Any]],
     indices: list[int],
     pad_to: int | None,
     pad_id: int,
 ) -> PackedBatch:
     ids: list[int] = []
     pos: list[int] = []
-    rl: list[bool] = []
-    echo: list[float] = []
-    obs: list[bool] = []
-    lq: list[float] = []
-    temps: list[float] = []
+    values: dict[str, list[Any]] = {st.name: [] for st in STREAMS}
     lengths: list[int] = []
     for i in indices:
         s = samples[i]
-        n, p = len(s), len(s.prompt_ids)
         ids += s.token_ids
-        pos += range(n)
-        rl += s.rl_mask()
-        echo += s.token_echo_weights()
-        obs += s.token_observation_mask()
-        lq += [0.0] * p + s.completion_logprobs
-        ct = s.completion_temperatures
-        temps += [prompt_temperatures[i]] * p + (
-            list(ct) if ct is not None else [1.0] * len(s.completion_ids)
-        )
-        lengths.append(n)
+        pos += range(len(s))
+        for st in STREAMS:
+            values[st.name] += st.token_values(s, prompt_values[i][st.name])
+        lengths.append(len(s))
     num_padding = 0
     if pad_to is not None and len(ids) % pad_to:
         num_padding = pad_to - len(ids) % pad_to
         ids += [pad_id] * num_padding
         pos += range(num_padding)
-        rl += [False] * num_padding
-        echo += [0.0] * num_padding
-        obs += [False] * num_padding
-        lq += [0.0] * num_padding
-        temps += [1.0] * num_padding
+        for st in STREAMS:
+            values[st.name] += [st.fill] * num_padding
         lengths.append(num_padding)
     cu = [0]
     for n in lengths:
@@ -310,29 +322,28 @@ def _build(
     chosen = [samples[i] for i in indices]
     pad = (num_padding > 0,)
     cu_seqlens = torch.tensor(cu, dtype=torch.int32)
-    rl_mask = torch.tensor(rl, dtype=torch.bool)
+    streams = {st.packed: torch.tensor(values[st.name], dtype=st.dtype) for st in STREAMS}
     sample_advantages = tuple(s.advantage for s in chosen) + ((None,) if pad[0] else ())
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         position_ids=torch.tensor(pos, dtype=torch.long),
         cu_seqlens=cu_seqlens,
         max_seqlen=max(lengths),
-        rl_mask=rl_mask,
-        echo_weights=torch.tensor(echo, dtype=torch.float32),
-        observation_mask=torch.tensor(obs, dtype=torch.bool),
-        advantages=broadcast_packed_advantages(sample_advantages, cu_seqlens, rl_mask),
-        inference_logprobs=torch.tensor(lq, dtype=torch.float32),
-        temperatures=torch.tensor(temps, dtype=torch.float32),
+        streams=MappingProxyType(streams),
+        advantages=broadcast_packed_advantages(sample_advantages, cu_seqlens, streams["rl_mask"]),
         sample_indices=tuple(indices) + ((-1,) if pad[0] else ()),
         prompt_lens=tuple(len(s.prompt_ids) for s in chosen) + ((0,) if pad[0] else ()),
         sample_advantages=sample_advantages,
         env_names=tuple(s.env_name for s in chosen) + (("",) if pad[0] else ()),
         num_padding=num_padding,
-        has_echo=tuple(s.echo_weights is not None for s in chosen) + ((False,) if pad[0] else ()),
-        has_observation=tuple(s.observation_mask is not None for s in chosen)
-        + ((False,) if pad[0] else ()),
-        has_temperatures=tuple(s.completion_temperatures is not None for s in chosen)
-        + ((False,) if pad[0] else ()),
+        carried=MappingProxyType(
+            {
+                st.name: tuple(getattr(s, st.name) is not None for s in chosen)
+                + ((False,) if pad[0] else ())
+                for st in STREAMS
+                if st.optional
+            }
+        ),
     )
 
 
@@ -360,27 +371,20 @@ def unpack(batch: PackedBatch) -> list[tuple[int, Sample]]:
         lo, hi = cu[k], cu[k + 1]
         p = batch.prompt_lens[k]
         ids = batch.input_ids[lo:hi].tolist()
-        echo = batch.echo_weights[lo:hi].tolist()
-        out.append(
-            (
-                idx,
-                Sample(
-                    prompt_ids=ids[:p],
-                    completion_ids=ids[p:],
-                    completion_mask=batch.rl_mask[lo + p : hi].tolist(),
-                    completion_logprobs=batch.inference_logprobs[lo + p : hi].tolist(),
-                    completion_temperatures=batch.temperatures[lo + p : hi].tolist()
-                    if batch.has_temperatures[k]
-                    else None,
-                    echo_weights=[w if w > 0 else None for w in echo]
-                    if batch.has_echo[k]
-                    else None,
-                    observation_mask=batch.observation_mask[lo:hi].tolist()
-                    if batch.has_observation[k]
-                    else None,
-                    advantage=batch.sample_advantages[k],
-                    env_name=batch.env_names[k],
-                ),
+        streams: dict[str, Any] = {
+            st.name: st.from_packed(
+                batch.streams[st.packed][lo:hi].tolist(),
+                p,
+                carried=not st.optional or batch.carried[st.name][k],
             )
+            for st in STREAMS
+        }
+        sample = Sample(
+            prompt_ids=ids[:p],
+            completion_ids=ids[p:],
+            advantage=batch.sample_advantages[k],
+            env_name=batch.env_names[k],
+            **streams,
         )
+        out.append((idx, sample))
     return out

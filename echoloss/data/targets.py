@@ -7,11 +7,14 @@ stream shifted by one, so that ``logits[j]`` is scored against ``labels[j]`` wit
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
 
 from echoloss._validate import describe, problem
+from echoloss.data.interleave import STREAMS
 from echoloss.data.packing import PackedBatch
 
 __all__ = ["NextTokenTargets", "next_token_targets"]
@@ -21,27 +24,47 @@ class NextTokenTargets(NamedTuple):
     """Row-aligned view of a [`PackedBatch`][echoloss.data.packing.PackedBatch]: row ``j`` of the logits predicts ``labels[j]``.
 
     Rows whose next token belongs to another segment (the last row of each sequence) and padding
-    rows predict nothing: their masks are False, weights 0, label ``0``.
+    rows predict nothing: their streams hold each stream's ``fill`` (masks False, weights 0),
+    label ``0``.
 
     Attributes:
         labels: ``[L]`` int64.
+        sequence_ids: ``[L]`` int64 segment of each row, ``-1`` for padding.
+        advantages: ``[L]`` float32.
+        streams: every packed stream shifted by one, by packed name (``[L]`` each): the
+            attributes below and any stream added to [`STREAMS`][echoloss.data.interleave.STREAMS];
+            `echoloss.LossInputs.from_targets` takes those named like a record field.
         rl_mask: ``[L]`` bool.
         echo_weights: ``[L]`` float32 (0 = not echoed).
         observation_mask: ``[L]`` bool.
-        advantages: ``[L]`` float32.
         inference_logprobs: ``[L]`` float32.
         temperatures: ``[L]`` float32.
-        sequence_ids: ``[L]`` int64 segment of each row, ``-1`` for padding.
     """
 
     labels: torch.Tensor
-    rl_mask: torch.Tensor
-    echo_weights: torch.Tensor
-    observation_mask: torch.Tensor
-    advantages: torch.Tensor
-    inference_logprobs: torch.Tensor
-    temperatures: torch.Tensor
     sequence_ids: torch.Tensor
+    advantages: torch.Tensor
+    streams: Mapping[str, torch.Tensor]
+
+    @property
+    def rl_mask(self) -> torch.Tensor:
+        return self.streams["rl_mask"]
+
+    @property
+    def echo_weights(self) -> torch.Tensor:
+        return self.streams["echo_weights"]
+
+    @property
+    def observation_mask(self) -> torch.Tensor:
+        return self.streams["observation_mask"]
+
+    @property
+    def inference_logprobs(self) -> torch.Tensor:
+        return self.streams["inference_logprobs"]
+
+    @property
+    def temperatures(self) -> torch.Tensor:
+        return self.streams["temperatures"]
 
 
 def next_token_targets(batch: PackedBatch) -> NextTokenTargets:
@@ -79,23 +102,22 @@ def next_token_targets(batch: PackedBatch) -> NextTokenTargets:
         )
     _check_segment_starts_untrained(batch)
 
-    def shift(x: torch.Tensor, fill: float | bool | int) -> torch.Tensor:
-        return torch.cat([x[1:], x.new_full((1,), fill)])  # [L]
-
-    # A segment's first token is never a target, so the row before it must predict nothing.
+    # A segment's first token is never a target, so the row before it predicts nothing: it holds
+    # label 0 and every stream's fill, never a value of the next sequence.
     starts = batch.cu_seqlens[1:-1].long()  # [S - 1] first token of every segment but the first
+
+    def shift(x: torch.Tensor, fill: float | bool | int) -> torch.Tensor:
+        out = torch.cat([x[1:], x.new_full((1,), fill)])  # [L]
+        out[starts - 1] = fill
+        return out
+
     labels = shift(batch.input_ids, 0)  # [L]
-    labels[starts - 1] = 0
-    seq = batch.sequence_ids()
+    streams = {st.packed: shift(batch.streams[st.packed], st.fill) for st in STREAMS}
     return NextTokenTargets(
         labels=labels,
-        rl_mask=shift(batch.rl_mask, False),
-        echo_weights=shift(batch.echo_weights, 0.0),
-        observation_mask=shift(batch.observation_mask, False),
+        sequence_ids=batch.sequence_ids(),
         advantages=shift(batch.advantages, 0.0),
-        inference_logprobs=shift(batch.inference_logprobs, 0.0),
-        temperatures=shift(batch.temperatures, 1.0),
-        sequence_ids=seq,
+        streams=MappingProxyType(streams),
     )
 
 

@@ -11,7 +11,7 @@ input is one more field here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -343,8 +343,9 @@ class LossInputs:
     def from_targets(cls, targets: Any, **extra: Any) -> LossInputs:
         """The record of [`echoloss.next_token_targets`][echoloss.data.targets.next_token_targets] (any object with those attributes).
 
-        Every attribute of ``targets`` named like a field is taken (``temperatures`` becomes
-        ``temperature``); ``extra`` adds or overrides fields, e.g.
+        Every attribute of ``targets`` named like a field is taken, and every entry of its
+        ``streams`` mapping named like one (so a stream added to the data path's table reaches the
+        record with no edit here; ``temperatures`` becomes ``temperature``); ``extra`` adds or overrides fields, e.g.
         ``env_names=batch.env_names`` or ``old_logprobs=...``.
 
         Examples:
@@ -358,6 +359,9 @@ class LossInputs:
         """
         names = set(cls.field_names())
         values = {n: getattr(targets, n) for n in names if hasattr(targets, n)}
+        streams = getattr(targets, "streams", None)  # NextTokenTargets: every declared stream
+        if isinstance(streams, Mapping):
+            values.update({n: v for n, v in streams.items() if n in names})
         if "temperature" not in values and hasattr(targets, "temperatures"):
             values["temperature"] = targets.temperatures
         if "rl_mask" not in values and "rl_mask" not in extra:

@@ -15,10 +15,11 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
 import torch
 
+from echoloss._registry import Registry
 from echoloss.loss.inputs import LossInputs
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "dppo_loss",
     "gspo_loss",
     "kl_penalty",
+    "list_policies",
     "mismatch_weights",
     "ppo_clip_loss",
     "register_policy",
@@ -482,12 +484,14 @@ class PolicySpec:
     echo_safe: bool = True
 
 
-_REGISTRY: dict[str, PolicySpec] = {}
-_BUILTIN: set[str] = set()  # filled after the built-ins are registered
+_REGISTRY: Registry[PolicySpec] = Registry("policy", register_with="register_policy")
 #: Read-only view of the registered policies, name → :class:`PolicySpec`.
-POLICIES: Mapping[str, PolicySpec] = MappingProxyType(_REGISTRY)
+POLICIES: Mapping[str, PolicySpec] = _REGISTRY.view
+
+_Policy = TypeVar("_Policy", bound=PolicyFn)
 
 
+@overload
 def register_policy(
     name: str,
     fn: PolicyFn,
@@ -496,9 +500,39 @@ def register_policy(
     uses_ratio: bool = True,
     needs_sequences: bool = False,
     defaults: Mapping[str, float] | None = None,
-    replace: bool = False,
-) -> PolicySpec:
+    overwrite: bool = False,
+) -> PolicySpec: ...
+
+
+@overload
+def register_policy(
+    name: str,
+    fn: None = None,
+    *,
+    reads: tuple[str, ...] = (),
+    uses_ratio: bool = True,
+    needs_sequences: bool = False,
+    defaults: Mapping[str, float] | None = None,
+    overwrite: bool = False,
+) -> Callable[[_Policy], _Policy]: ...
+
+
+def register_policy(
+    name: str,
+    fn: PolicyFn | None = None,
+    *,
+    reads: tuple[str, ...] = (),
+    uses_ratio: bool = True,
+    needs_sequences: bool = False,
+    defaults: Mapping[str, float] | None = None,
+    overwrite: bool = False,
+) -> PolicySpec | Callable[[_Policy], _Policy]:
     """Make ``LossConfig(policy=name)`` use ``fn``: one function, one registration.
+
+    Like every registry of echoloss (advantage functions, echo filters): a direct call
+    ``register_policy(name, fn, ...)`` (returns the [`PolicySpec`][echoloss.loss.policy.PolicySpec]) or a decorator
+    ``@register_policy(name, ...)`` (returns the function), one ``overwrite`` flag, and a listing
+    ([`list_policies`][echoloss.loss.policy.list_policies]).
 
     ``fn(inputs, config)`` receives the RL rows only ([`PolicyInputs`][echoloss.loss.policy.PolicyInputs]) and returns the
     per-token loss before normalisation and optional flags ([`PolicyOutput`][echoloss.loss.policy.PolicyOutput]); the loss adds
@@ -513,11 +547,13 @@ def register_policy(
             ``inference_logprobs``); False = on-policy functions of ``lp`` and ``A`` only.
         needs_sequences: whether it needs ``sequence_ids``.
         defaults: values of ``kl_tau`` / ``eps_low`` / ``eps_high`` when the config leaves them None.
-        replace: allow re-registering a name registered earlier (e.g. a notebook cell run
-            twice); the built-in policies cannot be replaced.
+        overwrite: replace a different policy registered earlier under ``name`` (registering
+            the same function with the same declarations again is a no-op); the built-in
+            policies cannot be replaced.
 
     Returns:
-        The registered [`PolicySpec`][echoloss.loss.policy.PolicySpec].
+        The registered [`PolicySpec`][echoloss.loss.policy.PolicySpec]; without ``fn``, a
+        decorator that registers the function and returns it unchanged.
 
     Examples:
         >>> import torch
@@ -533,11 +569,21 @@ def register_policy(
     """
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"name must be an identifier-like str, got {name!r}")
-    if name in _BUILTIN or (name in _REGISTRY and not replace):
-        raise ValueError(
-            f"name must be a new policy name, got {name!r} (already registered"
-            + (", built in)" if name in _BUILTIN else "; pass replace=True to re-register it)")
-        )
+    if fn is None:
+
+        def decorate(policy: _Policy) -> _Policy:
+            register_policy(
+                name,
+                policy,
+                reads=reads,
+                uses_ratio=uses_ratio,
+                needs_sequences=needs_sequences,
+                defaults=defaults,
+                overwrite=overwrite,
+            )
+            return policy
+
+        return decorate
     if not callable(fn):
         raise TypeError(f"fn must be callable fn(inputs, config) -> PolicyOutput, got {fn!r}")
     if isinstance(reads, str) or not isinstance(reads, (tuple, list)):
@@ -558,8 +604,17 @@ def register_policy(
         needs_sequences=needs_sequences,
         defaults=MappingProxyType(_checked_defaults(defaults)),
     )
-    _REGISTRY[name] = spec
-    return spec
+    return _REGISTRY.register(name, spec, overwrite=overwrite)
+
+
+def list_policies() -> list[str]:
+    """The names ``LossConfig.policy`` accepts, sorted.
+
+    Examples:
+        >>> [p for p in list_policies() if p in ("dppo", "gspo")]
+        ['dppo', 'gspo']
+    """
+    return _REGISTRY.names()
 
 
 #: The ``LossConfig`` fields a policy may default, and the range ``LossConfig`` accepts for each.
@@ -658,7 +713,7 @@ def get_policy(name: str) -> PolicySpec:
     spec = _REGISTRY.get(name)
     if spec is None:
         raise ValueError(
-            f"policy must be one of {sorted(_REGISTRY)}, got {name!r}; register a new one with "
+            f"policy must be one of {list_policies()}, got {name!r}; register a new one with "
             "echoloss.loss.register_policy(name, fn)"
         )
     return spec
@@ -708,5 +763,7 @@ register_policy(
 register_policy("reinforce", _reinforce, uses_ratio=False)
 # A function given per call as ``policy_fn=`` (kept for callers of the keyword form): it may read
 # any field, and must confirm that it does not need the echo rows it never sees.
-_REGISTRY["custom"] = PolicySpec("custom", None, reads=None, uses_ratio=False, echo_safe=False)
-_BUILTIN.update(_REGISTRY)
+_REGISTRY.register(
+    "custom", PolicySpec("custom", None, reads=None, uses_ratio=False, echo_safe=False)
+)
+_REGISTRY.freeze_builtins()

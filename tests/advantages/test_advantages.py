@@ -643,8 +643,9 @@ def test_registry_lists_builtins():
 
 
 @pytest.fixture
-def isolated_registry(monkeypatch):
-    monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))
+def isolated_registry():
+    with registry_module._REGISTRY.isolated():
+        yield
 
 
 def test_register_and_resolve_custom_fn(isolated_registry):

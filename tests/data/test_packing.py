@@ -203,7 +203,9 @@ def test_pack_then_unpack_returns_the_samples(samples, max_tokens, pad):
         assert b.position_ids[starts].eq(0).all()
         assert not b.rl_mask[starts].any() and b.echo_weights[starts].eq(0).all()
         t = next_token_targets(b)
-        assert all(x.shape == (n,) for x in t)
+        assert all(
+            x.shape == (n,) for x in (t.labels, t.sequence_ids, t.advantages, *t.streams.values())
+        )
         # Within a segment, row j predicts token j + 1.
         for k in range(len(b.sample_indices)):
             lo, hi = int(b.cu_seqlens[k]), int(b.cu_seqlens[k + 1])
@@ -266,7 +268,7 @@ def test_targets_reject_a_trained_segment_start():
     for name, value in (("rl_mask", True), ("echo_weights", 0.5), ("observation_mask", True)):
         stream = getattr(b, name).clone()
         stream[start] = value
-        bad = dataclasses.replace(b, **{name: stream})
+        bad = dataclasses.replace(b, streams={**b.streams, name: stream})
         with pytest.raises(ValueError, match=rf"batch.{name}\[{start}\] marks the first token"):
             next_token_targets(bad)
     with pytest.raises(TypeError, match=r"batch must be an echoloss\.PackedBatch"):

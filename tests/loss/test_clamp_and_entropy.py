@@ -132,7 +132,7 @@ def test_a_registered_policy_is_one_function_and_one_registration():
     def double_reinforce(inputs, config):
         return PolicyOutput(-2.0 * inputs.advantages * inputs.logprobs, {})
 
-    register_policy("double_reinforce_test", double_reinforce, uses_ratio=False, replace=True)
+    register_policy("double_reinforce_test", double_reinforce, uses_ratio=False, overwrite=True)
     assert POLICIES["double_reinforce_test"].fn is double_reinforce
     lp = torch.tensor([-0.5, -1.0], dtype=F64, requires_grad=True)
     x = LossInputs(rl_mask=torch.tensor([True, True]), advantages=torch.ones(2, dtype=F64))
@@ -141,7 +141,9 @@ def test_a_registered_policy_is_one_function_and_one_registration():
     # it reads no policy parameter: setting one is refused
     with pytest.raises(ValueError, match=r"eps_high=0.3 is ignored by policy='double_reinforce"):
         LossConfig(policy="double_reinforce_test", eps_high=0.3)
-    with pytest.raises(ValueError, match=r"already registered; pass replace=True"):
+    # the same registration again is a no-op; a different one needs overwrite=True
+    register_policy("double_reinforce_test", double_reinforce, uses_ratio=False)
+    with pytest.raises(ValueError, match=r"already registered .*pass overwrite=True"):
         register_policy("double_reinforce_test", double_reinforce)
-    with pytest.raises(ValueError, match=r"already registered, built in"):
-        register_policy("dppo", double_reinforce, replace=True)
+    with pytest.raises(ValueError, match=r"policy 'dppo' is built in and cannot be replaced"):
+        register_policy("dppo", double_reinforce, overwrite=True)

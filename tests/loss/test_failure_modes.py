@@ -84,11 +84,11 @@ def test_golden_case_b_from_logits():
     torch.testing.assert_close(_grad(out.loss, logits), want, rtol=1e-13, atol=1e-15)
 
 
-# ---------------------------------------------------------------- #1: a select kills the echo gradient
+# ---------------------------------------------------------------- spec §12 F1: a select kills the echo gradient
 
 
-def _g1_buggy_select(lp, *, rl_mask, echo_weights, advantages, inference_logprobs):
-    """G1's first design: echo rows stay in the RL path, their log ratio replaced by a constant."""
+def _f1_buggy_select(lp, *, rl_mask, echo_weights, advantages, inference_logprobs):
+    """The design behind spec §12 F1: echo rows stay in the RL path, their log ratio replaced by a constant."""
     echo = echo_weights > 0
     loss_mask = rl_mask | echo
     adv = torch.where(echo, echo_weights, advantages)
@@ -113,15 +113,15 @@ def test_1_echo_gradient_is_minus_weight_over_echo_count():
     # Two echo rows: d loss / d lp = -w / N_echo exactly, and not zero.
     assert g[1].item() == -0.5 / 2 and g[3].item() == -0.25 / 2
     # The same check catches the buggy select (its echo gradient is exactly 0).
-    gb = _echo_grads(_g1_buggy_select)
+    gb = _echo_grads(_f1_buggy_select)
     assert gb[1].item() == 0.0 and gb[3].item() == 0.0
 
 
-# ---------------------------------------------------------------- #2: trust region drops echo rows
+# ---------------------------------------------------------------- spec §12 F2: trust region drops echo rows
 
 
 def _dppo_echo_in_trust_region(lp, *, rl_mask, echo_weights, advantages, inference_logprobs):
-    """The G1 hazard: echo rows pass a probability-difference trust region (two-sided here, as
+    """Spec §12 F2: echo rows pass a probability-difference trust region (two-sided here, as
     prime-rl's ``ipo`` mask) against their 0.0 placeholder, so ``p - 1 < -0.2`` drops them."""
     echo = echo_weights > 0
     adv = torch.where(echo, echo_weights, advantages)
@@ -153,7 +153,7 @@ def test_2_echo_ignores_inference_logprobs(placeholder):
         assert gb[1].item() == 0.0 and gb[3].item() == 0.0
 
 
-# ---------------------------------------------------------------- #3: echo rows dilute the RL denominator
+# ---------------------------------------------------------------- spec §12 F3: echo rows dilute the RL denominator
 
 
 def _shared_denominator(lp, *, rl_mask, echo_weights, advantages, inference_logprobs):
@@ -180,7 +180,7 @@ def test_3_rl_gradient_unchanged_by_extra_echo_rows(fn_name):
     assert all(same) == (fn_name == "ours")
 
 
-# ---------------------------------------------------------------- #4: adv_tau leaks into echo
+# ---------------------------------------------------------------- spec §12 F4: adv_tau leaks into echo
 
 
 def test_4_adv_tau_never_scales_echo():
@@ -202,7 +202,7 @@ def test_4_adv_tau_never_scales_echo():
     assert g3[[0, 2]].tolist() == [-1.5, 3.0] and g1[[0, 2]].tolist() == [-0.5, 1.0]
 
 
-# ---------------------------------------------------------------- #19: echo where it cannot be honoured
+# ---------------------------------------------------------------- spec §12 F19: echo where it cannot be honoured
 
 
 def _custom(inputs, config):
@@ -271,7 +271,7 @@ def test_custom_policy_sees_rl_rows_only():
     assert out.metrics["custom_frac/all"].item() == 0.5
 
 
-# ---------------------------------------------------------------- #20: empty micro-batch hangs FSDP
+# ---------------------------------------------------------------- spec §12 F20: empty micro-batch hangs FSDP
 
 
 @pytest.mark.parametrize(
@@ -306,7 +306,7 @@ def test_20_all_masked_micro_batch_backprops_a_connected_zero(config):
     assert out.metrics["rl_tokens/all"].item() == 0 and out.metrics["echo_nll_max/all"].item() == 0
 
 
-# ---------------------------------------------------------------- #21: echo rows in RL metrics
+# ---------------------------------------------------------------- spec §12 F21: echo rows in RL metrics
 
 
 def test_21_rl_metrics_never_see_echo_rows():
@@ -340,7 +340,7 @@ def test_21_rl_metrics_never_see_echo_rows():
     assert with_echo.metrics["mismatch_kl/all"].item() == pytest.approx(kl.item(), rel=1e-6)
 
 
-# ---------------------------------------------------------------- #24: weight 0 means "not echoed"
+# ---------------------------------------------------------------- spec §12 F24: weight 0 means "not echoed"
 
 
 def test_24_weight_zero_rows_are_never_counted():
@@ -376,7 +376,7 @@ def test_echoed_rows_leave_the_rl_set():
     assert _grad(out.loss, lp).tolist() == [-1.0, -0.5]
 
 
-# ---------------------------------------------------------------- #26: echo temperature
+# ---------------------------------------------------------------- spec §12 F26: echo temperature
 
 
 @pytest.mark.parametrize("echo_temperature", ["one", "sampling"])

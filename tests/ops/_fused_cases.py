@@ -16,7 +16,7 @@ the final rounding of two fp32 values that differ in their last bits:
   largest coefficient ``(|a| + |b|)/T``. bf16/fp16 outputs can differ by one ulp where the two
   fp32 values round to neighbours: ``rtol = 2^-7`` (bf16 keeps 8 significant bits) and ``2^-10``
   (fp16, 11 bits).
-- ``assert_no_worse_than_reference`` (R7): against the fp64 gold on the same rounded inputs,
+- ``assert_no_worse_than_reference`` (spec §14.1): against the fp64 gold on the same rounded inputs,
   ``max|fused - gold| ≤ 2 · max(max|ref - gold|, floor)``, the floor being the unavoidable error
   of the output format (two ulps of the largest gold value) so that two near-zero errors do not
   turn into a ratio of noise.
@@ -80,7 +80,7 @@ def max_err(x: torch.Tensor, gold: torch.Tensor) -> float:
 def assert_no_worse_than_reference(
     fused: torch.Tensor, ref: torch.Tensor, gold: torch.Tensor, *, what: str
 ) -> None:
-    """``max|fused - gold| ≤ GOLD_FACTOR · max(max|ref - gold|, floor)`` (R7)."""
+    """``max|fused - gold| ≤ GOLD_FACTOR · max(max|ref - gold|, floor)`` (spec §14.1)."""
     e_f, e_r = max_err(fused, gold), max_err(ref, gold)
     ulp = torch.finfo(fused.dtype).eps * float(gold.detach().abs().max()) if gold.numel() else 0.0
     bound = GOLD_FACTOR * max(e_r, GOLD_FLOOR_ULPS * ulp)
@@ -124,3 +124,26 @@ def loss_batch(*, seq_lens: list[int], vocab: int, seed: int = 0, temperature: f
         "temperature": torch.full((n,), temperature, dtype=torch.float64),
     }
     return {k: v.to(DEVICE) for k, v in batch.items()}
+
+
+# Non-default parameters that make the clips of each built-in policy bind on the random batches
+# (a policy registered later runs with its defaults).
+POLICY_PARAMETERS = {
+    "ppo_clip": {"dual_clip": 3.0},
+    "cispo": {"cispo_max": 1.2},
+    "gspo": {"eps_low": 0.05, "eps_high": 0.05},
+}
+
+
+def registry_configs(**extra):
+    """One ``LossConfig`` per policy of the registry (``policy="custom"``, which has no function
+    of its own, excepted), plus the named ``extra`` configurations: the fused tests loop over
+    it, so a newly registered policy is checked on every backend."""
+    from echoloss.loss import POLICIES, LossConfig
+
+    configs = {
+        name: LossConfig(policy=name, **POLICY_PARAMETERS.get(name, {}))
+        for name, spec in sorted(POLICIES.items())
+        if spec.fn is not None
+    }
+    return {**configs, **extra}

@@ -13,6 +13,7 @@ from _fused_cases import (
     assert_grad_close,
     assert_no_worse_than_reference,
     loss_batch,
+    registry_configs,
 )
 
 from echoloss.loss import LossConfig, echo_loss
@@ -20,22 +21,23 @@ from echoloss.loss import LossConfig, echo_loss
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 VOCAB = 1531  # odd; three blocks of 512 on the interpreter (tests/ops/conftest.py)
-POLICIES = {
-    "dppo": LossConfig(policy="dppo"),
-    "ppo_clip": LossConfig(policy="ppo_clip", dual_clip=3.0),
-    "cispo": LossConfig(policy="cispo", cispo_max=1.2),
-    "gspo": LossConfig(policy="gspo", eps_low=0.05, eps_high=0.05),
-    "reinforce": LossConfig(policy="reinforce"),
-    "entropy+kl": LossConfig(
-        policy="ppo_clip", entropy_coef=0.05, kl_coef=0.1, kl_estimator="k3", compute_entropy=True
-    ),
-    "sampling_T+seq_norm": LossConfig(
-        policy="dppo",
-        echo_temperature="sampling",
-        rl_normalization="sequence_mean_token_mean",
-        echo_normalization="sequence_mean",
-    ),
-}
+POLICIES = registry_configs(
+    **{
+        "entropy+kl": LossConfig(
+            policy="ppo_clip",
+            entropy_coef=0.05,
+            kl_coef=0.1,
+            kl_estimator="k3",
+            compute_entropy=True,
+        ),
+        "sampling_T+seq_norm": LossConfig(
+            policy="dppo",
+            echo_temperature="sampling",
+            rl_normalization="sequence_mean_token_mean",
+            echo_normalization="sequence_mean",
+        ),
+    }
+)
 
 
 def _loss(batch, dtype, backend, config):
@@ -71,7 +73,7 @@ def test_loss_and_grad_match_reference(policy, dtype, fused_calls):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("policy", ["dppo", "gspo", "entropy+kl"])
 def test_low_precision_error_no_worse_than_reference(policy, dtype):
-    """R7 at the loss level: the gold is the reference in fp64 on the same rounded logits."""
+    """Spec §14.1 at the loss level: the gold is the reference in fp64 on the same rounded logits."""
     batch = loss_batch(seq_lens=[12, 7], vocab=VOCAB, seed=4)
     cfg = POLICIES[policy]
     rounded = dict(batch, logits=batch["logits"].to(dtype).double())

@@ -11,6 +11,7 @@ from _fused_cases import (
     STAT_TOL,
     assert_no_worse_than_reference,
     loss_batch,
+    registry_configs,
 )
 
 from echoloss import LossConfig, echo_loss, echo_loss_from_hidden
@@ -125,15 +126,10 @@ def test_linear_logprobs_equal_the_logits_path(backend, dtype, temperature):
     assert torch.equal(gh[~mask], torch.zeros_like(gh[~mask]))
 
 
-POLICIES = {
-    "dppo": LossConfig(policy="dppo"),
-    "ppo_clip": LossConfig(policy="ppo_clip", dual_clip=3.0),
-    "cispo": LossConfig(policy="cispo", cispo_max=1.2),
-    "gspo": LossConfig(policy="gspo", eps_low=0.05, eps_high=0.05),
-    "reinforce": LossConfig(policy="reinforce"),
-    "entropy_bonus": LossConfig(policy="ppo_clip", entropy_coef=0.05, compute_entropy=True),
-    "sampling_T": LossConfig(policy="dppo", echo_temperature="sampling"),
-}
+POLICIES = registry_configs(
+    entropy_bonus=LossConfig(policy="ppo_clip", entropy_coef=0.05, compute_entropy=True),
+    sampling_T=LossConfig(policy="dppo", echo_temperature="sampling"),
+)
 
 
 def _hidden_loss(batch, h, w, config, backend, *, chunk_size=None, temperature=None):
@@ -211,7 +207,7 @@ def test_triton_chunks_run_the_kernels(fused_calls):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_error_no_worse_than_logits_path(backend):
-    """R7 for the fused-linear path: against the fp64 loss on the same bf16-rounded hidden states
+    """Spec §14.1 for the fused-linear path: against the fp64 loss on the same bf16-rounded hidden states
     and weight, its gradients are at most 2x as far off as ``echo_loss`` on bf16 logits (whose
     weight gradient is one bf16 GEMM; ours sums bf16 chunk products in fp32)."""
     batch = _batch([16, 12], seed=6)

@@ -108,7 +108,7 @@ def test_forward_backward_match_reference(dtype, temperature, masked):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_low_precision_error_no_worse_than_reference(dtype):
-    """R7: against the fp64 gold on the same rounded logits, the fused error is at most
+    """Spec §14.1: against the fp64 gold on the same rounded logits, the fused error is at most
     ``GOLD_FACTOR`` times the reference's (both compute in fp32, both round dlogits once)."""
     logits, labels, temps, mask = _inputs(31, dtype, seed=3)
     gold = _gold(logits, labels, temperature=temps, mask=mask)
