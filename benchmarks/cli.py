@@ -60,6 +60,7 @@ class Sweep:
 CPU_LOSS = ("naive", "reference", "trl")
 GPU_LOSS = ("naive", "reference", "triton", "torch-compile", "trl", "liger")
 LINEAR = ("linear-naive", "linear-echoloss", "fused-linear")
+CHECK_LOSS = ("naive", "triton", "trl", "liger")
 V_GPU = (32000, 128256, 151936, 262144)  # Llama-2/Mistral, Llama-3, Qwen2.5/3, Gemma 3
 
 SWEEPS: dict[tuple[str, str], Sweep] = {
@@ -88,6 +89,28 @@ SWEEPS: dict[tuple[str, str], Sweep] = {
             Shapes("linear", "float32", (1024, 2048), (32000, 151936), LINEAR, hidden=256),
         ),
         repeats=5,
+    ),
+    # The check: one table, echoloss vs its peers at shapes of real models (bf16), fwd+bwd.
+    ("cpu", "check"): Sweep(
+        "cpu-check",
+        (
+            Shapes("loss", "float32", (64, 256), (301, 4096), ("naive", "reference", "trl")),
+            Shapes("linear", "float32", (64,), (301,), LINEAR, hidden=32),
+        ),
+        repeats=3,
+        modes=("forward+backward",),
+    ),
+    ("cuda", "check"): Sweep(
+        "cuda-check",
+        (
+            Shapes("loss", "bfloat16", (4096,), (32000,), CHECK_LOSS),
+            Shapes("loss", "bfloat16", (16384,), (128256, 151936, 262144), CHECK_LOSS),
+            Shapes("loss", "bfloat16", (65536,), (151936,), CHECK_LOSS),
+            Shapes("linear", "bfloat16", (16384,), (151936,), LINEAR, hidden=4096),
+        ),
+        repeats=10,
+        warmup=2,
+        modes=("forward+backward",),
     ),
     ("cuda", "smoke"): Sweep(
         "cuda-smoke",
@@ -137,6 +160,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="one representative shape")
     size.add_argument("--smoke", action="store_true", help="tiny shapes (tests; seconds)")
+    size.add_argument(
+        "--check",
+        action="store_true",
+        help="one table: echoloss vs TRL vs Liger vs naive at 5 shapes + fused-linear (fwd+bwd)",
+    )
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="directory for results")
     p.add_argument("--name", default=None, help="file stem (default: <sweep>_<device>_<time>)")
     p.add_argument("--n", type=_ints, default=None, help="override N (comma list)")
@@ -170,7 +198,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def select(args: argparse.Namespace, kind: str) -> Sweep:
     """The sweep for the device and size, with the command-line overrides applied."""
-    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    size = "smoke" if args.smoke else "quick" if args.quick else "check" if args.check else "full"
     sw = SWEEPS[(kind, size)]
     blocks = []
     for b in sw.blocks:
@@ -216,6 +244,36 @@ def select(args: argparse.Namespace, kind: str) -> Sweep:
         repeats=args.repeats or sw.repeats,
         warmup=sw.warmup if args.warmup is None else args.warmup,
     )
+
+
+def check_table(rows: list[dict[str, Any]]) -> str:
+    """The check's one table: a line per (op, shape, provider), forward+backward.
+
+    ``% floor``: the 3-pass bandwidth floor (read the logits twice, write the gradient once)
+    over the median time, when the GPU's peak bandwidth is known. ``syncs`` / ``launches``: of
+    one call on the CUDA code path, Triton kernels not counted.
+    """
+    head = "| op | N | V | H | provider | median ms | % floor | syncs | launches | extra MiB |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r.get("time_ms")
+        med = f"{t['median']:.2f}" if t else r["status"]
+        pct = r.get("pct_of_peak_bandwidth")
+        mem = r.get("peak_extra_bytes")
+        cells = [
+            r["op"],
+            str(r["n"]),
+            str(r["v"]),
+            str(r["h"] or ""),
+            r["provider"],
+            med,
+            "" if pct is None else f"{pct:.0f}",
+            "" if r.get("host_syncs") is None else str(r["host_syncs"]),
+            "" if r.get("launches") is None else str(r["launches"]),
+            "" if mem is None else f"{mem / 2**20:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _slug(s: str) -> str:
@@ -312,6 +370,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         print(
             f"wrote {png}" if png else "no plot (matplotlib missing: pip install 'echoloss[bench]')"
         )
+    if args.check:
+        print("\n" + check_table(rows))
     red = [r for r in rows if r["status"] in ("gate-failed", "error")]
     bad = [r for r in red if REGISTRY[r["provider"]].ours]
     for r in red:

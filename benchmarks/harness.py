@@ -424,8 +424,26 @@ def new_row(base_row: dict[str, Any], wl: Workload, p: Provider, mode: str) -> d
         "floor_ms": None,
         "model_TFLOPs": None,
         "note": p.note,
+        "host_syncs": None,
+        "launches": None,
         "loadavg_before_after": None,
     }
+
+
+def count_call(fn: Callable[[], Outputs]) -> dict[str, Any]:
+    """Host syncs and aten launches of one call, on the CUDA code path (``benchmarks/counting.py``).
+
+    Triton kernels are not aten ops: on CUDA ``launches`` counts everything *besides* them. On
+    CPU the echoloss providers run their CUDA code path here (``device_code_path``) with the
+    PyTorch reference as the phases, whose ops are then part of ``launches``.
+    """
+    from benchmarks.counting import count_ops
+    from echoloss._deferred import device_code_path, raise_deferred_errors
+
+    with device_code_path(), count_ops() as c:
+        fn()
+    raise_deferred_errors()
+    return {"host_syncs": c.num_syncs, "launches": c.num_launches}
 
 
 def run_shape(
@@ -480,10 +498,11 @@ def run_shape(
                 log(f"  {mode:17s} {p.name:16s} GATE FAILED: {_gate_summary(g)}")
                 continue
             runnable[p.name] = fn
-        # Memory: one call each (the gate call was the warm-up).
+        # Memory: one call each (the gate call was the warm-up); then one counted call.
         for name, fn in list(runnable.items()):
             try:
                 mode_rows[name].update(measure_memory(ctx, fn))
+                mode_rows[name].update(count_call(fn))
             except Exception as e:
                 _fail(ctx, mode_rows[name], e)
                 del runnable[name]

@@ -46,6 +46,7 @@ from echoloss.loss import (
     echo_loss,
     echo_loss_from_hidden,
     echo_loss_from_logprobs,
+    raise_deferred_errors,
     register_policy,
     undo_data_parallel_averaging,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "list_echo_filters",
     "next_token_targets",
     "pack",
+    "raise_deferred_errors",
     "register_advantage_fn",
     "register_echo_filter",
     "register_policy",

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import torch
 
+from echoloss._deferred import DeferredChecks, first_true
+
 __all__ = [
     "bool_list",
     "check_bool",
@@ -336,6 +338,9 @@ def check_finite(
 ) -> None:
     """Raise naming the first non-finite entry of ``t`` (restricted to the rows ``where``).
 
+    On the device path the check runs on the device and the error is deferred
+    (``echoloss/_deferred.py``).
+
     Examples:
         >>> check_finite("advantages", torch.tensor([0.0, float("nan")]))
         Traceback (most recent call last):
@@ -343,19 +348,53 @@ def check_finite(
         ValueError: advantages must be finite on the rows that participate, got 1 non-finite value(s), the first at row 1: nan
     """
     flat = t.reshape(-1)
-    vals = flat if where is None else flat[where.reshape(-1)]
-    bad = ~torch.isfinite(vals)
-    if bool(bad.any()):
-        k = int(bad.nonzero()[0, 0])
-        row = k if where is None else int(where.reshape(-1).nonzero()[k, 0])
-        raise ValueError(
+    if flat.numel() == 0:
+        return
+    bad = ~torch.isfinite(flat)  # [N]
+    if where is not None:
+        bad = bad & where.reshape(-1)
+    row = first_true(bad)
+
+    def message(v: Sequence[float]) -> Exception | None:
+        if not v[0]:
+            return None
+        return ValueError(
             problem(
                 name,
                 "finite on the rows that participate",
-                f"{int(bad.sum())} non-finite value(s), the first at row {row}: {float(flat[row])}",
+                f"{int(v[1])} non-finite value(s), the first at row {int(v[2])}: {v[3]}",
                 fix,
             )
         )
+
+    checks = DeferredChecks(flat.device)
+    checks.add([bad.any(), bad.sum(), row, flat.index_select(0, row.view(1))], message)
+    checks.submit()
+
+
+def _check_temperature_values(flat: torch.Tensor) -> None:
+    """Every per-token temperature positive and finite (on the device path: checked there, the
+    error deferred; see ``echoloss/_deferred.py``)."""
+    if flat.numel() == 0:
+        return
+    bad = ~(torch.isfinite(flat) & (flat > 0))
+    i = first_true(bad)
+
+    def message(v: Sequence[float]) -> Exception | None:
+        if not v[0]:
+            return None
+        return ValueError(
+            problem(
+                f"temperature[{int(v[1])}]",
+                "a positive finite number",
+                repr(v[2]),
+                "padding rows take 1.0",
+            )
+        )
+
+    checks = DeferredChecks(flat.device)
+    checks.add([bad.any(), i, flat.index_select(0, i.view(1))], message)
+    checks.submit()
 
 
 def check_temperature(
@@ -393,17 +432,7 @@ def check_temperature(
             temperature = float(temperature)
         else:
             check_per_token("temperature", temperature, shape, device, "float")
-            bad = ~(torch.isfinite(temperature) & (temperature > 0))
-            if bool(bad.any()):
-                i = int(bad.reshape(-1).nonzero()[0, 0])
-                raise ValueError(
-                    problem(
-                        f"temperature[{i}]",
-                        "a positive finite number",
-                        repr(float(temperature.reshape(-1)[i])),
-                        "padding rows take 1.0",
-                    )
-                )
+            _check_temperature_values(temperature.reshape(-1))
             return temperature
     t = float(temperature)
     if not (math.isfinite(t) and t > 0):

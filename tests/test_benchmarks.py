@@ -25,7 +25,7 @@ ROW_KEYS = {
     "schema", "sweep", "op", "provider", "mode", "n", "v", "h", "dtype", "status", "reason",
     "gate", "time_ms", "peak_bytes", "peak_extra_bytes", "floor_bytes", "effective_GBps",
     "pct_of_peak_bandwidth", "floor_ms", "model_TFLOPs", "note", "workload", "env",
-    "loadavg_before_after",
+    "loadavg_before_after", "host_syncs", "launches",
 }  # fmt: skip
 ENV_KEYS = {
     "device_kind", "device_name", "versions", "git_sha", "timestamp", "torch_threads",
@@ -285,3 +285,20 @@ def test_git_sha_from_the_environment_wins_over_a_stale_git(monkeypatch):
     from_git = harness.environment(ctx, 1, None)["git_sha"]
     monkeypatch.setenv("ECHOLOSS_GIT_SHA", "0123abcd" * 5)
     assert harness.environment(ctx, 1, None)["git_sha"] == "0123abcd" * 5 != from_git
+
+
+def test_check_mode_prints_one_table_with_sync_and_launch_counts(tmp_path, capsys):
+    """``--check`` on CPU at tiny shapes: every provider gets a line with its host syncs and
+    launches on the CUDA code path; echoloss's own providers issue no host sync."""
+    rc = cli.main(["--device", "cpu", "--check", "--output", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    table = out[out.index("| op | N | V |") :]
+    rows = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert ok and all(r["host_syncs"] is not None and r["launches"] > 0 for r in ok)
+    ours = [r for r in ok if r["provider"] in ("reference", "linear-echoloss")]
+    assert ours and all(r["host_syncs"] == 0 for r in ours), [
+        (r["provider"], r["host_syncs"]) for r in ours
+    ]
+    assert len(table.strip().splitlines()) == 2 + len(rows)

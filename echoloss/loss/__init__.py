@@ -7,6 +7,7 @@ only in how they get the log-probabilities.
 
 from __future__ import annotations
 
+from echoloss._deferred import raise_deferred_errors
 from echoloss.loss.config import LossConfig
 from echoloss.loss.core import LossOutput, NonFiniteLossError, echo_loss, echo_loss_from_logprobs
 from echoloss.loss.hidden import echo_loss_from_hidden
@@ -40,6 +41,7 @@ __all__ = [
     "echo_loss",
     "echo_loss_from_hidden",
     "echo_loss_from_logprobs",
+    "raise_deferred_errors",
     "register_policy",
     "undo_data_parallel_averaging",
 ]

@@ -15,12 +15,18 @@ from typing import Any
 
 import torch
 
+from echoloss._deferred import DeferredChecks, Message
 from echoloss._validate import describe, problem
 from echoloss.loss.config import LossConfig
 from echoloss.loss.inputs import LossInputs
 from echoloss.loss.policy import PolicyFn, PolicySpec, get_policy
 
 __all__ = ["check_config", "check_requirements", "resolve_inputs"]
+
+
+def _fail_if(message: str) -> Message:
+    """A deferred-check message: ``ValueError(message)`` when the check's flag is set."""
+    return lambda v: ValueError(message) if v[0] else None
 
 
 def check_config(config: Any) -> LossConfig:
@@ -88,8 +94,17 @@ def resolve_inputs(
     return x
 
 
-def check_requirements(x: LossInputs, cfg: LossConfig, policy_fn: PolicyFn | None) -> PolicySpec:
+def check_requirements(
+    x: LossInputs,
+    cfg: LossConfig,
+    policy_fn: PolicyFn | None,
+    checks: DeferredChecks | None = None,
+) -> PolicySpec:
     """What the config and the policy need from the record; returns the policy's spec.
+
+    Requirements that depend on whether the record has RL or echo rows read device values:
+    they go through ``checks`` (immediate on the host path, deferred on the device path, see
+    ``echoloss/_deferred.py``); None = a set of this call's own, submitted here.
 
     Raises:
         ValueError: a field the configuration needs is missing (``advantages`` in mode
@@ -104,14 +119,18 @@ def check_requirements(x: LossInputs, cfg: LossConfig, policy_fn: PolicyFn | Non
         ...
         ValueError: advantages is required in mode='rl' ([N] float, 0 outside rl_mask)
     """
+    own = checks is None
+    checks = DeferredChecks(x.device) if checks is None else checks
     spec = get_policy(cfg.policy)
-    any_echo, any_rl = bool(x.echo.any()), bool(x.rl.any())
     rl_mode = cfg.mode == "rl"
-    if cfg.mode == "sft" and any_echo:
-        raise ValueError(
-            "echo rows with mode='sft': echo is only defined next to an RL term (the SFT loss "
-            "would train the echoed rows with the RL normaliser); put those rows in rl_mask as "
-            "SFT targets instead, or use mode='rl'"
+    if cfg.mode == "sft":
+        checks.add(
+            [x.echo.any()],
+            _fail_if(
+                "echo rows with mode='sft': echo is only defined next to an RL term (the SFT loss "
+                "would train the echoed rows with the RL normaliser); put those rows in rl_mask "
+                "as SFT targets instead, or use mode='rl'"
+            ),
         )
     if spec.fn is None and policy_fn is None and rl_mode:
         raise ValueError(
@@ -124,28 +143,34 @@ def check_requirements(x: LossInputs, cfg: LossConfig, policy_fn: PolicyFn | Non
             f"policy_fn was given but config.policy={cfg.policy!r}; set policy='custom' to use "
             "it (or register it with echoloss.loss.register_policy)"
         )
-    if rl_mode and not spec.echo_safe and any_echo and not cfg.allow_echo_with_custom_policy:
-        raise ValueError(
-            "echo rows with a custom policy: the custom function receives only the RL rows "
-            "and cannot see the echo weights, which are trained by the separate echo term. "
-            "If it does not need them (e.g. it does not normalise by the total count of loss "
-            "tokens), set LossConfig(allow_echo_with_custom_policy=True)"
+    if rl_mode and not spec.echo_safe and not cfg.allow_echo_with_custom_policy:
+        checks.add(
+            [x.echo.any()],
+            _fail_if(
+                "echo rows with a custom policy: the custom function receives only the RL rows "
+                "and cannot see the echo weights, which are trained by the separate echo term. "
+                "If it does not need them (e.g. it does not normalise by the total count of "
+                "loss tokens), set LossConfig(allow_echo_with_custom_policy=True)"
+            ),
         )
-    if rl_mode and any_rl:
+    if rl_mode:
+        missing = []
         if x.advantages is None:
-            raise ValueError("advantages is required in mode='rl' ([N] float, 0 outside rl_mask)")
+            missing.append("advantages is required in mode='rl' ([N] float, 0 outside rl_mask)")
         needs_lq = (spec.uses_ratio and x.old_logprobs is None) or cfg.mismatch is not None
         if needs_lq and x.inference_logprobs is None:
-            raise ValueError(
+            missing.append(
                 f"inference_logprobs is required by policy={cfg.policy!r}"
                 + (f" with mismatch={cfg.mismatch!r}" if cfg.mismatch else "")
                 + " ([N] float sampling logprobs; placeholders outside rl_mask are never read)"
             )
         if cfg.kl_coef > 0 and x.ref_logprobs is None:
-            raise ValueError(
+            missing.append(
                 f"ref_logprobs is required by kl_coef={cfg.kl_coef} ([N] float reference-model "
                 "logprobs of the labels); or set kl_coef=0"
             )
+        if missing:  # an error only when the record has RL rows
+            checks.add([x.rl.any()], _fail_if(missing[0]))
     needs_seq = []
     if rl_mode and spec.needs_sequences:
         needs_seq.append(f"policy={cfg.policy!r}")
@@ -166,4 +191,6 @@ def check_requirements(x: LossInputs, cfg: LossConfig, policy_fn: PolicyFn | Non
             f"sequence_ids is required by {', '.join(needs_seq)} ([N] int64 row -> sequence "
             "within the micro-batch, -1 for padding)"
         )
+    if own:
+        checks.submit()
     return spec

@@ -8,12 +8,16 @@ how it gets the log-probabilities: [`echo_loss`][echoloss.loss.echo_loss] from l
 logprobs is ``[N]``-sized PyTorch in `loss_from_logprobs`, in small steps:
 
 1. `check_requirements`: what the config and policy need from the record;
-2. `_check_scored`: the ``O(N)`` non-finite check of the logprobs (names the first bad row);
+2. `check_scored_rows`: the ``O(N)`` non-finite check of the logprobs (names the first bad row);
 3. `_local_sequences`: local sequence numbering and per-term sequence counts;
 4. `_resolve_normalizers`: the counts each term divides by;
 5. `_rl_per_token`: policy loss, mismatch weight, ``kl_tau``, reference KL, entropy bonus;
-6. `_rl_term` / `_echo_term`: the two normalised sums;
+6. `_rl_term` / `_echo_term`: the two normalised sums, and the final-loss check;
 7. `_metrics`.
+
+Every step works on ``[N]`` tensors, rows selected by mask arithmetic, so on CUDA nothing is
+read back to the host; value checks go through `echoloss._deferred.DeferredChecks` (raised at
+once on CPU, deferred on CUDA: ``docs/loss.md``, "When a value error is raised").
 
 The keyword form (``echo_loss(logits, labels, rl_mask=..., ...)``) takes the record's fields by
 name (``**fields``) and builds the record with `LossInputs.from_keywords`: no entry point spells a
@@ -23,21 +27,30 @@ field, so a new field of the record is a new keyword of every entry point.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from echoloss._compile import compiler_disable
+from echoloss._deferred import (
+    DeferredChecks,
+    first_true,
+    host_to_device,
+    on_device_path,
+    raise_deferred_errors,
+)
 from echoloss._validate import check_per_token, check_tensor, describe, problem
 from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
 from echoloss.loss.config import LossConfig
 from echoloss.loss.inputs import LOGPROB_TOLERANCE, LossInputs
 from echoloss.loss.metrics import loss_metrics
-from echoloss.loss.normalization import Normalizers, count_rows
+from echoloss.loss.normalization import Normalizers
 from echoloss.loss.policy import (
     PolicyFn,
     PolicyInputs,
+    PolicyOutput,
     PolicySpec,
     RecordRows,
     check_policy_output,
@@ -89,19 +102,22 @@ _SOURCE_CAUSE = {
 }
 
 
-def _check_scored(lp: torch.Tensor, x: LossInputs, source: str) -> None:
-    """O(N): every participating row's logprob is finite (else name the first bad row)."""
-    check_scored_rows(lp, x.rl, x.echo, source)
-
-
-def check_scored_rows(lp: torch.Tensor, rl: torch.Tensor, echo: torch.Tensor, source: str) -> None:
+def check_scored_rows(
+    lp: torch.Tensor,
+    rl: torch.Tensor,
+    echo: torch.Tensor,
+    source: str,
+    checks: DeferredChecks | None = None,
+) -> None:
     """O(N): every RL or echo row's logprob ``lp [N]`` is finite, else name the first bad row.
 
     A NaN or +inf anywhere in a row of logits makes its log-sum-exp, hence its logprob,
     non-finite, and -inf at the label gives -inf: one ``isfinite`` over the ``[N]`` logprobs
     catches all of them without reading the ``[N, V]`` logits again. Logprobs given by the
     caller (``source="logprobs"``) must also be ≤ 0 (up to ``LOGPROB_TOLERANCE``), like every
-    other logprob input.
+    other logprob input. On the device path the check runs there and the error is deferred
+    (``echoloss/_deferred.py``); ``checks`` collects it with the call's other checks (None = its
+    own, submitted here).
 
     Examples:
         >>> check_scored_rows(torch.tensor([-0.1, float("nan")]), torch.tensor([True, False]),
@@ -110,32 +126,70 @@ def check_scored_rows(lp: torch.Tensor, rl: torch.Tensor, echo: torch.Tensor, so
         ...
         echoloss.loss.core.NonFiniteLossError: logits row 1 must be a finite log-probability on an echo row, got nan (1 bad row(s); cause: NaN or +inf in that row of the logits, or -inf at its label); ...
     """
+    if lp.numel() == 0:
+        return
+    own = checks is None
+    checks = DeferredChecks(lp.device) if checks is None else checks
     part = rl | echo  # [N] bool
     bad = part & ~torch.isfinite(lp)  # [N] bool
     if source == "logprobs":
         bad = bad | (part & (lp > LOGPROB_TOLERANCE))  # [N] bool
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        kind = "an RL" if bool(rl[row]) else "an echo"
-        value = float(lp[row].detach())
+    row = first_true(bad)  # 0-dim
+
+    def message(v: Sequence[float]) -> Exception | None:
+        if not v[0]:
+            return None
+        r, kind, value = int(v[1]), ("an RL" if v[4] else "an echo"), v[3]
         if math.isfinite(value):  # a positive "logprob": a negative log-likelihood passed
-            raise ValueError(
+            return ValueError(
                 problem(
-                    f"{source}[{row}]",
+                    f"{source}[{r}]",
                     f"a log-probability ≤ 0 (up to {LOGPROB_TOLERANCE}) on {kind} row",
                     repr(round(value, 6)),
                     "pass log p, not the negative log-likelihood -log p",
                 )
             )
-        raise NonFiniteLossError(
+        return NonFiniteLossError(
             problem(
-                f"{source} row {row}",
+                f"{source} row {r}",
                 f"a finite log-probability on {kind} row",
-                f"{value} ({int(bad.sum())} bad row(s); cause: {_SOURCE_CAUSE[source]})",
+                f"{value} ({int(v[2])} bad row(s); cause: {_SOURCE_CAUSE[source]})",
                 "find where the model's output overflows (e.g. fp16 activations), or set "
                 "LossConfig(check_finite=False) to skip this check",
             )
         )
+
+    one = row.view(1)
+    checks.add(
+        [bad.any(), row, bad.sum(), lp.detach().index_select(0, one), rl.index_select(0, one)],
+        message,
+    )
+    if own:
+        checks.submit()
+
+
+def _check_finite_rows(
+    name: str, values: torch.Tensor, rows: torch.Tensor, why: str, checks: DeferredChecks
+) -> None:
+    """``values [N]`` finite on ``rows [N] bool`` (else name the first bad row)."""
+    if values.numel() == 0:
+        return
+    bad = rows & ~torch.isfinite(values)  # [N]
+    row = first_true(bad)
+
+    def message(v: Sequence[float]) -> Exception | None:
+        if not v[0]:
+            return None
+        return ValueError(
+            problem(
+                f"{name} at row {int(v[1])}",
+                f"finite ({why})",
+                f"{v[2]}",
+                "or set LossConfig(check_finite=False) to skip this check",
+            )
+        )
+
+    checks.add([bad.any(), row, values.detach().index_select(0, row.view(1))], message)
 
 
 # ---------------------------------------------------------------- 3. sequences
@@ -143,35 +197,86 @@ def check_scored_rows(lp: torch.Tensor, rl: torch.Tensor, echo: torch.Tensor, so
 
 @dataclass(frozen=True)
 class _Sequences:
-    """Local sequence numbering of the participating rows."""
+    """Local sequence numbering, as ``[N]`` tensors of static size (no host read).
 
-    num: int  # S_local: sequences with an RL or echo row
-    rl_index: torch.Tensor | None  # [n_rl] int64 local sequence of each RL row
-    echo_index: torch.Tensor | None  # [n_echo] int64 local sequence of each echo row
-    ids: torch.Tensor | None  # [S_local] int64 the sequence id of each local sequence, sorted
+    The sequences with an RL or echo row are numbered ``0..S_local-1`` in the order of their
+    ids; every per-sequence tensor has ``size = N + 1`` slots, the last one (``pad``) collecting
+    the rows that belong to none of them, so its entry is dropped from every sum.
+    """
+
+    size: int  # N + 1 slots of every per-sequence tensor
+    row: torch.Tensor | None  # [N] int64 local sequence of each row (pad: no local sequence)
+    rl_index: torch.Tensor | None  # [N] int64 local sequence of each RL row, pad elsewhere
+    echo_index: torch.Tensor | None  # [N] int64 local sequence of each echo row, pad elsewhere
+    num: torch.Tensor | int  # S_local: sequences with an RL or echo row
+    rl_count: torch.Tensor | int  # sequences with an RL row
+    echo_count: torch.Tensor | int  # sequences with an echo row
+
+    @property
+    def pad(self) -> int:
+        return self.size - 1
 
 
-def _local_sequences(x: LossInputs, rl_idx: torch.Tensor, echo_idx: torch.Tensor) -> _Sequences:
-    """Number the sequences that have an RL or echo row ``0..S_local-1`` (no id-sized table)."""
+def _seq_has(index: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size - 1]`` bool: which local sequences some row of ``index`` (pad = none) points to."""
+    ones = torch.ones_like(index, dtype=torch.int32)
+    return (
+        torch.zeros(size, dtype=torch.int32, device=index.device).index_add_(0, index, ones)[:-1]
+        > 0
+    )
+
+
+def _local_sequences(x: LossInputs) -> _Sequences:
+    """Number the sequences that have an RL or echo row ``0..S_local-1`` in id order.
+
+    Sort-based (no id-sized table, no ``unique``): rows sorted by id, a new group where the id
+    changes, groups without a participating row skipped by a cumulative sum.
+    """
     sid = x.flat("sequence_ids")
+    n = x.rl.numel()
     if sid is None:
-        return _Sequences(0, None, None, None)
+        return _Sequences(n + 1, None, None, None, 0, 0, 0)
     sid = sid.long()  # [N]
     part = x.rl | x.echo  # [N] bool
-    ids, local = torch.unique(sid[part], return_inverse=True)  # [S], [n_part]
-    seq_of_row = torch.full_like(sid, -1)  # [N], -1 = not participating
-    seq_of_row[part] = local
-    rl_index = seq_of_row[rl_idx]  # [n_rl]
-    echo_index = seq_of_row[echo_idx]  # [n_echo]
+    key = sid.masked_fill(sid < 0, torch.iinfo(torch.int64).max)  # [N] padding sorts last
+    sorted_key, order = torch.sort(key)  # [N], [N]
+    starts = torch.ones_like(part)
+    starts[1:] = sorted_key[1:] != sorted_key[:-1]  # [N] bool: first row of each id
+    group = torch.empty_like(order).scatter_(0, order, starts.long().cumsum(0) - 1)  # [N]
+    pad = n  # slot for rows in no participating sequence
+    group_part = _seq_has(torch.where(part, group, pad), n + 1)  # [N] group has a part. row
+    local_of_group = group_part.long().cumsum(0) - 1  # [N]
+    row = torch.where(group_part[group], local_of_group[group], pad)  # [N]
+    rl_index = torch.where(x.rl, row, pad)  # [N]
+    echo_index = torch.where(x.echo, row, pad)  # [N]
     return _Sequences(
-        num=int(ids.numel()),
+        size=n + 1,
+        row=row,
         rl_index=rl_index,
         echo_index=echo_index,
-        ids=ids,
+        num=group_part.sum(),
+        rl_count=_seq_has(rl_index, n + 1).sum(),
+        echo_count=_seq_has(echo_index, n + 1).sum(),
     )
 
 
 # ---------------------------------------------------------------- 4. normalisers
+
+_COUNT_NAMES = ("rl_tokens", "echo_tokens", "echo_batches", "rl_sequences", "echo_sequences")
+
+
+class _Counts(NamedTuple):
+    """The denominators of one call: Python ints (given normalisers) or 0-dim device counts."""
+
+    rl_tokens: int | torch.Tensor
+    echo_tokens: int | torch.Tensor
+    echo_batches: int | torch.Tensor
+    rl_sequences: int | torch.Tensor
+    echo_sequences: int | torch.Tensor
+
+
+def _at_least_one(count: int | torch.Tensor) -> int | torch.Tensor:
+    return max(count, 1) if isinstance(count, int) else count.clamp(min=1)
 
 
 def _used_counts(cfg: LossConfig) -> list[str]:
@@ -189,7 +294,9 @@ def _used_counts(cfg: LossConfig) -> list[str]:
     return used
 
 
-def _resolve_normalizers(normalizers: Any, local: Normalizers, cfg: LossConfig) -> Normalizers:
+def _resolve_normalizers(
+    normalizers: Any, local: _Counts, cfg: LossConfig, checks: DeferredChecks
+) -> _Counts:
     """``normalizers`` (checked to cover this call's own counts), or ``local`` when None."""
     if normalizers is None:
         return local
@@ -202,43 +309,60 @@ def _resolve_normalizers(normalizers: Any, local: Normalizers, cfg: LossConfig) 
             )
         )
     for name in _used_counts(cfg):
-        g, loc = getattr(normalizers, name), getattr(local, name)
-        if g < loc:
+        g = getattr(normalizers, name)
+
+        def message(v: Sequence[float], name: str = name, g: int = g) -> Exception | None:
+            loc = int(v[0])
+            if g >= loc:
+                return None
             hint = (
                 " (count_normalizers needs sequence_ids for the sequence_mean* modes)"
                 if name.endswith("sequences") and g == 0
                 else ""
             )
-            raise ValueError(
-                f"normalizers.{name}={g} is smaller than this call's {loc}{hint}: normalizers must "
-                "be the sum over every micro-batch of the step on every rank (count_normalizers "
-                "for each micro-batch, summed, then all_reduce_normalizers)"
+            return ValueError(
+                f"normalizers.{name}={g} is smaller than this call's {loc}{hint}: normalizers "
+                "must be the sum over every micro-batch of the step on every rank "
+                "(count_normalizers for each micro-batch, summed, then all_reduce_normalizers)"
             )
-    return normalizers
+
+        checks.add([getattr(local, name)], message)
+    return _Counts(*(getattr(normalizers, name) for name in _COUNT_NAMES))
 
 
 # ---------------------------------------------------------------- 5. RL per-token loss
 
 
 class _RLRows(NamedTuple):
-    per_token: torch.Tensor  # [n_rl] loss before normalisation
-    means: dict[str, torch.Tensor]  # name -> [n_rl] values reported as means
-    flags: dict[str, torch.Tensor]  # name -> [n_rl] bool reported as fractions
+    per_token: torch.Tensor  # [N] loss before normalisation, 0 outside RL rows
+    means: dict[str, torch.Tensor]  # name -> [N] values reported as means over RL rows
+    flags: dict[str, torch.Tensor]  # name -> [N] bool reported as fractions of RL rows
+
+
+def _on_rows(rows: torch.Tensor, values: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``values [N]`` on ``rows``, 0 elsewhere, in ``like``'s dtype (0 when ``values`` is None).
+
+    Rows outside ``rows`` may hold placeholders, even NaN: they are replaced, never multiplied.
+    """
+    if values is None:
+        return torch.zeros_like(like)
+    return torch.where(rows, values.reshape(-1).to(like.dtype), 0.0)
 
 
 def _ratio_base(
-    lp_rl: torch.Tensor, x: LossInputs, rl_idx: torch.Tensor, cfg: LossConfig
+    lp_rl: torch.Tensor, x: LossInputs, rl: torch.Tensor, cfg: LossConfig
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(base [n_rl] detached, inference logprobs [n_rl] or None)``: the ratio's denominator."""
-    lq_all = x.flat("inference_logprobs")
-    lq = None if lq_all is None else lq_all.index_select(0, rl_idx).to(lp_rl.dtype)  # [n_rl]
-    old = x.flat("old_logprobs")
-    if old is not None:
-        base = old.index_select(0, rl_idx).to(lp_rl.dtype)  # [n_rl]
+    """``(base [N] detached, inference logprobs [N] or None)``: the ratio's denominator.
+
+    Both are 0 outside the RL rows, where ``lp_rl`` is 0 too: the log ratio there is exactly 0.
+    """
+    lq = None if x.inference_logprobs is None else _on_rows(rl, x.inference_logprobs, lp_rl)
+    if x.old_logprobs is not None:
+        base = _on_rows(rl, x.old_logprobs, lp_rl)  # [N]
     elif cfg.mismatch is not None or lq is None:
-        base = lp_rl.detach()  # [n_rl] on-policy: the behaviour policy is the current one
+        base = lp_rl.detach()  # [N] on-policy: the behaviour policy is the current one
     else:
-        base = lq  # [n_rl] prime-rl: the ratio is taken against the inference logprobs
+        base = lq  # [N] prime-rl: the ratio is taken against the inference logprobs
     return base.detach(), lq
 
 
@@ -260,37 +384,85 @@ def kl_tau_penalty(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor
     return torch.where(a <= clamp, log_ratio * log_ratio, 2.0 * clamp * a - clamp * clamp)  # [n]
 
 
+def _policy_on_rows(
+    fn: PolicyFn,
+    spec: PolicySpec,
+    inputs: PolicyInputs,
+    x: LossInputs,
+    seqs: _Sequences,
+    cfg: LossConfig,
+) -> PolicyOutput:
+    """The policy's per-token loss and flags as ``[N]`` tensors, 0 / False outside RL rows.
+
+    A policy declared ``all_rows`` (every built-in one) runs on every row at once: rows that
+    are not RL carry log ratio 0, advantage 0 and the padding sequence (``inputs.rows`` holds
+    every row's fields), and their outputs are masked out, so nothing depends on the number of
+    RL rows (no host read). Any other function receives the RL rows compacted, as documented
+    for ``register_policy``: that needs their count and sequence count on the host (one sync
+    per call).
+    """
+    rl = x.rl
+    if spec.all_rows:
+        rows = RecordRows(x, torch.arange(rl.numel(), device=rl.device))
+        out = check_policy_output(fn(inputs._replace(rows=rows), cfg), inputs.logprobs, cfg.policy)
+        flags = {k: f & rl for k, f in out.flags.items()}
+        return PolicyOutput(torch.where(rl, out.loss, 0.0), flags)
+    idx = rl.nonzero().squeeze(1)  # [n_rl]
+    sidx = None if inputs.sequence_index is None else inputs.sequence_index.index_select(0, idx)
+    lp_rl = inputs.logprobs.index_select(0, idx)  # [n_rl]
+    compact = PolicyInputs(
+        lp_rl,
+        inputs.old_logprobs.index_select(0, idx),
+        inputs.advantages.index_select(0, idx),
+        sidx,
+        int(seqs.num),
+        RecordRows(x, idx),
+    )
+    out = check_policy_output(fn(compact, cfg), lp_rl, cfg.policy)
+    loss = inputs.logprobs.new_zeros(rl.shape).index_copy(0, idx, out.loss.to(lp_rl.dtype))
+    flags = {k: torch.zeros_like(rl).index_copy_(0, idx, f) for k, f in out.flags.items()}
+    return PolicyOutput(loss, flags)
+
+
 def _rl_per_token(
     lp: torch.Tensor,
     ent: torch.Tensor | None,
     x: LossInputs,
-    rl_idx: torch.Tensor,
     seqs: _Sequences,
     cfg: LossConfig,
     spec: PolicySpec,
     policy_fn: PolicyFn | None,
+    checks: DeferredChecks,
 ) -> _RLRows:
-    """The RL rows' per-token loss: policy × mismatch weight + kl_tau·ρ² + KL − entropy bonus."""
-    lp_rl = lp.index_select(0, rl_idx)  # [n_rl]
-    if cfg.mode == "sft" or rl_idx.numel() == 0:
-        return _RLRows(-lp_rl, {}, {})  # the SFT NLL; an empty (zero) sum without RL rows
-    assert x.advantages is not None  # check_requirements
-    adv = x.advantages.reshape(-1).index_select(0, rl_idx).to(lp.dtype) * cfg.adv_tau  # [n_rl]
-    base, lq = _ratio_base(lp_rl, x, rl_idx, cfg)  # [n_rl], [n_rl] or None
+    """The RL rows' per-token loss: policy × mismatch weight + kl_tau·ρ² + KL − entropy bonus.
+
+    Every tensor is ``[N]``; rows that are not RL carry neutral values (log ratio 0, advantage
+    0) and end with loss 0, so the result does not depend on how many RL rows there are.
+    """
+    rl = x.rl
+    lp_rl = torch.where(rl, lp, 0.0)  # [N] differentiable on RL rows, 0 elsewhere
+    if cfg.mode == "sft":
+        return _RLRows(-lp_rl, {}, {})  # the SFT NLL
+    adv = _on_rows(rl, x.advantages, lp_rl) * cfg.adv_tau  # [N]
+    base, lq = _ratio_base(lp_rl, x, rl, cfg)  # [N], [N] or None
     clamp = cfg.log_ratio_clamp
     fn = spec.fn if spec.fn is not None else policy_fn
-    assert fn is not None  # check_requirements
-    rows = RecordRows(x, rl_idx)  # any field of the record, on the RL rows
-    out = check_policy_output(
-        fn(PolicyInputs(lp_rl, base, adv, seqs.rl_index, seqs.num, rows), cfg), lp_rl, cfg.policy
-    )
-    per_tok = out.loss  # [n_rl]
+    assert fn is not None  # _check_requirements
+    inputs = PolicyInputs(lp_rl, base, adv, seqs.rl_index, seqs.size)
+    out = _policy_on_rows(fn, spec, inputs, x, seqs, cfg)
+    per_tok = out.loss  # [N]
     if cfg.check_finite:
-        _check_policy_output(per_tok, rl_idx, cfg.policy)
+        _check_finite_rows(
+            f"the loss of policy {cfg.policy!r}",
+            per_tok,
+            rl,
+            "a policy's per-token loss; with log_ratio_clamp=None a ratio can overflow",
+            checks,
+        )
     means: dict[str, torch.Tensor] = {}
-    flags = dict(out.flags)  # name -> [n_rl] bool
+    flags = dict(out.flags)  # name -> [N] bool
     if cfg.mismatch is not None:
-        assert lq is not None  # check_requirements
+        assert lq is not None  # _check_requirements
         w, wf = mismatch_weights(
             base,
             lq,
@@ -298,129 +470,101 @@ def _rl_per_token(
             weight_max=cfg.mismatch_max,
             weight_min=cfg.mismatch_min,
             sequence_index=seqs.rl_index,
-            num_sequences=seqs.num,
+            num_sequences=seqs.size,
             log_ratio_clamp=clamp,
-        )  # [n_rl], flags
-        per_tok = per_tok * w  # [n_rl]
-        flags.update(wf)
+        )  # [N], flags
+        per_tok = per_tok * w  # [N]
+        flags.update({k: f & rl for k, f in wf.items()})
         means["is_weight"] = w
     kl_tau = cfg.resolved_kl_tau
     if kl_tau != 0:
-        per_tok = per_tok + kl_tau * kl_tau_penalty(lp_rl - base, clamp)  # [n_rl]
+        per_tok = per_tok + kl_tau * kl_tau_penalty(lp_rl - base, clamp)  # [N]
     if cfg.kl_coef != 0:
-        assert x.ref_logprobs is not None  # check_requirements
-        ref = x.ref_logprobs.reshape(-1).index_select(0, rl_idx).to(lp.dtype)  # [n_rl]
-        kl = kl_penalty(lp_rl, ref, estimator=cfg.kl_estimator, log_ratio_clamp=clamp)  # [n_rl]
-        per_tok = per_tok + cfg.kl_coef * kl  # [n_rl]
+        ref = _on_rows(rl, x.ref_logprobs, lp_rl)  # [N]
+        kl = kl_penalty(lp_rl, ref, estimator=cfg.kl_estimator, log_ratio_clamp=clamp)  # [N]
+        per_tok = per_tok + cfg.kl_coef * kl  # [N]
         means["ref_kl"] = kl.detach()
     if cfg.entropy_coef != 0:
-        if ent is None:
-            raise ValueError(
-                f"entropy is required by entropy_coef={cfg.entropy_coef} ([N] per-token entropy, "
-                "differentiable)"
+        if ent is None:  # an error only when there are RL rows to read it on
+            checks.add(
+                [rl.any()],
+                lambda v: (
+                    ValueError(
+                        f"entropy is required by entropy_coef={cfg.entropy_coef} ([N] per-token "
+                        "entropy, differentiable)"
+                    )
+                    if v[0]
+                    else None
+                ),
             )
-        ent_rl = ent.index_select(0, rl_idx)  # [n_rl]
-        if cfg.check_finite:
-            _check_finite_rows(
-                "entropy", ent_rl, rl_idx, "the entropy bonus (entropy_coef) reads it"
-            )
-        per_tok = per_tok - cfg.entropy_coef * ent_rl  # [n_rl]
+        else:
+            if cfg.check_finite:
+                _check_finite_rows(
+                    "entropy", ent, rl, "the entropy bonus (entropy_coef) reads it", checks
+                )
+            per_tok = per_tok - cfg.entropy_coef * torch.where(rl, ent, 0.0)  # [N]
     if lq is not None:
         with torch.no_grad():
-            means["mismatch_kl"] = k3(lp_rl - lq, clamp)  # [n_rl]
+            means["mismatch_kl"] = k3(lp_rl - lq, clamp)  # [N]
     return _RLRows(per_tok, means, flags)
-
-
-def _check_finite_rows(name: str, values: torch.Tensor, rows: torch.Tensor, why: str) -> None:
-    bad = ~torch.isfinite(values)  # [n]
-    if bool(bad.any()):
-        k = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            problem(
-                f"{name} at row {int(rows[k])}",
-                f"finite ({why})",
-                f"{float(values[k])}",
-                "or set LossConfig(check_finite=False) to skip this check",
-            )
-        )
-
-
-def _check_policy_output(per_tok: torch.Tensor, rl_idx: torch.Tensor, policy: str) -> None:
-    if per_tok.shape != rl_idx.shape:
-        raise ValueError(
-            problem(
-                f"the loss of policy {policy!r}",
-                f"a [n_rl] = {list(rl_idx.shape)} tensor (one entry per RL row)",
-                describe(per_tok),
-            )
-        )
-    _check_finite_rows(
-        f"the loss of policy {policy!r}",
-        per_tok,
-        rl_idx,
-        "a policy's per-token loss; with log_ratio_clamp=None a ratio can overflow",
-    )
 
 
 # ---------------------------------------------------------------- 6. the two terms
 
 
 def _rl_term(
-    per_tok: torch.Tensor, cfg: LossConfig, norms: Normalizers, seqs: _Sequences
+    per_tok: torch.Tensor, rl: torch.Tensor, cfg: LossConfig, norms: _Counts, seqs: _Sequences
 ) -> torch.Tensor:
-    """``L_RL``: ``per_tok [n_rl]`` normalised by ``cfg.rl_normalization`` (0-dim)."""
+    """``L_RL``: ``per_tok [N]`` (0 outside RL rows) normalised by ``cfg.rl_normalization``."""
     mode = cfg.rl_normalization
     if mode == "token_mean":
-        return per_tok.sum() / max(norms.rl_tokens, 1)  # 0-dim
+        return per_tok.sum() / _at_least_one(norms.rl_tokens)  # 0-dim
     if mode == "token_sum_constant":
         assert cfg.rl_normalization_constant is not None  # LossConfig
         return per_tok.sum() / cfg.rl_normalization_constant  # 0-dim
-    assert seqs.rl_index is not None  # check_requirements
+    assert seqs.rl_index is not None  # _check_requirements
     if mode == "sequence_mean_token_sum":
-        return per_tok.sum() / max(norms.rl_sequences, 1)  # 0-dim
+        return per_tok.sum() / _at_least_one(norms.rl_sequences)  # 0-dim
     # sequence_mean_token_mean: Σ_i (Σ_{t∈RL_i} ℓ_t / |RL_i|) / S_RL
-    counts = torch.bincount(seqs.rl_index, minlength=seqs.num).to(per_tok.dtype)  # [S]
-    per_seq = per_tok.new_zeros(seqs.num).index_add(0, seqs.rl_index, per_tok)  # [S]
-    return (per_seq / counts.clamp(min=1)).sum() / max(norms.rl_sequences, 1)  # 0-dim
+    counts = per_tok.new_zeros(seqs.size).index_add_(0, seqs.rl_index, rl.to(per_tok.dtype))
+    per_seq = per_tok.new_zeros(seqs.size).index_add(0, seqs.rl_index, per_tok)  # [S+1]
+    per_seq_mean = (per_seq / counts.clamp(min=1))[:-1]  # [N] the padding slot dropped
+    return per_seq_mean.sum() / _at_least_one(norms.rl_sequences)  # 0-dim
 
 
 def _observation_counts(x: LossInputs, seqs: _Sequences) -> torch.Tensor:
-    """``Z [S_local]``: rows counted in ``Z_i = |O_i|`` (observation or echo) per local sequence."""
-    assert x.observation_mask is not None and seqs.ids is not None  # check_requirements
-    sid = x.flat("sequence_ids")
-    assert sid is not None
-    sid = sid.long()  # [N]
-    counted = sid[(x.observation_mask.reshape(-1) | x.echo) & (sid >= 0)]  # [m] Z_i ≥ |O'_i|
-    pos = torch.searchsorted(seqs.ids, counted).clamp(max=max(seqs.num - 1, 0))  # [m]
-    local = seqs.num > 0
-    hit = (
-        (seqs.ids[pos] == counted) if local else torch.zeros_like(counted, dtype=torch.bool)
-    )  # [m]
-    return torch.bincount(pos[hit], minlength=seqs.num)  # [S] sequences without a row: skipped
+    """``Z [N + 1]``: rows counted in ``Z_i = |O_i|`` (observation or echo) per local sequence."""
+    assert x.observation_mask is not None and seqs.row is not None  # _check_requirements
+    counted = x.observation_mask.reshape(-1) | x.echo  # [N] Z_i ≥ |O'_i|
+    index = torch.where(counted, seqs.row, seqs.pad)  # [N]
+    ones = torch.ones_like(index, dtype=torch.int32)
+    return torch.zeros(seqs.size, dtype=torch.int32, device=index.device).index_add_(0, index, ones)
 
 
 def _echo_term(
     per_tok: torch.Tensor,
     x: LossInputs,
     cfg: LossConfig,
-    norms: Normalizers,
+    norms: _Counts,
+    n_echo: torch.Tensor,
     seqs: _Sequences,
 ) -> torch.Tensor:
-    """``L_echo``: ``per_tok = w·(-log p) [n_echo]`` normalised by ``cfg.echo_normalization``."""
+    """``L_echo``: ``per_tok = w·(-log p) [N]`` (0 outside echo rows) normalised by
+    ``cfg.echo_normalization``."""
     mode = cfg.echo_normalization
     if mode == "token_mean":
-        return per_tok.sum() / max(norms.echo_tokens, 1)  # 0-dim
+        return per_tok.sum() / _at_least_one(norms.echo_tokens)  # 0-dim
     if mode == "sum":
         return per_tok.sum()  # 0-dim
     if mode == "batch_token_mean":
-        return per_tok.sum() / max(per_tok.numel(), 1) / max(norms.echo_batches, 1)  # 0-dim
+        return per_tok.sum() / n_echo.clamp(min=1) / _at_least_one(norms.echo_batches)  # 0-dim
     # sequence_mean: Σ_i (Σ_{t∈O'_i} w_t·nll_t / (Z_i + ε)) / S_echo
-    assert seqs.echo_index is not None  # check_requirements
-    z = _observation_counts(x, seqs)  # [S]
-    per_seq = per_tok.new_zeros(seqs.num).index_add(0, seqs.echo_index, per_tok)  # [S]
-    denom = z.to(per_tok.dtype) + cfg.echo_z_epsilon  # [S]
-    denom = denom.masked_fill(z == 0, 1.0)  # [S] a sequence without echo rows contributes 0
-    return (per_seq / denom).sum() / max(norms.echo_sequences, 1)  # 0-dim
+    assert seqs.echo_index is not None  # _check_requirements
+    z = _observation_counts(x, seqs)  # [S+1]
+    per_seq = per_tok.new_zeros(seqs.size).index_add(0, seqs.echo_index, per_tok)  # [S+1]
+    denom = z.to(per_tok.dtype) + cfg.echo_z_epsilon  # [S+1]
+    denom = denom.masked_fill(z == 0, 1.0)  # a sequence without echo rows contributes 0
+    return (per_seq / denom)[:-1].sum() / _at_least_one(norms.echo_sequences)  # 0-dim
 
 
 # ---------------------------------------------------------------- 6b. the final loss
@@ -434,7 +578,6 @@ class _Suspects(NamedTuple):
     echo_idx: torch.Tensor
     ent: torch.Tensor | None
     cfg: LossConfig
-    norms: Normalizers
 
 
 def _largest(name: str, values: torch.Tensor | None, rows: torch.Tensor) -> tuple[float, str]:
@@ -494,12 +637,21 @@ def check_final_loss(
     """
     if bool(torch.isfinite(loss)):
         return
+    raise _final_loss_error(
+        float(loss.detach()), float(rl_term.detach()), float(echo_term.detach()), suspects
+    )
+
+
+def _final_loss_error(
+    loss: float, rl_term: float, echo_term: float, suspects: _Suspects | None
+) -> NonFiniteLossError:
+    """The error of a non-finite loss from the host values of the loss and its two terms."""
     terms = {"loss_rl (the RL term)": rl_term, "loss_echo (the echo term)": echo_term}
-    parts = [f"{k} = {float(v.detach()):g}" for k, v in terms.items()]
+    parts = [f"{k} = {v:g}" for k, v in terms.items()]
     causes = []
     if suspects is not None:
         for term, finder in ((rl_term, _rl_suspects), (echo_term, _echo_suspects)):
-            if not bool(torch.isfinite(term)):
+            if not math.isfinite(term):
                 found = sorted((o for o in finder(suspects) if o[0] > 0), key=lambda o: -o[0])
                 if found:
                     causes.append(found[0][1] + "".join(f"; {f[1]}" for f in found[1:3]))
@@ -510,17 +662,53 @@ def check_final_loss(
         "coefficients well below 1e30, normalisers ≥ 1), or set LossConfig(check_finite=False) "
         "to skip this check"
     )
-    got = f"{float(loss.detach()):g} ({', '.join(parts)})"
-    raise NonFiniteLossError(problem("loss", "finite", got, fix))
+    got = f"{loss:g} ({', '.join(parts)})"
+    return NonFiniteLossError(problem("loss", "finite", got, fix))
+
+
+def _check_final_loss(
+    loss: torch.Tensor,
+    rl_term: torch.Tensor,
+    echo_term: torch.Tensor,
+    x: LossInputs,
+    ent: torch.Tensor | None,
+    cfg: LossConfig,
+    checks: DeferredChecks,
+) -> None:
+    """`check_final_loss` through ``checks``: the diagnosis (which reads the suspects' values)
+    runs only when the error is raised."""
+
+    def message(v: Sequence[float]) -> Exception | None:
+        if v[0]:
+            return None
+        rl_idx, echo_idx = x.rl.nonzero().squeeze(1), x.echo.nonzero().squeeze(1)
+        return _final_loss_error(v[1], v[2], v[3], _Suspects(x, rl_idx, echo_idx, ent, cfg))
+
+    checks.add([torch.isfinite(loss), loss, rl_term, echo_term], message)
 
 
 # ---------------------------------------------------------------- 7. metrics
 
 
+def _env_of_rows(x: LossInputs, device: torch.device) -> tuple[torch.Tensor | None, list[str]]:
+    """``([N] int64 env index of each row, -1 = none; the distinct env names)`` or ``(None, [])``.
+
+    The name → index table goes to the device from pinned memory without blocking the host.
+    """
+    sid = x.flat("sequence_ids")
+    if x.env_names is None or sid is None:
+        return None, []
+    env_list = sorted({e for e in x.env_names if e})
+    lookup = {e: i for i, e in enumerate(env_list)}
+    table = host_to_device([lookup.get(e, -1) for e in x.env_names], device)  # [ids]
+    if table.numel() == 0:
+        return torch.full_like(sid, -1, dtype=torch.long), env_list
+    # Rows whose id is out of the table (padding -1) read entry 0: they are not RL or echo rows.
+    return table[sid.long().clamp(0, table.numel() - 1)], env_list
+
+
 def _metrics(
     x: LossInputs,
-    rl_idx: torch.Tensor,
-    echo_idx: torch.Tensor,
     rl: _RLRows,
     ent: torch.Tensor | None,
     cfg: LossConfig,
@@ -529,30 +717,17 @@ def _metrics(
 ) -> dict[str, torch.Tensor]:
     means = dict(rl.means)
     if ent is not None and (cfg.compute_entropy or cfg.entropy_coef != 0):
-        means["entropy"] = ent.detach().index_select(0, rl_idx)  # [n_rl]
-    env_rl = env_echo = None
-    env_list: list[str] = []
-    sid = x.flat("sequence_ids")
-    if x.env_names is not None and sid is not None:
-        env_list = sorted({e for e in x.env_names if e})
-        lookup = {e: i for i, e in enumerate(env_list)}
-        seq_env = torch.tensor(
-            [lookup.get(e, -1) for e in x.env_names], dtype=torch.long, device=echo_nll.device
-        )  # [num sequence ids] env index, -1 = none
-        sid = sid.long()  # [N]
-        env_rl = seq_env[sid[rl_idx]]  # [n_rl]
-        env_echo = seq_env[sid[echo_idx]]  # [n_echo]
+        means["entropy"] = ent.detach()  # [N]
+    env_of_row, env_list = _env_of_rows(x, echo_nll.device)
     return loss_metrics(
-        rl_env=env_rl,
-        echo_env=env_echo,
+        rl=x.rl,
+        echo=x.echo,
+        env_of_row=env_of_row,
         env_names=env_list,
-        num_rl=int(rl_idx.numel()),
-        num_echo=int(echo_idx.numel()),
         rl_means=means,
         rl_flags=rl.flags,
         echo_nll=echo_nll,
         totals=totals,
-        device=echo_nll.device,
     )
 
 
@@ -569,8 +744,13 @@ def loss_from_logprobs(
     *,
     source: str,
     spec: PolicySpec | None = None,
+    checks: DeferredChecks | None = None,
 ) -> LossOutput:
     """The loss algebra shared by every entry point, on ``[N]`` logprobs already scored.
+
+    Every step works on ``[N]`` tensors with the RL and echo rows selected by mask arithmetic,
+    so on the device path nothing is read back to the host (built-in policies; see
+    ``echoloss/_deferred.py`` for when value errors are raised there).
 
     Args:
         lp: ``[N]`` logprobs (differentiable); rows that do not participate are never read.
@@ -581,46 +761,44 @@ def loss_from_logprobs(
         policy_fn: the per-call policy of ``policy="custom"``, else None.
         source: the argument the logprobs came from, for error messages.
         spec: the policy's spec when the requirements were already checked.
+        checks: the call's value checks so far (submitted here); None = a new set.
 
     Returns:
         [`LossOutput`][echoloss.loss.LossOutput].
     """
+    checks = DeferredChecks(lp.device) if checks is None else checks
     if spec is None:
-        spec = check_requirements(x, cfg, policy_fn)
+        spec = check_requirements(x, cfg, policy_fn, checks)
     if cfg.check_finite:
-        _check_scored(lp, x, source)
-    rl_idx = x.rl.nonzero().squeeze(1)  # [n_rl]
-    echo_idx = x.echo.nonzero().squeeze(1)  # [n_echo]
-    seqs = _local_sequences(x, rl_idx, echo_idx)
-    n_echo = int(echo_idx.numel())
-    local = count_rows(x.rl, x.echo, x.flat("sequence_ids"))  # the counting of count_normalizers
-    norms = _resolve_normalizers(normalizers, local, cfg)
+        check_scored_rows(lp, x.rl, x.echo, source, checks)
+    seqs = _local_sequences(x)
+    n_rl, n_echo = x.rl.sum(), x.echo.sum()  # 0-dim int64 on the device
+    local = _Counts(
+        rl_tokens=n_rl,
+        echo_tokens=n_echo,
+        echo_batches=(n_echo > 0).long(),
+        rl_sequences=seqs.rl_count,
+        echo_sequences=seqs.echo_count,
+    )
+    norms = _resolve_normalizers(normalizers, local, cfg, checks)
 
-    rl = _rl_per_token(lp, ent, x, rl_idx, seqs, cfg, spec, policy_fn)
-    rl_term = _rl_term(rl.per_token, cfg, norms, seqs)  # 0-dim
+    rl = _rl_per_token(lp, ent, x, seqs, cfg, spec, policy_fn, checks)
+    rl_term = _rl_term(rl.per_token, x.rl, cfg, norms, seqs)  # 0-dim
 
     # Echo rows: -w · logprob, no ratio / trust region / KL / adv_tau.
-    lp_echo = lp.index_select(0, echo_idx)  # [n_echo]
-    ew = x.flat("echo_weights")
-    w_echo = lp_echo.new_zeros(0) if ew is None else ew.index_select(0, echo_idx).to(lp.dtype)
-    echo_term = _echo_term(w_echo * -lp_echo, x, cfg, norms, seqs)  # 0-dim
+    lp_echo = torch.where(x.echo, lp, 0.0)  # [N]
+    w_echo = _on_rows(x.echo, x.echo_weights, lp_echo)  # [N]
+    echo_term = _echo_term(w_echo * -lp_echo, x, cfg, norms, n_echo, seqs)  # 0-dim
 
+    # Connected to the graph through lp even without any RL or echo row (then exactly 0 with
+    # zero gradients): distributed backward must not hang.
     loss = rl_term + echo_term  # 0-dim
     if cfg.check_finite:
-        check_final_loss(loss, rl_term, echo_term, _Suspects(x, rl_idx, echo_idx, ent, cfg, norms))
-    if rl_idx.numel() == 0 and n_echo == 0:
-        # Keep the (zero) loss connected to the graph: distributed backward must not hang.
-        loss = loss + lp.sum() * 0.0
+        _check_final_loss(loss, rl_term, echo_term, x, ent, cfg, checks)
     metrics = _metrics(
-        x,
-        rl_idx,
-        echo_idx,
-        rl,
-        ent,
-        cfg,
-        -lp_echo.detach(),
-        {"loss_rl": rl_term, "loss_echo": echo_term},
+        x, rl, ent, cfg, -lp_echo.detach(), {"loss_rl": rl_term, "loss_echo": echo_term}
     )
+    checks.submit()
     return LossOutput(loss, metrics)
 
 
@@ -664,6 +842,7 @@ def echo_loss_from_logprobs(
         >>> out.loss.backward(); lp.grad
         tensor([-1.0000, -0.5000])
     """
+    raise_deferred_errors(block=False)
     logprobs = check_tensor("logprobs", logprobs)
     if not logprobs.dtype.is_floating_point:
         raise TypeError(problem("logprobs", "a float tensor", describe(logprobs)))
@@ -673,13 +852,14 @@ def echo_loss_from_logprobs(
         inputs, fields, shape=logprobs.shape, device=logprobs.device, source="logprobs"
     )
     cfg = check_config(config)
+    checks = DeferredChecks(logprobs.device)
     ent = None
     if entropy is not None:
         ent = check_per_token("entropy", entropy, x.shape, x.device, "float").reshape(-1)  # [N]
         if cfg.check_finite:
-            _check_entropy(ent, x.rl)
+            _check_entropy(ent, x.rl, checks)
     return loss_from_logprobs(
-        logprobs.reshape(-1), ent, x, cfg, normalizers, policy_fn, source="logprobs"
+        logprobs.reshape(-1), ent, x, cfg, normalizers, policy_fn, source="logprobs", checks=checks
     )
 
 
@@ -688,19 +868,26 @@ def echo_loss_from_logprobs(
 ENTROPY_TOLERANCE = 1e-3
 
 
-def _check_entropy(ent: torch.Tensor, rl: torch.Tensor) -> None:
+def _check_entropy(ent: torch.Tensor, rl: torch.Tensor, checks: DeferredChecks) -> None:
     """The caller's entropy on RL rows (where it is read): finite and ≥ 0 (up to rounding)."""
+    if ent.numel() == 0:
+        return
     bad = rl & ~(torch.isfinite(ent) & (ent >= -ENTROPY_TOLERANCE))  # [N]
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(
+    row = first_true(bad)
+
+    def message(v: Sequence[float]) -> Exception | None:
+        if not v[0]:
+            return None
+        return ValueError(
             problem(
-                f"entropy[{row}]",
+                f"entropy[{int(v[1])}]",
                 f"a finite entropy ≥ 0 (up to -{ENTROPY_TOLERANCE}) on an RL row",
-                repr(float(ent[row].detach())),
+                repr(v[2]),
                 "pass the per-token entropy -Σ p log p of the model's distribution",
             )
         )
+
+    checks.add([bad.any(), row, ent.detach().index_select(0, row.view(1))], message)
 
 
 def row_temperature_and_entropy(
@@ -738,13 +925,19 @@ def row_temperature_and_entropy(
         ([0.5, 1.0], True)
     """
     temp: float | torch.Tensor = temperature
-    if config.echo_temperature == "one" and bool(echo.any()):
+    device_path = on_device_path(rl.device)
+    # On the device path whether there are echo / RL rows is not read: the per-row
+    # temperature is built whenever echo rows could change it, the entropy computed whenever
+    # it is reported or trained.
+    if config.echo_temperature == "one" and (device_path or bool(echo.any())):
         if isinstance(temperature, torch.Tensor):
             temp = temperature.reshape(-1).masked_fill(echo, 1.0).view(lead)
         elif float(temperature) != 1.0:
             full = torch.full(lead, float(temperature), dtype=torch.float64, device=rl.device)
             temp = full.view(-1).masked_fill_(echo, 1.0).view(lead)
-    need_entropy = bool(rl.any()) and (config.compute_entropy or config.entropy_coef != 0)
+    need_entropy = (device_path or bool(rl.any())) and (
+        config.compute_entropy or config.entropy_coef != 0
+    )
     return temp, need_entropy
 
 
@@ -819,6 +1012,7 @@ def echo_loss(
         >>> float(out.metrics["echo_tokens/all"])
         1.0
     """
+    raise_deferred_errors(block=False)
     logits = check_tensor("logits", logits)
     if not logits.dtype.is_floating_point or logits.dim() not in (2, 3):
         raise TypeError(problem("logits", "a float tensor [N, V] or [B, T, V]", describe(logits)))
@@ -830,7 +1024,8 @@ def echo_loss(
             "set LossInputs(labels=...) (from_targets takes them from next_token_targets)"
         )
     cfg = check_config(config)
-    spec = check_requirements(x, cfg, policy_fn)
+    checks = DeferredChecks(logits.device)
+    spec = check_requirements(x, cfg, policy_fn, checks)
     temp, need_ent = row_temperature_and_entropy(
         x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
     )
@@ -848,4 +1043,6 @@ def echo_loss(
     ent = None if ent is None else ent.reshape(-1)  # [N]
     if ent is not None and cfg.entropy_coef == 0:
         ent = ent.detach()
-    return loss_from_logprobs(lp, ent, x, cfg, normalizers, policy_fn, source="logits", spec=spec)
+    return loss_from_logprobs(
+        lp, ent, x, cfg, normalizers, policy_fn, source="logits", spec=spec, checks=checks
+    )

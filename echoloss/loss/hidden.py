@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from echoloss._compile import compiler_disable
+from echoloss._deferred import DeferredChecks, raise_deferred_errors
 from echoloss._validate import check_chunk_size
 from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
 from echoloss.loss.config import LossConfig
@@ -57,7 +58,8 @@ def echo_loss_from_hidden(
         config, normalizers, policy_fn: as in [`echoloss.echo_loss`][echoloss.loss.echo_loss].
         **fields: the keyword form, as in [`echoloss.echo_loss`][echoloss.loss.echo_loss]: fields
             of `echoloss.LossInputs` by name, every per-token tensor ``[N]``.
-        chunk_size: participating rows per chunk; None = about ``2^26`` logits elements.
+        chunk_size: participating rows per chunk; None = about ``2^26`` logits elements (on
+            CUDA sized from the free memory).
         backend: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"reference"``
             or ``"triton"``: the selective-logprob phases run on each chunk's logits.
 
@@ -87,6 +89,7 @@ def echo_loss_from_hidden(
         >>> hidden.grad.shape, weight.grad.shape
         (torch.Size([2, 2]), torch.Size([2, 2]))
     """
+    raise_deferred_errors(block=False)
     hidden, weight = check_linear_inputs(hidden, weight)
     lead = hidden.shape[:1]
     x = resolve_inputs(inputs, fields, shape=lead, device=hidden.device, source="hidden")
@@ -96,7 +99,8 @@ def echo_loss_from_hidden(
             "predicts): set LossInputs(labels=...)"
         )
     cfg = check_config(config)
-    spec = check_requirements(x, cfg, policy_fn)
+    checks = DeferredChecks(hidden.device)
+    spec = check_requirements(x, cfg, policy_fn, checks)
     chunk_size = check_chunk_size(chunk_size)
     temp, need_ent = row_temperature_and_entropy(
         x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
@@ -107,4 +111,6 @@ def echo_loss_from_hidden(
     ent: torch.Tensor | None = None
     if need_ent:
         ent = ent_all if cfg.entropy_coef != 0 else ent_all.detach()
-    return loss_from_logprobs(lp, ent, x, cfg, normalizers, policy_fn, source="hidden", spec=spec)
+    return loss_from_logprobs(
+        lp, ent, x, cfg, normalizers, policy_fn, source="hidden", spec=spec, checks=checks
+    )

@@ -11,12 +11,13 @@ input is one more field here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from echoloss._deferred import DeferredChecks, first_true
 from echoloss._validate import (
     check_finite,
     check_per_token,
@@ -148,17 +149,14 @@ class LossInputs:
                 )
         ew = None if self.echo_weights is None else self.echo_weights.reshape(-1)
         if ew is not None:
-            bad = ~torch.isfinite(ew) | (ew < 0)
-            if bool(bad.any()):
-                i = int(bad.nonzero()[0, 0])
-                raise ValueError(
-                    problem(
-                        f"echo_weights[{i}]",
-                        "a finite weight ≥ 0 (0 = not echoed)",
-                        repr(float(ew[i])),
-                        "echo weights come from EchoConfig (λ or α per row)",
-                    )
-                )
+            _check_rows(
+                "echo_weights",
+                ew,
+                ~torch.isfinite(ew) | (ew < 0),
+                "a finite weight ≥ 0 (0 = not echoed)",
+                "echo weights come from EchoConfig (λ or α per row)",
+                show=lambda v: repr(v),
+            )
         rl, echo = split_rows(rl_mask.reshape(-1), ew)
         object.__setattr__(self, "rl", rl)
         object.__setattr__(self, "echo", echo)
@@ -173,17 +171,14 @@ class LossInputs:
                 check_finite(f.name, flat, where[rows])
             if f.metadata["logprob"]:
                 _check_logprobs(f.name, flat, where[rows])
-            if f.metadata["kind"] == "int" and bool((flat[where[rows]] < 0).any()):
-                k = int((flat[where[rows]] < 0).nonzero()[0, 0])
-                row = int(where[rows].nonzero()[k, 0])
-                raise ValueError(
-                    problem(
-                        f"{f.name}[{row}]",
-                        "≥ 0 on a row that participates (RL or echo)",
-                        str(int(flat[row])),
-                        "padding rows (-1 / ignore index) must have rl_mask False and echo "
-                        "weight 0",
-                    )
+            if f.metadata["kind"] == "int":
+                _check_rows(
+                    f.name,
+                    flat,
+                    where[rows] & (flat < 0),
+                    "≥ 0 on a row that participates (RL or echo)",
+                    "padding rows (-1 / ignore index) must have rl_mask False and echo weight 0",
+                    show=lambda v: str(int(v)),
                 )
         object.__setattr__(self, "temperature", check_temperature(self.temperature, shape, dev))
         object.__setattr__(self, "env_names", self._checked_env_names())
@@ -403,31 +398,60 @@ class LossInputs:
                 "sequence_ids is required by env_names ([N] int64 row -> sequence within the "
                 "micro-batch, -1 for padding); pass both or neither"
             )
-        num = max(int(sid.max()) + 1 if sid.numel() else 0, 0)
-        # Entries past the last sequence id are allowed only as '' (a packed batch names its
-        # padding segment ''): a name there would belong to no sequence.
-        extra = [i for i in range(num, len(out)) if out[i]]
-        if len(out) < num or extra:
-            raise ValueError(
+        if sid.numel() == 0:
+            return out
+
+        def message(v: Sequence[float]) -> Exception | None:
+            num = max(int(v[0]) + 1, 0)
+            # Entries past the last sequence id are allowed only as '' (a packed batch names
+            # its padding segment ''): a name there would belong to no sequence.
+            extra = [i for i in range(num, len(out)) if out[i]]
+            if len(out) >= num and not extra:
+                return None
+            return ValueError(
                 f"env_names has length {len(out)}, expected {num} (one name per sequence id "
-                f"0..{num - 1}, as sequence_ids reaches {num - 1}; entries after that only '' for "
-                "padding): a list that does not match the sequence ids labels the metrics of the "
-                "wrong sequences"
+                f"0..{num - 1}, as sequence_ids reaches {num - 1}; entries after that only '' "
+                "for padding): a list that does not match the sequence ids labels the metrics "
+                "of the wrong sequences"
             )
+
+        checks = DeferredChecks(sid.device)
+        checks.add([sid.max()], message)
+        checks.submit()
         return out
 
 
+def _check_rows(
+    name: str,
+    values: torch.Tensor,
+    bad: torch.Tensor,
+    expected: str,
+    fix: str,
+    *,
+    show: Callable[[float], str],
+) -> None:
+    """Raise naming the first row of ``bad [N]`` (with its value in ``values [N]``); deferred on
+    the device path (``echoloss/_deferred.py``)."""
+    if values.numel() == 0:
+        return
+    row = first_true(bad)
+
+    def message(v: Sequence[float]) -> Exception | None:
+        if not v[0]:
+            return None
+        return ValueError(problem(f"{name}[{int(v[1])}]", expected, show(v[2]), fix))
+
+    checks = DeferredChecks(values.device)
+    checks.add([bad.any(), row, values.index_select(0, row.view(1))], message)
+    checks.submit()
+
+
 def _check_logprobs(name: str, t: torch.Tensor, where: torch.Tensor) -> None:
-    vals = t[where]
-    bad = vals > LOGPROB_TOLERANCE
-    if bool(bad.any()):
-        k = int(bad.nonzero()[0, 0])
-        row = int(where.nonzero()[k, 0])
-        raise ValueError(
-            problem(
-                f"{name}[{row}]",
-                f"a log-probability ≤ 0 (up to {LOGPROB_TOLERANCE})",
-                repr(round(float(t[row]), 6)),
-                "pass log p, not the negative log-likelihood -log p",
-            )
-        )
+    _check_rows(
+        name,
+        t,
+        where & (t > LOGPROB_TOLERANCE),
+        f"a log-probability ≤ 0 (up to {LOGPROB_TOLERANCE})",
+        "pass log p, not the negative log-likelihood -log p",
+        show=lambda v: repr(round(v, 6)),
+    )

@@ -1,8 +1,8 @@
 """Detached loss metrics, keyed ``<name>/all`` and ``<name>/<env>``.
 
 RL metrics (entropy, mismatch KL, trust-region fractions) are computed on RL rows only; echo rows
-(whose inference logprob is a placeholder) never enter them. Every value is a 0-dim fp32 tensor
-; a mean over an empty set is 0. To aggregate a mean over micro-batches, weight it by
+(whose inference logprob is a placeholder) never enter them. Every value is a 0-dim fp32 tensor;
+a mean over an empty set is 0. To aggregate a mean over micro-batches, weight it by
 ``rl_tokens/<env>`` (or ``echo_tokens/<env>`` for the echo NLL).
 """
 
@@ -18,79 +18,87 @@ __all__ = ["RESERVED_ENV", "loss_metrics"]
 RESERVED_ENV = "all"
 
 
-def _mean(x: torch.Tensor) -> torch.Tensor:
-    return x.float().mean() if x.numel() else x.new_zeros((), dtype=torch.float32)
-
-
-def _max(x: torch.Tensor) -> torch.Tensor:
-    return x.float().max() if x.numel() else x.new_zeros((), dtype=torch.float32)
-
-
-def _count(n: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor(float(n), device=device)
-
-
 def loss_metrics(
     *,
-    rl_env: torch.Tensor | None,
-    echo_env: torch.Tensor | None,
+    rl: torch.Tensor,
+    echo: torch.Tensor,
+    env_of_row: torch.Tensor | None,
     env_names: Sequence[str],
-    num_rl: int,
-    num_echo: int,
     rl_means: dict[str, torch.Tensor],
     rl_flags: dict[str, torch.Tensor],
     echo_nll: torch.Tensor,
     totals: dict[str, torch.Tensor],
-    device: torch.device,
 ) -> dict[str, torch.Tensor]:
     """Build the metrics dict of one [`echoloss.echo_loss`][echoloss.loss.echo_loss] call.
 
+    Every per-env statistic of every metric comes from one ``index_add`` over ``[N]`` rows
+    (and one ``scatter_reduce`` for the maxima), with no host read: the values stay on the
+    device and each metric is a 0-dim view of the result.
+
     Args:
-        rl_env: ``[n_rl]`` int64 env index of each RL row (into ``env_names``, ``-1`` = none), or
+        rl: ``[N]`` bool RL rows.
+        echo: ``[N]`` bool echo rows.
+        env_of_row: ``[N]`` int64 env index of each row (into ``env_names``, ``-1`` = none), or
             None for no per-env keys.
-        echo_env: ``[n_echo]`` likewise for echo rows.
         env_names: the distinct env names, index → name.
-        num_rl, num_echo: row counts.
-        rl_means: name → ``[n_rl]`` per-token values reported as means (``entropy``, ...).
-        rl_flags: name → ``[n_rl]`` bool, reported as ``<name>_frac`` (fraction of RL tokens).
-        echo_nll: ``[n_echo]`` unweighted NLL of echo rows.
+        rl_means: name → ``[N]`` per-token values reported as means over RL rows (``entropy``,
+            ...); other rows are never read.
+        rl_flags: name → ``[N]`` bool, reported as ``<name>_frac`` (fraction of RL tokens).
+        echo_nll: ``[N]`` unweighted NLL, read on echo rows.
         totals: name → 0-dim value, reported as ``<name>/all`` only (the loss terms).
-        device: where the count tensors live.
 
     Returns:
         ``dict[str, Tensor]`` of detached 0-dim fp32 tensors.
 
     Examples:
-        >>> m = loss_metrics(rl_env=None, echo_env=None, env_names=[], num_rl=2, num_echo=1,
-        ...                  rl_means={}, rl_flags={"masked": torch.tensor([True, False])},
-        ...                  echo_nll=torch.tensor([0.5]), totals={}, device=torch.device("cpu"))
+        >>> m = loss_metrics(rl=torch.tensor([True, True, False]),
+        ...                  echo=torch.tensor([False, False, True]), env_of_row=None,
+        ...                  env_names=[], rl_means={},
+        ...                  rl_flags={"masked": torch.tensor([True, False, False])},
+        ...                  echo_nll=torch.tensor([0.0, 0.0, 0.5]), totals={})
         >>> {k: round(float(v), 3) for k, v in m.items()}
         {'rl_tokens/all': 2.0, 'echo_tokens/all': 1.0, 'echo_nll_mean/all': 0.5, 'echo_nll_max/all': 0.5, 'masked_frac/all': 0.5}
     """
-    out: dict[str, torch.Tensor] = {}
-
-    def add(key: str, rl_sel: torch.Tensor | None, echo_sel: torch.Tensor | None) -> None:
-        n_rl = num_rl if rl_sel is None else int(rl_sel.sum())
-        n_echo = num_echo if echo_sel is None else int(echo_sel.sum())
-        out[f"rl_tokens/{key}"] = _count(n_rl, device)
-        out[f"echo_tokens/{key}"] = _count(n_echo, device)
-        nll = echo_nll if echo_sel is None else echo_nll[echo_sel]
-        out[f"echo_nll_mean/{key}"] = _mean(nll)
-        out[f"echo_nll_max/{key}"] = _max(nll)
-        for name, vals in rl_means.items():
-            out[f"{name}/{key}"] = _mean(vals if rl_sel is None else vals[rl_sel])
-        for name, flag in rl_flags.items():
-            f = flag if rl_sel is None else flag[rl_sel]
-            out[f"{name}_frac/{key}"] = _mean(f)
-
+    f32 = torch.float32
+    e = len(env_names) if env_of_row is not None else 0
     with torch.no_grad():
-        add(RESERVED_ENV, None, None)
-        for name, value in totals.items():
-            out[f"{name}/{RESERVED_ENV}"] = value.detach().float()
-        for i, env in enumerate(env_names):
-            add(
-                env,
-                None if rl_env is None else rl_env == i,
-                None if echo_env is None else echo_env == i,
-            )
-    return {k: v.detach() for k, v in out.items()}
+        # Slot of each row: its env 0..e-1, or e (no env); "all" sums every slot.
+        slot = (
+            torch.full_like(rl, e, dtype=torch.long)
+            if env_of_row is None
+            else torch.where(env_of_row >= 0, env_of_row, e)
+        )  # [N]
+        nll = echo_nll.detach().to(f32)
+        names = list(rl_means) + list(rl_flags)
+        rl_f = rl.to(f32)
+        rows = [rl_f, echo.to(f32), torch.where(echo, nll, 0.0)]
+        rows += [torch.where(rl, rl_means[k].detach().to(f32), 0.0) for k in rl_means]
+        rows += [(rl_flags[k] & rl).to(f32) for k in rl_flags]
+        stacked = torch.stack(rows)  # [k, N]
+        per_slot = stacked.new_zeros(len(rows), e + 1).index_add_(1, slot, stacked)  # [k, e+1]
+        sums = torch.cat([per_slot.sum(1, keepdim=True), per_slot[:, :e]], 1)  # [k, 1+e]
+        n_rl, n_echo = sums[0], sums[1]  # [1+e]
+        nll_mean = sums[2] / n_echo.clamp(min=1)
+        rl_stats = sums[3:] / n_rl.clamp(min=1)  # [len(names), 1+e]
+        # Maxima: empty slots stay 0 (include_self=False leaves the initial value there).
+        slot_echo = torch.where(echo, slot, e + 1)  # [N] non-echo rows into a dropped slot
+        slot_max = nll.new_zeros(e + 2).scatter_reduce_(
+            0, slot_echo, nll, "amax", include_self=False
+        )
+        slot_has = per_slot[1] > 0  # [e+1]
+        all_max = torch.where(slot_has, slot_max[: e + 1], float("-inf")).amax(0, keepdim=True)
+        nll_max = torch.cat([torch.where(n_echo[:1] > 0, all_max, 0.0), slot_max[:e]])  # [1+e]
+    out: dict[str, torch.Tensor] = {}
+    keys = [RESERVED_ENV, *env_names]
+    for j, key in enumerate(keys):
+        out[f"rl_tokens/{key}"] = n_rl[j]
+        out[f"echo_tokens/{key}"] = n_echo[j]
+        out[f"echo_nll_mean/{key}"] = nll_mean[j]
+        out[f"echo_nll_max/{key}"] = nll_max[j]
+        for i, name in enumerate(names):
+            suffix = "_frac" if i >= len(rl_means) else ""
+            out[f"{name}{suffix}/{key}"] = rl_stats[i, j]
+        if j == 0:
+            for name, value in totals.items():
+                out[f"{name}/{RESERVED_ENV}"] = value.detach().float()
+    return out

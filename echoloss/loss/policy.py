@@ -155,7 +155,8 @@ def sequence_mean(values: torch.Tensor, index: torch.Tensor, num: int) -> torch.
         tensor([2., 5., 0.])
     """
     sums = values.new_zeros(num).index_add(0, index, values)
-    counts = torch.bincount(index, minlength=num).to(values.dtype)
+    # index_add of ones, not bincount: bincount reads the maximum index on the host.
+    counts = values.new_zeros(num).index_add_(0, index, torch.ones_like(values))
     return sums / counts.clamp(min=1)
 
 
@@ -473,6 +474,11 @@ class PolicySpec:
             ``eps_low``, ``eps_high``).
         echo_safe: the function can be trusted next to echo rows it never sees (False for a
             caller-supplied function until ``allow_echo_with_custom_policy`` confirms it).
+        all_rows: the function may be given every row at once instead of the RL rows
+            compacted: rows that are not RL then carry log ratio 0 (``logprobs`` and
+            ``old_logprobs`` both 0), advantage 0 and sequence ``num_sequences - 1`` (a
+            padding sequence), and their outputs are discarded. True for the built-in
+            policies; it lets the loss run without reading the number of RL rows on the host.
     """
 
     name: str
@@ -482,6 +488,7 @@ class PolicySpec:
     needs_sequences: bool = False
     defaults: Mapping[str, float] = field(default_factory=dict)
     echo_safe: bool = True
+    all_rows: bool = False
 
 
 _REGISTRY: Registry[PolicySpec] = Registry("policy", register_with="register_policy")
@@ -501,6 +508,7 @@ def register_policy(
     needs_sequences: bool = False,
     defaults: Mapping[str, float] | None = None,
     overwrite: bool = False,
+    all_rows: bool = False,
 ) -> PolicySpec: ...
 
 
@@ -514,6 +522,7 @@ def register_policy(
     needs_sequences: bool = False,
     defaults: Mapping[str, float] | None = None,
     overwrite: bool = False,
+    all_rows: bool = False,
 ) -> Callable[[_Policy], _Policy]: ...
 
 
@@ -526,6 +535,7 @@ def register_policy(
     needs_sequences: bool = False,
     defaults: Mapping[str, float] | None = None,
     overwrite: bool = False,
+    all_rows: bool = False,
 ) -> PolicySpec | Callable[[_Policy], _Policy]:
     """Make ``LossConfig(policy=name)`` use ``fn``: one function, one registration.
 
@@ -550,6 +560,9 @@ def register_policy(
         overwrite: replace a different policy registered earlier under ``name`` (registering
             the same function with the same declarations again is a no-op); the built-in
             policies cannot be replaced.
+        all_rows: ``fn`` may receive every row, with neutral values on the rows that are not
+            RL (see [`PolicySpec`][echoloss.loss.policy.PolicySpec]); False (the default) gives
+            it the RL rows compacted, which costs one host sync per call on CUDA.
 
     Returns:
         The registered [`PolicySpec`][echoloss.loss.policy.PolicySpec]; without ``fn``, a
@@ -580,6 +593,7 @@ def register_policy(
                 needs_sequences=needs_sequences,
                 defaults=defaults,
                 overwrite=overwrite,
+                all_rows=all_rows,
             )
             return policy
 
@@ -603,6 +617,7 @@ def register_policy(
         uses_ratio=uses_ratio,
         needs_sequences=needs_sequences,
         defaults=MappingProxyType(_checked_defaults(defaults)),
+        all_rows=bool(all_rows),
     )
     return _REGISTRY.register(name, spec, overwrite=overwrite)
 
@@ -745,22 +760,26 @@ def _reinforce(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
     return reinforce_loss(x)
 
 
-register_policy("dppo", _dppo, reads=("dppo_low", "dppo_high"), defaults={"kl_tau": 1e-3})
+register_policy(
+    "dppo", _dppo, reads=("dppo_low", "dppo_high"), defaults={"kl_tau": 1e-3}, all_rows=True
+)
 register_policy(
     "ppo_clip",
     _ppo_clip,
     reads=("eps_low", "eps_high", "dual_clip"),
     defaults={"eps_low": 0.2, "eps_high": 0.2},
+    all_rows=True,
 )
-register_policy("cispo", _cispo, reads=("cispo_max", "cispo_min"))
+register_policy("cispo", _cispo, reads=("cispo_max", "cispo_min"), all_rows=True)
 register_policy(
     "gspo",
     _gspo,
     reads=("eps_low", "eps_high"),
     needs_sequences=True,
     defaults={"eps_low": 3e-4, "eps_high": 4e-4},
+    all_rows=True,
 )
-register_policy("reinforce", _reinforce, uses_ratio=False)
+register_policy("reinforce", _reinforce, uses_ratio=False, all_rows=True)
 # A function given per call as ``policy_fn=`` (kept for callers of the keyword form): it may read
 # any field, and must confirm that it does not need the echo rows it never sees.
 _REGISTRY.register(

@@ -60,6 +60,7 @@ from echoloss.loss import (
     all_reduce_normalizers,
     count_normalizers,
     echo_loss,
+    raise_deferred_errors,
     undo_data_parallel_averaging,
 )
 from echoloss.schedules import echo_alpha
@@ -321,6 +322,7 @@ class _Metrics:
         self.maxes: dict[str, float] = {}
 
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        raise_deferred_errors()  # the loss's device-side checks, read with its metrics
         vals = {k: float(v) for k, v in metrics.items()}
         for key, v in vals.items():
             name, _, env = key.partition("/")

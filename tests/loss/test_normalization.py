@@ -269,7 +269,9 @@ def test_normalizers_arithmetic_and_tensor_round_trip():
     assert sum([a, b]) == a + b
     assert Normalizers.from_tensor(a.as_tensor()) == a
     assert all_reduce_normalizers(a) == a  # not distributed: unchanged
-    with pytest.raises(ValueError, match=r"Normalizers.rl_tokens must be an int in \[0, \d+\] .*, got int -1"):
+    with pytest.raises(
+        ValueError, match=r"Normalizers.rl_tokens must be an int in \[0, \d+\] .*, got int -1"
+    ):
         Normalizers(rl_tokens=-1)
     with pytest.raises(TypeError, match=r"normalizers must be echoloss.Normalizers"):
         all_reduce_normalizers({"rl_tokens": 1})

@@ -89,6 +89,9 @@ def _several_vocab_blocks(monkeypatch):
 
         monkeypatch.setitem(fused.LAUNCH, "fwd_block", INTERPRETER_BLOCK_V)
         monkeypatch.setitem(fused.LAUNCH, "bwd_block", INTERPRETER_BLOCK_V)
+        # Phase 2's grid gets several vocabulary tiles of two blocks each (V ≥ 1531).
+        monkeypatch.setitem(fused.LAUNCH, "bwd_tile", 2 * INTERPRETER_BLOCK_V)
+        monkeypatch.setitem(fused.LAUNCH, "one_warp_block", INTERPRETER_BLOCK_V)
     yield
 
 

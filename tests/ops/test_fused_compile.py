@@ -83,6 +83,7 @@ def _fwd_types(dt):
         "LOGITS": f"*{dt}",
         "LABELS": "*i64",
         "ROWS": "*i64",
+        "MASK": "*u8",
         "INV_T": "*fp32",
         "inv_t_scalar": "fp32",
         "n_cols": "i32",
@@ -91,6 +92,7 @@ def _fwd_types(dt):
         "stride_t": "i32",
         "stride_v": "i32",
         "HAS_ROWS": "constexpr",
+        "HAS_MASK": "constexpr",
         "PER_ROW_T": "constexpr",
         "NEED_ENTROPY": "constexpr",
         "WIDE_COLS": "constexpr",
@@ -123,6 +125,7 @@ def _bwd_types(dt):
         "WIDE_COLS": "constexpr",
         "ROUND_BF16_BY_BITS": "constexpr",
         "BLOCK_V": "constexpr",
+        "TILE_V": "constexpr",
     }
 
 
@@ -146,8 +149,16 @@ def test_every_variant_compiles_for_sm90(dt):
         _compiled_kernel(fused._logprobs_fwd_kernel),
         _compiled_kernel(fused._logprobs_bwd_kernel),
     )
-    for rows, per_t, ent, wide in itertools.product([False, True], repeat=4):
-        consts = {"HAS_ROWS": rows, "PER_ROW_T": per_t, "NEED_ENTROPY": ent, "WIDE_COLS": wide}
+    for rows, mask, per_t, ent, wide in itertools.product([False, True], repeat=5):
+        if rows and mask:
+            continue  # the mask applies only to the all-rows grid
+        consts = {
+            "HAS_ROWS": rows,
+            "HAS_MASK": mask,
+            "PER_ROW_T": per_t,
+            "NEED_ENTROPY": ent,
+            "WIDE_COLS": wide,
+        }
         k = _compile(
             fwd, _fwd_types(dt), {**consts, "stride_v": 1, "BLOCK_V": 4096}, div16=_DIV[:3]
         )
@@ -159,8 +170,21 @@ def test_every_variant_compiles_for_sm90(dt):
             "WIDE_COLS": wide,
             "ROUND_BF16_BY_BITS": False,
         }
-        consts.update(stride_v=1, out_stride_v=1, BLOCK_V=4096)
+        consts.update(stride_v=1, out_stride_v=1, BLOCK_V=4096, TILE_V=16384)
         k = _compile(bwd, _bwd_types(dt), consts, div16=_DIV)
+        assert k.asm.get("cubin")
+    # The one-warp-per-row phase 1 of the launch table (V ≥ one_warp_from_v).
+    for mask, ent in itertools.product([False, True], repeat=2):
+        consts = {
+            "HAS_ROWS": False,
+            "HAS_MASK": mask,
+            "PER_ROW_T": True,
+            "NEED_ENTROPY": ent,
+            "WIDE_COLS": False,
+            "stride_v": 1,
+            "BLOCK_V": DEFAULT_LAUNCH["one_warp_block"],
+        }
+        k = _compile(fwd, _fwd_types(dt), consts, div16=_DIV[:3], warps=1)
         assert k.asm.get("cubin")
 
 
@@ -173,7 +197,13 @@ def test_contiguous_rows_vectorise_without_spills(arch, tmp_path):
         _compiled_kernel(fused._logprobs_fwd_kernel),
         _compiled_kernel(fused._logprobs_bwd_kernel),
     )
-    consts = {"HAS_ROWS": True, "PER_ROW_T": True, "NEED_ENTROPY": True, "WIDE_COLS": False}
+    consts = {
+        "HAS_ROWS": False,
+        "HAS_MASK": True,
+        "PER_ROW_T": True,
+        "NEED_ENTROPY": True,
+        "WIDE_COLS": False,
+    }
     consts.update(stride_v=1, BLOCK_V=DEFAULT_LAUNCH["fwd_block"])
     kf = _compile(
         fwd,
@@ -184,7 +214,12 @@ def test_contiguous_rows_vectorise_without_spills(arch, tmp_path):
         warps=DEFAULT_LAUNCH["fwd_warps"],
     )
     consts = {"HAS_ENT": True, "PER_ROW_T": True, "WIDE_COLS": False, "ROUND_BF16_BY_BITS": False}
-    consts.update(stride_v=1, out_stride_v=1, BLOCK_V=DEFAULT_LAUNCH["bwd_block"])
+    consts.update(
+        stride_v=1,
+        out_stride_v=1,
+        BLOCK_V=DEFAULT_LAUNCH["bwd_block"],
+        TILE_V=DEFAULT_LAUNCH["bwd_tile"],
+    )
     kb = _compile(
         bwd, _bwd_types("bf16"), consts, div16=_DIV, arch=arch, warps=DEFAULT_LAUNCH["bwd_warps"]
     )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from echoloss._compile import compiler_disable
+from echoloss._deferred import on_device_path
 from echoloss._validate import (
     check_bool,
     check_chunk_size,
@@ -27,9 +28,11 @@ from echoloss._validate import (
     problem,
 )
 from echoloss.ops.selective_logprobs import reference, resolve_backend
+from echoloss.ops.selective_logprobs.op import labels_checked_on_device
 
 __all__ = [
     "DEFAULT_LINEAR_CHUNK_ELEMENTS",
+    "auto_linear_chunk_size",
     "check_linear_inputs",
     "default_linear_chunk_size",
     "linear_logprobs_rows",
@@ -42,7 +45,7 @@ __all__ = [
 DEFAULT_LINEAR_CHUNK_ELEMENTS = 1 << 26
 
 # Rows of the weight gradient per [rows, H] partial product when it is accumulated in fp32 for a
-# bf16/fp16 weight (2^24 elements: a 32 MiB bf16 temporary instead of a full [V, H] one).
+# bf16/fp16 weight off CUDA (2^24 elements: a 64 MiB fp32 slice instead of a full [V, H] one).
 _GRAD_WEIGHT_SLICE_ELEMENTS = 1 << 24
 
 
@@ -61,18 +64,50 @@ def _logits_chunk(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(h, weight.t())
 
 
+def auto_linear_chunk_size(weight: torch.Tensor) -> int:
+    """Rows per chunk for ``weight [V, H]``: sized from the device's free memory on CUDA.
+
+    A chunk holds ``[c, V]`` logits in the weight's dtype (overwritten by their gradient in
+    backward). On CUDA the chunk may use a quarter of the free memory
+    (``torch.cuda.mem_get_info``, a driver query that does not wait for the GPU), between one
+    row and four times [`default_linear_chunk_size`][echoloss.ops.fused_linear.default_linear_chunk_size]
+    (larger GEMMs gain little); elsewhere the default.
+
+    Examples:
+        >>> auto_linear_chunk_size(torch.zeros(151_936, 1))
+        441
+    """
+    v = weight.shape[0]
+    rows = default_linear_chunk_size(v)
+    if weight.device.type != "cuda":
+        return rows
+    free, _ = torch.cuda.mem_get_info(weight.device)
+    fit = free // 4 // max(1, v * weight.element_size())
+    return int(max(1, min(4 * rows, fit)))
+
+
 def _accumulate_grad_weight(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
-    """``acc += dz.T @ h``: directly when ``acc`` has the inputs' dtype, else (fp32 accumulator
-    for bf16/fp16 inputs) in vocabulary slices, each product computed in the input dtype by one
-    GEMM and added in fp32, so no ``[V, H]`` temporary is ever allocated."""
+    """``acc += dz.T @ h`` with the product accumulated in ``acc``'s dtype.
+
+    Same dtypes: one ``addmm_``. An fp32 accumulator for bf16/fp16 inputs on CUDA: one GEMM per
+    chunk with bf16/fp16 operands and fp32 accumulation *and output*, added into ``acc`` in the
+    same call (``addmm(..., out_dtype=float32, out=acc)``): no ``[V, H]`` temporary and no
+    rounding of the chunk's product to the input dtype. Elsewhere (no mixed-dtype GEMM on CPU)
+    in vocabulary slices, each upcast to fp32 and multiplied by one GEMM, so no ``[V, H]``
+    temporary is allocated either.
+    """
     if acc.dtype == dz.dtype:
         acc.addmm_(dz.t(), h)
         return
+    if acc.device.type == "cuda":
+        torch.addmm(acc, dz.t(), h, out_dtype=acc.dtype, out=acc)
+        return
     v, hd = acc.shape
     step = max(1, _GRAD_WEIGHT_SLICE_ELEMENTS // max(1, hd))
+    h32 = h.to(acc.dtype)
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
-        acc[v0:v1].add_(torch.mm(dz[:, v0:v1].t(), h))
+        acc[v0:v1].addmm_(dz[:, v0:v1].t().to(acc.dtype), h32)
 
 
 class _LinearLogprobsFn(torch.autograd.Function):
@@ -91,6 +126,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
         need_entropy: bool,
         chunk_size: int,
         impl: ModuleType,
+        mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n_all = hidden.shape[0]
         v = weight.shape[0]
@@ -114,6 +150,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
                 inv_temperature=it,
                 need_entropy=need_entropy,
                 chunk_size=inner,
+                **({} if mask is None else {"mask": mask[start:stop]}),
             )
             del z
             lp.index_copy_(0, idx, lp_k.to(cdtype))
@@ -125,7 +162,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
         if not need_entropy:
             ctx.mark_non_differentiable(ent)
         inv_t_t = inv_t if isinstance(inv_t, torch.Tensor) else None
-        ctx.save_for_backward(hidden, weight, labels, rows, lse, ent_c, inv_t_t)
+        ctx.save_for_backward(hidden, weight, labels, rows, lse, ent_c, inv_t_t, mask)
         ctx.inv_t_float = None if inv_t_t is not None else inv_t
         ctx.need_entropy = need_entropy
         ctx.chunk_size = chunk_size
@@ -134,9 +171,9 @@ class _LinearLogprobsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_lp: torch.Tensor, grad_ent: torch.Tensor) -> tuple[Any, ...]:
-        hidden, weight, labels, rows, lse, ent_c, inv_t_t = ctx.saved_tensors
+        hidden, weight, labels, rows, lse, ent_c, inv_t_t, mask = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        nones = (None,) * 6
+        nones = (None,) * 7
         if not (need_h or need_w):
             return (None, None, *nones)
         a = grad_lp.index_select(0, rows)
@@ -145,10 +182,16 @@ class _LinearLogprobsFn(torch.autograd.Function):
             b = grad_ent.index_select(0, rows)
         # Rows whose coefficients are all zero have exactly zero gradient: no GEMM for them.
         live = a != 0 if b is None else (a != 0) | (b != 0)
-        keep = live.nonzero().squeeze(1)
-        rows, a, lse = rows[keep], a[keep], lse[keep]
-        b = None if b is None else b[keep]
-        ent = None if (b is None or ent_c is None) else ent_c[keep]
+        if mask is None:
+            keep = live.nonzero().squeeze(1)
+            rows, a, lse = rows[keep], a[keep], lse[keep]
+            b = None if b is None else b[keep]
+            ent = None if (b is None or ent_c is None) else ent_c[keep]
+        else:
+            # Device path: every row stays (rows = all rows), dead ones decided on the device
+            # get exact zeros from phase 2, hence no contribution to either gradient.
+            live = live & mask
+            ent = None if b is None else ent_c
         inv_t = ctx.inv_t_float if inv_t_t is None else inv_t_t
 
         grad_h = torch.zeros_like(hidden) if need_h else None
@@ -167,10 +210,13 @@ class _LinearLogprobsFn(torch.autograd.Function):
             z = _logits_chunk(h, weight)
             it = inv_t if isinstance(inv_t, float) else inv_t.index_select(0, idx)
             # Every row of the chunk is live, so every row of z is overwritten: in place is safe.
+            chunk_rows = {"rows": torch.arange(c, device=z.device)}
+            if mask is not None:
+                chunk_rows = {"rows": None, "live": live[start:stop]}  # type: ignore[dict-item]
             dz = ctx.impl.backward(
                 z,
                 labels.index_select(0, idx),
-                rows=torch.arange(c, device=z.device),
+                **chunk_rows,
                 inv_temperature=it,
                 lse=lse[start:stop],
                 grad_logprobs=a[start:stop],
@@ -245,14 +291,33 @@ def check_linear_inputs(hidden: Any, weight: Any) -> tuple[torch.Tensor, torch.T
     return hidden, weight
 
 
+_LABEL_FIX = "pass a mask that skips rows that predict nothing (e.g. ignore_index -100)"
+
+
+def _check_labels(labels: torch.Tensor, rows: torch.Tensor, v: int) -> None:
+    lab_used = labels.index_select(0, rows)
+    bad = (lab_used < 0) | (lab_used >= v)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            problem(
+                f"labels[{int(rows[i])}]",
+                f"in [0, V={v}) on a participating row",
+                str(int(lab_used[i])),
+                _LABEL_FIX,
+            )
+        )
+
+
 def _prepare(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: Any,
     temperature: Any,
     mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor]:
-    """Flat int64 labels, participating rows, and ``1/T`` (float or ``[N]`` compute dtype)."""
+) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor, torch.Tensor | None]:
+    """Flat int64 labels, the rows to compute, ``1/T`` (float or ``[N]`` compute dtype), and on
+    the device path the ``[N]`` bool mask (the rows are then all rows)."""
     lead = hidden.shape[:1]
     v = weight.shape[0]
     labels = check_per_token(
@@ -263,30 +328,26 @@ def _prepare(
         "int",
         fix="labels[j] is the token hidden[j] predicts",
     ).long()
-    rows = (
-        torch.arange(lead[0], device=hidden.device)
-        if mask is None
-        else mask.reshape(-1).nonzero().squeeze(1)
-    )
-    lab_used = labels.index_select(0, rows)
-    bad = (lab_used < 0) | (lab_used >= v)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            problem(
-                f"labels[{int(rows[i])}]",
-                f"in [0, V={v}) on a participating row",
-                str(int(lab_used[i])),
-                "pass a mask that skips rows that predict nothing (e.g. ignore_index -100)",
-            )
+    flat_mask: torch.Tensor | None = None
+    if on_device_path(hidden.device):
+        # Every row goes through the LM head (their count is not read on the host); rows
+        # outside the mask are skipped by phase 1 and get exact zeros from phase 2.
+        rows = torch.arange(lead[0], device=hidden.device)
+        flat_mask, labels = labels_checked_on_device(labels, mask, v, _LABEL_FIX)
+    else:
+        rows = (
+            torch.arange(lead[0], device=hidden.device)
+            if mask is None
+            else mask.reshape(-1).nonzero().squeeze(1)
         )
+        _check_labels(labels, rows, v)
     temp = check_temperature(temperature, lead, hidden.device)
     inv_t: float | torch.Tensor
     if isinstance(temp, torch.Tensor):
         inv_t = temp.reshape(-1).to(reference.compute_dtype(hidden.dtype)).reciprocal()
     else:
         inv_t = 1.0 / temp
-    return labels, rows, inv_t
+    return labels, rows, inv_t, flat_mask
 
 
 def _apply(
@@ -298,11 +359,12 @@ def _apply(
     need_entropy: bool,
     chunk_size: int | None,
     backend: str,
+    mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = resolve_backend(backend, hidden.device)
-    cs = chunk_size if chunk_size is not None else default_linear_chunk_size(weight.shape[0])
+    cs = chunk_size if chunk_size is not None else auto_linear_chunk_size(weight)
     out: tuple[torch.Tensor, torch.Tensor] = _LinearLogprobsFn.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, labels, rows, inv_t, need_entropy, cs, impl
+        hidden, weight, labels, rows, inv_t, need_entropy, cs, impl, mask
     )
     return out
 
@@ -322,8 +384,10 @@ def linear_logprobs_rows(
     ``hidden``/``weight`` already checked (`check_linear_inputs`); ``labels`` and
     ``temperature`` are checked here. Rows outside ``mask`` read 0 and get no gradient.
     """
-    flat_labels, rows, inv_t = _prepare(hidden, weight, labels, temperature, mask)
-    return _apply(hidden, weight, flat_labels, rows, inv_t, need_entropy, chunk_size, backend)
+    flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
+    return _apply(
+        hidden, weight, flat_labels, rows, inv_t, need_entropy, chunk_size, backend, flat_mask
+    )
 
 
 @compiler_disable
@@ -352,10 +416,12 @@ def linear_selective_logprobs(
         labels: ``[N]`` integer, in ``[0, V)`` on every row that participates.
         temperature: ``T > 0``: a float, a 0-dim tensor or ``[N]`` per-token values.
         return_entropy: also return the entropy of ``softmax(logits / T)`` per row.
-        mask: optional ``[N]`` bool, True = compute this row. Other rows cost no matmul, read
-            exactly 0 and get exactly zero gradient.
+        mask: optional ``[N]`` bool, True = compute this row. Other rows read exactly 0 and
+            get exactly zero gradient; off CUDA they cost no matmul, on CUDA they go through the
+            chunked matmul (their count is not read on the host) but not through the kernels.
         chunk_size: participating rows per chunk; None = about ``2^26`` logits elements per
-            chunk ([`default_linear_chunk_size`][echoloss.ops.fused_linear.default_linear_chunk_size]).
+            chunk ([`default_linear_chunk_size`][echoloss.ops.fused_linear.default_linear_chunk_size]),
+            sized from the free memory on CUDA (`auto_linear_chunk_size`).
         backend: the selective-logprob phases on each chunk: ``"auto"`` (Triton on CUDA, the
             PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
 
@@ -382,8 +448,10 @@ def linear_selective_logprobs(
         mask = check_per_token("mask", mask, hidden.shape[:1], hidden.device, "bool")
     check_bool("return_entropy", return_entropy)
     chunk_size = check_chunk_size(chunk_size)
-    flat_labels, rows, inv_t = _prepare(hidden, weight, labels, temperature, mask)
-    lp, ent = _apply(hidden, weight, flat_labels, rows, inv_t, return_entropy, chunk_size, backend)
+    flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
+    lp, ent = _apply(
+        hidden, weight, flat_labels, rows, inv_t, return_entropy, chunk_size, backend, flat_mask
+    )
     if return_entropy:
         return lp, ent
     return lp

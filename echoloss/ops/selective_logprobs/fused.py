@@ -28,13 +28,40 @@ import triton.language as tl
 from echoloss._validate import describe, problem
 from echoloss.ops.selective_logprobs import reference
 
-__all__ = ["LAUNCH", "backward", "forward", "interpreter_active"]
+__all__ = ["LAUNCH", "backward", "forward", "forward_launch", "interpreter_active"]
 
-#: Launch parameters: ``BLOCK_V`` elements of a row per loop iteration and warps per program.
-#: Chosen from the shape of the work (one bf16 row of 152k is 297 KiB, 38 blocks of 4096; 256
-#: threads hold 16 elements each, two 16-byte loads), **not measured**: the GPU benchmark
+#: Launch parameters: ``BLOCK_V`` elements of a row per loop iteration and warps per program;
+#: ``bwd_tile`` columns per phase-2 program (phase 2 runs on a 2-D grid, rows × vocabulary tiles);
+#: from ``one_warp_from_v`` columns on, phase 1 runs one warp per row with ``one_warp_block``
+#: (`forward_launch`). Chosen from the shape of the work, **not measured**: one bf16 row of 152k
+#: is 297 KiB, 38 blocks of 4096; 256 threads hold 16 elements each, two 16-byte loads; a
+#: one-warp program has no cross-warp reduction, hence no barrier, in its loop (the compiled
+#: sm_90 code of the multi-warp variant has 6 per iteration). The GPU benchmark
 #: (``python -m benchmarks --device cuda --sweep-launch``) is where they get tuned.
-LAUNCH = {"fwd_block": 4096, "fwd_warps": 8, "bwd_block": 4096, "bwd_warps": 8}
+LAUNCH = {
+    "fwd_block": 4096,
+    "fwd_warps": 8,
+    "bwd_block": 4096,
+    "bwd_warps": 8,
+    "bwd_tile": 16384,
+    "one_warp_from_v": 32768,
+    "one_warp_block": 2048,
+}
+
+
+def forward_launch(v: int) -> tuple[int, int]:
+    """``(BLOCK_V, num_warps)`` of phase 1 for a vocabulary of ``v``: the small shape table.
+
+    Examples:
+        >>> forward_launch(151_936)
+        (2048, 1)
+        >>> forward_launch(4_096)
+        (4096, 8)
+    """
+    if v >= LAUNCH["one_warp_from_v"]:
+        return _block(v, LAUNCH["one_warp_block"]), 1
+    return _block(v, LAUNCH["fwd_block"]), LAUNCH["fwd_warps"]
+
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -67,6 +94,7 @@ def _logprobs_fwd_kernel(
     LOGITS,  # [B, T, V] (a 2-D [N, V] is passed as B = 1)
     LABELS,  # [N] int64
     ROWS,  # [n] int64 flat row of each program (unused unless HAS_ROWS)
+    MASK,  # [N] uint8, 0 = write zeros and read nothing (unused unless HAS_MASK)
     INV_T,  # [N] fp32 per-row 1/T (unused unless PER_ROW_T)
     inv_t_scalar,
     n_cols,
@@ -75,6 +103,7 @@ def _logprobs_fwd_kernel(
     stride_t,
     stride_v,
     HAS_ROWS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     PER_ROW_T: tl.constexpr,
     NEED_ENTROPY: tl.constexpr,
     WIDE_COLS: tl.constexpr,
@@ -82,6 +111,11 @@ def _logprobs_fwd_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     row = tl.load(ROWS + pid).to(tl.int64) if HAS_ROWS else pid
+    # A row outside MASK streams no column (the loop runs to 0) and stores exact zeros.
+    n_stream = n_cols
+    if HAS_MASK:
+        active = tl.load(MASK + row) != 0
+        n_stream = tl.where(active, n_cols, 0)
     inv_t = tl.load(INV_T + row).to(tl.float32) if PER_ROW_T else inv_t_scalar
     base = LOGITS + (row // rows_per_batch) * stride_b + (row % rows_per_batch) * stride_t
     label = tl.load(LABELS + row).to(tl.int64)
@@ -94,7 +128,7 @@ def _logprobs_fwd_kernel(
     m = float("-inf")
     acc = 0.0
     ent_acc = 0.0
-    for start in range(0, n_cols, BLOCK_V):
+    for start in range(0, n_stream, BLOCK_V):
         offs = start + cols
         valid = offs < n_cols
         # int32 column offsets unless (V - 1)·stride_v overflows them (e.g. transposed logits).
@@ -118,13 +152,19 @@ def _logprobs_fwd_kernel(
     m_out = tl.where(m == float("-inf"), 0.0, m)
     log_acc = tl.log(acc)
     z_label = tl.load(base + label * stride_v).to(tl.float32)
-    tl.store(LOGPROB + pid, (z_label - m_out) * inv_t - log_acc)
+    lp = (z_label - m_out) * inv_t - log_acc
+    # H = -Σ p·log p = log(acc) - Σ e·(s - m) / acc: both terms O(log V), no cancellation
+    # against |m| (logits of ±1e4 lose nothing).
+    h = log_acc - ent_acc / acc
+    if HAS_MASK:
+        lp = tl.where(active, lp, 0.0)
+        log_acc = tl.where(active, log_acc, 0.0)
+        h = tl.where(active, h, 0.0)
+    tl.store(LOGPROB + pid, lp)
     tl.store(LSE + 2 * pid, m_out)
     tl.store(LSE + 2 * pid + 1, log_acc)
     if NEED_ENTROPY:
-        # H = -Σ p·log p = log(acc) - Σ e·(s - m) / acc: both terms O(log V), no cancellation
-        # against |m| (logits of ±1e4 lose nothing).
-        tl.store(ENTROPY + pid, log_acc - ent_acc / acc)
+        tl.store(ENTROPY + pid, h)
 
 
 @triton.jit(do_not_specialize=["rows_per_batch"])
@@ -152,8 +192,13 @@ def _logprobs_bwd_kernel(
     WIDE_COLS: tl.constexpr,
     ROUND_BF16_BY_BITS: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    TILE_V: tl.constexpr,
 ):
+    # 2-D grid: axis 0 = rows (up to 2^31 - 1), axis 1 = tiles of TILE_V columns (V / TILE_V is
+    # far below axis 1's 65,535). Every element depends only on its row's statistics, so tiles
+    # are independent and a row's work spreads over several programs.
     row = tl.program_id(0).to(tl.int64)
+    col0 = tl.program_id(1) * TILE_V
     b_idx = row // rows_per_batch
     t_idx = row % rows_per_batch
     out = DLOGITS + b_idx * out_stride_b + t_idx * out_stride_t
@@ -161,8 +206,8 @@ def _logprobs_bwd_kernel(
     k = tl.load(SLOT + row).to(tl.int64)
     if k < 0:
         zero = tl.full([BLOCK_V], 0, dtype=DLOGITS.dtype.element_ty)
-        for start in range(0, n_cols, BLOCK_V):
-            offs = start + cols
+        for start in range(0, TILE_V, BLOCK_V):
+            offs = col0 + start + cols
             col_out = offs.to(tl.int64) * out_stride_v if WIDE_COLS else offs * out_stride_v
             tl.store(out + col_out, zero, mask=offs < n_cols)
     else:
@@ -175,8 +220,8 @@ def _logprobs_bwd_kernel(
         if HAS_ENT:
             b = tl.load(GRAD_ENT + k)
             h = tl.load(ENTROPY + k)
-        for start in range(0, n_cols, BLOCK_V):
-            offs = start + cols
+        for start in range(0, TILE_V, BLOCK_V):
+            offs = col0 + start + cols
             valid = offs < n_cols
             if WIDE_COLS:
                 col = offs.to(tl.int64) * stride_v
@@ -258,7 +303,10 @@ def _block(v: int, cap: int) -> int:
 
 def _wide(v: int, stride_v: int) -> bool:
     """Whether the column offsets ``(V - 1 + BLOCK_V)·stride_v`` may overflow int32."""
-    return (v + LAUNCH["fwd_block"] + LAUNCH["bwd_block"]) * abs(stride_v) >= 2**31
+    reach = (
+        LAUNCH["fwd_block"] + LAUNCH["bwd_block"] + LAUNCH["bwd_tile"] + LAUNCH["one_warp_block"]
+    )
+    return (v + reach) * abs(stride_v) >= 2**31
 
 
 def _check_dtype(logits: torch.Tensor) -> None:
@@ -277,6 +325,7 @@ def forward(
     inv_temperature: float | torch.Tensor,
     need_entropy: bool,
     chunk_size: int,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Phase 1 with the Triton kernel; same arguments and results as ``reference.forward``.
 
@@ -289,6 +338,8 @@ def forward(
         need_entropy: also return the entropy.
         chunk_size: unused (the kernel keeps nothing ``[chunk, V]``-sized); accepted so both
             backends share one signature.
+        mask: with ``rows`` None, ``[N]`` bool: rows outside it read nothing and get exact
+            zeros (one program per row either way: no host read of the row count).
 
     Returns:
         ``(logprobs [n], lse [n, 2], entropy [n] or None)``, fp32, one entry per computed row;
@@ -303,6 +354,7 @@ def forward(
             inv_temperature=inv_temperature,
             need_entropy=need_entropy,
             chunk_size=chunk_size,
+            mask=mask,
         )
     _check_dtype(logits)
     _check_device(logits)
@@ -316,8 +368,11 @@ def forward(
         return out_lp, out_lse, out_ent
     labels = labels.to(torch.int64).contiguous()
     rows_arg = labels if rows is None else rows.to(torch.int64).contiguous()
+    has_mask = mask is not None and rows is None
+    mask_arg = mask.reshape(-1).contiguous().view(torch.uint8) if has_mask else labels  # type: ignore[union-attr]
     inv_t_arg, inv_t_scalar, per_row = _inv_t_args(inv_temperature, out_lp)
     rows_per_batch, sb, st, sv = _layout(logits)
+    fwd_block, fwd_warps = forward_launch(v)
     with _launch_ctx(logits):
         _logprobs_fwd_kernel[(n,)](
             out_lp,
@@ -326,6 +381,7 @@ def forward(
             logits,
             labels,
             rows_arg,
+            mask_arg,
             inv_t_arg,
             inv_t_scalar,
             v,
@@ -334,11 +390,12 @@ def forward(
             st,
             sv,
             HAS_ROWS=rows is not None,
+            HAS_MASK=has_mask,
             PER_ROW_T=per_row,
             NEED_ENTROPY=need_entropy,
             WIDE_COLS=_wide(v, sv),
-            BLOCK_V=_block(v, LAUNCH["fwd_block"]),
-            num_warps=LAUNCH["fwd_warps"],
+            BLOCK_V=fwd_block,
+            num_warps=fwd_warps,
             enable_fp_fusion=True,
         )
     return out_lp, out_lse, out_ent
@@ -348,7 +405,7 @@ def backward(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     inv_temperature: float | torch.Tensor,
     lse: torch.Tensor,
     grad_logprobs: torch.Tensor,
@@ -356,6 +413,7 @@ def backward(
     entropy: torch.Tensor | None,
     chunk_size: int,
     out: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Phase 2 with the Triton kernel; same arguments and result as ``reference.backward``.
 
@@ -376,11 +434,29 @@ def backward(
         chunk_size: unused (see [`forward`][echoloss.ops.selective_logprobs.reference.forward]).
         out: optional tensor of the logits' shape and dtype to write into (any content), or
             ``logits`` itself. None allocates a contiguous one.
+        live: instead of ``rows``: ``[N]`` bool rows with a gradient; ``lse``,
+            ``grad_logprobs``, ``grad_entropy`` and ``entropy`` are then ``[N]`` (one entry per
+            row, read on live rows only). Nothing is read back to the host.
 
     Returns:
         ``dlogits`` with the shape and dtype of ``logits`` (``out`` when given).
     """
     if logits.dtype == torch.float64:
+        if live is not None:
+            return reference.backward(
+                logits,
+                labels,
+                rows=None,
+                inv_temperature=inv_temperature,
+                lse=lse,
+                grad_logprobs=grad_logprobs,
+                grad_entropy=grad_entropy,
+                entropy=entropy,
+                chunk_size=chunk_size,
+                out=out,
+                live=live,
+            )
+        assert rows is not None, "rows or live is required"
         if out is not None:
             # The reference writes only ``rows`` into ``out``: zero the others first (in place
             # too: the reference copies each chunk of rows before it overwrites them).
@@ -426,10 +502,17 @@ def backward(
         )
     if n_all == 0:
         return out
-    n = int(rows.numel())
-    slot = torch.full((n_all,), -1, dtype=torch.int32, device=dev)
-    if n:
-        slot[rows] = torch.arange(n, dtype=torch.int32, device=dev)
+    if live is not None:
+        # Row i's statistics and coefficients are at slot i; dead rows get -1 (write zeros).
+        slot = torch.where(
+            live.reshape(-1), torch.arange(n_all, dtype=torch.int32, device=dev), -1
+        ).to(torch.int32)
+    else:
+        assert rows is not None, "rows or live is required"
+        n = int(rows.numel())
+        slot = torch.full((n_all,), -1, dtype=torch.int32, device=dev)
+        if n:
+            slot[rows] = torch.arange(n, dtype=torch.int32, device=dev)
     f32 = torch.float32
     lse = lse.to(f32).contiguous()
     a = grad_logprobs.to(f32).contiguous()
@@ -440,8 +523,11 @@ def backward(
     inv_t_arg, inv_t_scalar, per_row = _inv_t_args(inv_temperature, a)
     rows_per_batch, sb, st, sv = _layout(logits)
     _, ob, ot, ov = _layout(out)
+    bwd_block = _block(v, LAUNCH["bwd_block"])
+    tile = max(bwd_block, min(LAUNCH["bwd_tile"], int(triton.next_power_of_2(v))))
+    tile -= tile % bwd_block  # a whole number of blocks per tile
     with _launch_ctx(logits):
-        _logprobs_bwd_kernel[(n_all,)](
+        _logprobs_bwd_kernel[(n_all, triton.cdiv(v, tile))](
             out,
             logits,
             labels,
@@ -464,7 +550,8 @@ def backward(
             PER_ROW_T=per_row,
             WIDE_COLS=_wide(v, sv) or _wide(v, ov),
             ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and interpreter_active(),
-            BLOCK_V=_block(v, LAUNCH["bwd_block"]),
+            BLOCK_V=bwd_block,
+            TILE_V=tile,
             num_warps=LAUNCH["bwd_warps"],
             enable_fp_fusion=True,
         )

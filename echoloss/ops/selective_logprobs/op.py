@@ -10,12 +10,14 @@ functions (``forward`` and ``backward``) and plugs in through ``backend``.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from echoloss._compile import compiler_disable
+from echoloss._deferred import DeferredChecks, first_true, on_device_path
 from echoloss._logging import warn_once
 from echoloss._validate import (
     check_bool,
@@ -94,6 +96,7 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
         need_entropy: bool,
         chunk_size: int,
         impl: ModuleType,
+        mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n_all = labels.numel()
         lp_c, lse, ent_c = impl.forward(
@@ -103,6 +106,7 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
             inv_temperature=inv_t,
             need_entropy=need_entropy,
             chunk_size=chunk_size,
+            **({} if mask is None else {"mask": mask}),
         )
         if rows is None:
             lp, ent = lp_c, ent_c
@@ -114,7 +118,7 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
             ent = lp.new_zeros(0)
             ctx.mark_non_differentiable(ent)
         inv_t_t = inv_t if isinstance(inv_t, torch.Tensor) else None
-        ctx.save_for_backward(logits, labels, rows, lse, ent_c, inv_t_t)
+        ctx.save_for_backward(logits, labels, rows, lse, ent_c, inv_t_t, mask)
         ctx.inv_t_float = inv_t if not isinstance(inv_t, torch.Tensor) else None
         ctx.need_entropy = need_entropy
         ctx.chunk_size = chunk_size
@@ -123,10 +127,30 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_lp: torch.Tensor, grad_ent: torch.Tensor) -> tuple[Any, ...]:
-        logits, labels, rows, lse, ent_c, inv_t_t = ctx.saved_tensors
-        nones = (None,) * 6
+        logits, labels, rows, lse, ent_c, inv_t_t, mask = ctx.saved_tensors
+        nones = (None,) * 7
         if not ctx.needs_input_grad[0]:
             return (None, *nones)
+        inv_t = ctx.inv_t_float if inv_t_t is None else inv_t_t
+        if mask is not None:
+            # Device path: every row keeps its slot; rows with zero coefficients are dead
+            # (exact zeros), decided on the device.
+            a = grad_lp
+            b = grad_ent if ctx.need_entropy and grad_ent.numel() else None
+            live = mask & ((a != 0) if b is None else (a != 0) | (b != 0))
+            grad = ctx.impl.backward(
+                logits,
+                labels,
+                rows=None,
+                inv_temperature=inv_t,
+                lse=lse,
+                grad_logprobs=a,
+                grad_entropy=b,
+                entropy=ent_c if b is not None else None,
+                chunk_size=ctx.chunk_size,
+                live=live,
+            )
+            return (grad, *nones)
         if rows is None:
             rows = torch.arange(labels.numel(), device=labels.device)
         a = grad_lp.index_select(0, rows)
@@ -139,7 +163,6 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
             rows, a, lse = rows[keep], a[keep], lse[keep]
             b = None if b is None else b[keep]
             ent = None if ent is None else ent[keep]
-        inv_t = ctx.inv_t_float if inv_t_t is None else inv_t_t
         grad = ctx.impl.backward(
             logits,
             labels,
@@ -152,6 +175,61 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
             chunk_size=ctx.chunk_size,
         )
         return (grad, *nones)
+
+
+_LABEL_FIX = (
+    "pass mask= to skip rows that predict nothing (e.g. the last row of each sequence, "
+    "ignore_index -100)"
+)
+
+
+def _check_labels_now(labels: torch.Tensor, rows: torch.Tensor | None, v: int) -> None:
+    """Host path: every participating label in ``[0, V)`` (else name the first bad row)."""
+    lab_used = labels if rows is None else labels.index_select(0, rows)
+    bad = (lab_used < 0) | (lab_used >= v)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        row = i if rows is None else int(rows[i])
+        raise ValueError(
+            problem(
+                f"labels[{row}]",
+                f"in [0, V={v}) on a participating row",
+                str(int(lab_used[i])),
+                _LABEL_FIX,
+            )
+        )
+
+
+def labels_checked_on_device(
+    labels: torch.Tensor, mask: torch.Tensor | None, v: int, fix: str = _LABEL_FIX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device path: ``(mask [N] bool, labels [N] safe to read)``, the range check deferred.
+
+    A participating label outside ``[0, V)`` is reported later (``echoloss/_deferred.py``) with
+    the host path's message; meanwhile it reads as 0, like every row outside the mask, so no
+    kernel ever reads out of bounds.
+    """
+    flat_mask = torch.ones_like(labels, dtype=torch.bool) if mask is None else mask.reshape(-1)
+    bad = flat_mask & ((labels < 0) | (labels >= v))  # [N]
+    if labels.numel():
+        row = first_true(bad)
+
+        def message(x: Sequence[float]) -> Exception | None:
+            if not x[0]:
+                return None
+            return ValueError(
+                problem(
+                    f"labels[{int(x[1])}]",
+                    f"in [0, V={v}) on a participating row",
+                    str(int(x[2])),
+                    fix,
+                )
+            )
+
+        checks = DeferredChecks(labels.device)
+        checks.add([bad.any(), row, labels.index_select(0, row.view(1))], message)
+        checks.submit()
+    return flat_mask, torch.where(flat_mask & ~bad, labels, 0)
 
 
 @compiler_disable
@@ -233,21 +311,13 @@ def selective_logprobs(
     check_bool("return_entropy", return_entropy)
 
     flat_labels = labels.reshape(-1).long()
-    rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
-    lab_used = flat_labels if rows is None else flat_labels.index_select(0, rows)
-    bad = (lab_used < 0) | (lab_used >= v)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        row = i if rows is None else int(rows[i])
-        raise ValueError(
-            problem(
-                f"labels[{row}]",
-                f"in [0, V={v}) on a participating row",
-                str(int(lab_used[i])),
-                "pass mask= to skip rows that predict nothing (e.g. the last row of each "
-                "sequence, ignore_index -100)",
-            )
-        )
+    flat_mask: torch.Tensor | None = None
+    if on_device_path(logits.device):
+        rows = None
+        flat_mask, flat_labels = labels_checked_on_device(flat_labels, mask, v)
+    else:
+        rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+        _check_labels_now(flat_labels, rows, v)
     if logits.dim() == 3:
         try:
             logits_in = logits.view(-1, v)
@@ -263,7 +333,7 @@ def selective_logprobs(
         inv_t = 1.0 / temp
     cs = chunk_size if chunk_size is not None else reference.default_chunk_size(v)
     out: tuple[torch.Tensor, torch.Tensor] = _SelectiveLogprobsFn.apply(  # type: ignore[no-untyped-call]
-        logits_in, flat_labels, rows, inv_t, return_entropy, cs, impl
+        logits_in, flat_labels, rows, inv_t, return_entropy, cs, impl, flat_mask
     )
     lp, ent = out
     lp = lp.view(lead)

@@ -146,6 +146,7 @@ def forward(
     inv_temperature: float | torch.Tensor,
     need_entropy: bool,
     chunk_size: int,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Phase 1: logprob of the label, log-sum-exp and entropy of ``softmax(logits / T)``.
 
@@ -156,6 +157,9 @@ def forward(
         inv_temperature: ``1/T`` as a Python float, or a ``[N]`` tensor in the compute dtype.
         need_entropy: also return the entropy.
         chunk_size: rows per chunk (≥ 1).
+        mask: with ``rows`` None, ``[N]`` bool: rows outside it read exactly 0 in every output
+            (they are computed and discarded here, without reading the row count on the host;
+            their labels must still be in range).
 
     Returns:
         ``(logprobs [n], lse [n, 2], entropy [n] or None)`` in the compute dtype, one entry per
@@ -189,6 +193,11 @@ def forward(
             # 0·floor = 0, not 0·(-inf) = NaN (exp(floor) is exactly 0: no value changes).
             pd = e.mul_(d.clamp_(min=LOG_P_FLOOR)).sum(dim=1)  # [c] Σ e·d
             out_ent[start:stop] = log_acc - pd / log_acc.exp()
+    if mask is not None and rows is None:
+        keep = mask.reshape(-1)
+        out_lp = torch.where(keep, out_lp, 0.0)
+        out_lse = torch.where(keep[:, None], out_lse, 0.0)
+        out_ent = None if out_ent is None else torch.where(keep, out_ent, 0.0)
     return out_lp, out_lse, out_ent
 
 
@@ -196,7 +205,7 @@ def backward(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     inv_temperature: float | torch.Tensor,
     lse: torch.Tensor,
     grad_logprobs: torch.Tensor,
@@ -204,6 +213,7 @@ def backward(
     entropy: torch.Tensor | None,
     chunk_size: int,
     out: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Phase 2: ``dlogits`` of the given rows from per-row coefficients; other rows exact zeros.
 
@@ -223,11 +233,20 @@ def backward(
         entropy: ``[n]`` entropy per row; required when ``grad_entropy`` is given.
         chunk_size: rows per chunk.
         out: optional zero-filled tensor of the logits' shape and dtype to write into.
+        live: instead of ``rows``: ``[N]`` bool rows with a gradient, every per-row argument
+            ``[N]``; every row is computed and the dead ones written with exact zeros (no host
+            read of the live count).
 
     Returns:
         ``dlogits`` with the shape and dtype of ``logits``.
     """
     cdtype = compute_dtype(logits.dtype)
+    dead = None
+    if live is not None:
+        n_all = logits.numel() // max(logits.shape[-1], 1)
+        rows = torch.arange(n_all, device=logits.device)
+        dead = ~live.reshape(-1)
+    assert rows is not None, "rows or live is required"
     n = int(rows.numel())
     if out is None:
         # Every row written: no need to zero-fill first (one pass over [N, V] saved).
@@ -261,6 +280,8 @@ def backward(
                 g.mul_(inv_t)
         else:
             g.mul_(inv_t[:, None])
+        if dead is not None:  # dead rows: exact zeros, whatever their (unread) statistics
+            g.masked_fill_(dead[start:stop, None], 0.0)
         if g.dtype != logits.dtype:
             g = ws.get("native", c).copy_(g)
         flat.index_copy_(0, idx, g)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The short GPU check, prepared for one run on one GPU (about 6 minutes on an H100):
+# the kernels' GPU tests, the quick sweep and the one-table check (echoloss vs TRL vs Liger vs
+# naive at five bf16 shapes + fused-linear at H = 4096, with host syncs and launches per call).
+# Results land in benchmarks/results/ with the GPU name, versions and git sha in every row.
+# Run from the repository root:  bash benchmarks/gpu_check.sh
+set -euo pipefail
+PY=${PYTHON:-python}
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export ECHOLOSS_GIT_SHA=${ECHOLOSS_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_check_env.txt"
+timeout 120 "$PY" -m pytest -q -m gpu tests/ops 2>&1 | tail -5 | tee -a "$OUT/gpu_check_env.txt"
+timeout 120 "$PY" -m benchmarks --device cuda --quick --output "$OUT" --no-plot
+timeout 240 "$PY" -m benchmarks --device cuda --check --output "$OUT" --no-plot

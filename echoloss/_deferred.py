@@ -1,0 +1,233 @@
+"""Checks of values that live on the device, without making the host wait for them.
+
+Reading a device value on the host (``bool(t.any())``, ``int(t)``, ``.item()``) blocks the host
+until the GPU has finished everything queued before it, so the host stops queueing work and the
+GPU idles. On the device code path (CUDA, or the ``device_code_path()`` block that tests use to
+run that path on CPU) the loss therefore checks values on the device: each check reduces to a few
+numbers (a flag and what its message needs: a row, a count, a value), the numbers of one call
+travel to pinned host memory with one asynchronous copy, and the error is raised later, by
+
+1. the next loss call whose device has finished the checked work (a non-blocking poll at the
+   start of every entry point: usually the next micro-batch), or
+2. [`raise_deferred_errors`][echoloss._deferred.raise_deferred_errors] (blocking), which a
+   training loop calls where it reads the loss anyway (``echoloss-train`` does, once per step).
+
+The message is the one the host path raises at once. Checks of shapes, dtypes, devices and
+configuration never read device values and stay immediate on every path. On the host code path
+(CPU tensors) every check is evaluated at once, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DeferredChecks",
+    "device_code_path",
+    "first_true",
+    "host_to_device",
+    "on_device_path",
+    "pending_count",
+    "raise_deferred_errors",
+]
+
+#: Builds the error from the host copy of a check's numbers; returns None when the check passed.
+Message = Callable[[Sequence[float]], "Exception | None"]
+
+_state = threading.local()
+
+
+def _forced() -> int:
+    return int(getattr(_state, "forced", 0))
+
+
+def on_device_path(device: torch.device) -> bool:
+    """Whether code on ``device`` must not read device values on the host (CUDA, or forced).
+
+    Examples:
+        >>> on_device_path(torch.device("cpu"))
+        False
+        >>> with device_code_path():
+        ...     on_device_path(torch.device("cpu"))
+        True
+    """
+    return device.type == "cuda" or _forced() > 0
+
+
+@contextmanager
+def device_code_path() -> Iterator[None]:
+    """Run the CUDA code path on any device inside the block (for tests and op counts).
+
+    Values are then checked on the device and the errors deferred exactly as on CUDA, so a CPU
+    test can count the ops of the CUDA path (``benchmarks/counting.py``) and see when its errors
+    are raised.
+    """
+    _state.forced = _forced() + 1
+    try:
+        yield
+    finally:
+        _state.forced = _forced() - 1
+
+
+def first_true(mask: torch.Tensor) -> torch.Tensor:
+    """0-dim int64: the index of the first True of a 1-D ``mask`` (0 when none), on its device.
+
+    Examples:
+        >>> int(first_true(torch.tensor([False, True, True])))
+        1
+    """
+    if mask.numel() == 0:
+        return mask.new_zeros((), dtype=torch.int64)
+    return mask.reshape(-1).to(torch.uint8).argmax()
+
+
+@dataclass
+class _Pending:
+    host: torch.Tensor  # [k] float64 in (pinned) host memory
+    event: torch.cuda.Event | None  # recorded after the copy; None = already on the host
+    layout: list[tuple[Message, list[int]]]  # (message, positions of its numbers) per check
+
+
+def _queue() -> list[_Pending]:
+    q = getattr(_state, "queue", None)
+    if q is None:
+        q = _state.queue = []
+    return q
+
+
+def pending_count() -> int:
+    """How many calls' deferred checks are still waiting to be read (this thread)."""
+    return len(_queue())
+
+
+def _evaluate(p: _Pending) -> Exception | None:
+    values = p.host.numpy().tolist()  # host memory: no device read
+    for message, positions in p.layout:
+        err = message([values[i] for i in positions])
+        if err is not None:
+            return err
+    return None
+
+
+def raise_deferred_errors(*, block: bool = True) -> None:
+    """Raise the first error of the deferred device-side checks of earlier loss calls.
+
+    On CPU every check is raised during the call itself, so this is a no-op there. On CUDA the
+    loss entry points check participating values (non-finite logprobs, labels out of range,
+    normalisers smaller than the call's counts, ...) on the device and defer the error; call this
+    where the training loop reads the loss anyway (``loss.item()`` for a log line), once per
+    step: with ``block=True`` it waits for the checked work, then raises the first error with the
+    same message the immediate check would have raised. Every loss call also polls with
+    ``block=False`` (only checks whose work has finished are read, nothing waits).
+
+    Args:
+        block: wait for checks whose device work has not finished yet (one host sync).
+
+    Raises:
+        ValueError: the first failed check, in call order; the pending checks are cleared.
+
+    Examples:
+        >>> raise_deferred_errors()  # nothing pending: returns None
+    """
+    q = _queue()
+    while q:
+        p = q[0]
+        if p.event is not None and not block and not p.event.query():  # type: ignore[no-untyped-call]
+            return
+        if p.event is not None:
+            p.event.synchronize()
+        q.pop(0)
+        err = _evaluate(p)
+        if err is not None:
+            q.clear()
+            raise err
+
+
+class DeferredChecks:
+    """The value checks of one call: evaluated at once on the host path, deferred on the device path.
+
+    ``add(numbers, message)`` takes the numbers a check needs (0-dim or one-element tensors,
+    flag first by convention) and a function that builds the error from their host values as
+    floats (None = passed).
+    `submit` sends every number of the call to the host in one asynchronous copy.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.deferred = on_device_path(device)
+        self._numbers: list[torch.Tensor] = []  # 0-dim tensors, in check order
+        self._layout: list[tuple[int, int, Message]] = []
+
+    def add(self, numbers: Sequence[torch.Tensor | float], message: Message) -> None:
+        """Queue one check; on the host path evaluate it now and raise its error."""
+        values = [
+            n.detach().reshape(())
+            if isinstance(n, torch.Tensor)
+            else torch.full((), float(n), dtype=torch.float64, device=self.device)
+            for n in numbers
+        ]
+        if not self.deferred:
+            err = message([float(v) for v in values])
+            if err is not None:
+                raise err
+            return
+        start = len(self._numbers)
+        self._numbers += values
+        self._layout.append((start, len(self._numbers), message))
+
+    def submit(self) -> None:
+        """Send the queued numbers to the host (non-blocking) and queue them for reading.
+
+        The numbers are grouped by dtype (one ``stack`` and one cast per dtype, one ``cat``), so
+        a call's checks cost a handful of launches and one copy, whatever their number.
+        """
+        if not self._numbers:
+            return
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, n in enumerate(self._numbers):
+            groups.setdefault(n.dtype, []).append(i)
+        parts = [torch.stack([self._numbers[i] for i in idx]).double() for idx in groups.values()]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        # position of number i in ``flat``
+        where = [0] * len(self._numbers)
+        k = 0
+        for idx in groups.values():
+            for i in idx:
+                where[i] = k
+                k += 1
+        layout = [
+            (message, [where[i] for i in range(start, stop)])
+            for start, stop, message in self._layout
+        ]
+        event = None
+        if flat.device.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        else:
+            host = flat
+        _queue().append(_Pending(host, event, layout))
+        self._numbers, self._layout = [], []
+
+
+def host_to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``[len(values)]`` int64 on ``device`` from host values, without blocking the host.
+
+    Written into (pinned) host memory directly and copied with ``non_blocking=True``; a tensor
+    built with ``torch.tensor(values, device=cuda)`` would copy from pageable memory, which
+    waits for the device.
+
+    Examples:
+        >>> host_to_device([3, -1], torch.device("cpu")).tolist()
+        [3, -1]
+    """
+    host = torch.empty(len(values), dtype=torch.int64, pin_memory=device.type == "cuda")
+    if len(values):
+        host.numpy()[:] = values
+    return host.to(device, non_blocking=True)
