@@ -116,7 +116,8 @@ class Sample:
     """One training sequence: a prompt and a completion region, with per-token streams.
 
     The completion region of a merged multi-turn sample interleaves model tokens (RL) with
-    environment tokens (never RL, possibly echoed). Token ``t`` of ``prompt_ids + completion_ids``
+    environment tokens (never RL, possibly echoed). Each per-token list below is declared once in
+    [`STREAMS`][echoloss.data.interleave.STREAMS], which every step of the data path loops over. Token ``t`` of ``prompt_ids + completion_ids``
     is the target predicted from tokens ``< t``, so **position 0 is never trained** (no RL, no echo).
 
     Args:

@@ -575,8 +575,8 @@ def register_policy(
         ...     return PolicyOutput(-torch.sign(inputs.advantages) * inputs.logprobs, {})
         >>> _ = register_policy("signed_nll_doc", signed_nll, uses_ratio=False)
         >>> lp = torch.tensor([-0.5, -1.0], requires_grad=True)
-        >>> out = echo_loss_from_logprobs(lp, rl_mask=torch.tensor([True, True]),
-        ...     advantages=torch.tensor([3.0, -2.0]), config=LossConfig(policy="signed_nll_doc"))
+        >>> x = LossInputs(rl_mask=torch.tensor([True, True]), advantages=torch.tensor([3.0, -2.0]))
+        >>> out = echo_loss_from_logprobs(lp, x, config=LossConfig(policy="signed_nll_doc"))
         >>> out.loss
         tensor(-0.2500, grad_fn=<AddBackward0>)
     """
