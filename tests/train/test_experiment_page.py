@@ -162,10 +162,12 @@ def _column(header: str) -> str:
     return re.sub(r"\s*\((floor[^)]*)\)", "", header).strip()
 
 
+PERSISTENCE = "persistence"  # its tables are persistence.markdown's, compared verbatim below
 TABLES = [
     t
     for t in _tables()
-    if not any(t[2] and ("| " + " | ".join(t[2]) + " |").startswith(p) for p in NOT_ROW_TABLES)
+    if t[1] != PERSISTENCE
+    and not any(t[2] and ("| " + " | ".join(t[2]) + " |").startswith(p) for p in NOT_ROW_TABLES)
 ]
 
 
@@ -225,7 +227,48 @@ def test_every_row_table_is_checked():
     """A table is either recomputed above or named in NOT_ROW_TABLES (never silently skipped)."""
     assert len(TABLES) >= 10
     everything = _tables()
-    assert len(everything) == len(TABLES) + len(NOT_ROW_TABLES)
+    persistence = [t for t in everything if t[1] == PERSISTENCE]
+    assert len(everything) == len(TABLES) + len(NOT_ROW_TABLES) + len(persistence)
+
+
+def test_the_persistence_tables_are_the_report_of_the_committed_rows():
+    """The persistence section prints `persistence.markdown` of its committed rows, verbatim
+    (its four tables, the verdicts included), over the seeds whose six arms all finished; its
+    summary.json is what `summarize` computes; every row has the documented fields."""
+    from echoloss.train import persistence
+    from echoloss.train.experiment import LEVEL_ARMS
+
+    folder = ROWS / PERSISTENCE
+    if not (folder / "results.json").is_file():
+        pytest.skip("the persistence rows are not committed yet")
+    rows = json.loads((folder / "results.json").read_text())
+    labels = {f"{lv} {a}" + ("" if a == "grpo" else f" {x:g}") for lv, a, x, _ in LEVEL_ARMS}
+    complete = sorted(
+        s
+        for s in {r["seed"] for r in rows}
+        if {arm_label(r) for r in rows if r["seed"] == s} == labels
+    )
+    for r in rows:
+        for key in ("level", "arm", "model", "alpha", "seed", "move_ce_start", "move_ce_end"):
+            assert r.get(key) is not None, (key, r["arm"], r["seed"])
+        assert "steps_to_80" in r and r["model"] == "tiny" and r["rl_steps"] == 60
+        assert r["level"] in ("per-world", "per-episode") and r["arm"] in (
+            "grpo",
+            "echo",
+            "placebo",
+        )
+    summary = summarize([dict(r) for r in rows if r["seed"] in complete])
+    summary["complete_seeds"] = complete
+    committed = json.loads((folder / "summary.json").read_text())
+    assert committed["complete_seeds"] == complete
+    for arm, entry in summary["arms"].items():
+        for key in ("eval_success_sampled_end", "move_ce_end", "eval_success_end"):
+            assert committed["arms"][arm][key]["mean"] == pytest.approx(
+                entry[key]["mean"], rel=1e-12
+            )
+    md = persistence.markdown(summary)
+    page = PAGE.read_text()
+    assert md.strip() in page, "docs/experiment.md does not print persistence.markdown of its rows"
 
 
 def _gains(folder: str, arm: str) -> list[float]:
@@ -300,3 +343,21 @@ def test_prose_claims():
         )
         says(fragment)
     assert not math.isnan(main["mean"])
+
+
+def test_the_pretrained_step_timing_is_the_committed_measurement():
+    text = " ".join(PAGE.read_text().split())
+    rows = [
+        json.loads(x)
+        for x in (ROWS / PERSISTENCE / "pretrained-step-timing.jsonl").read_text().splitlines()
+    ]
+    warm, rl = rows
+    assert (warm["phase"], rl["phase"]) == ("warmup", "rl")
+    for fragment in (
+        f"one warm-up step (32 demonstrations, {warm['tokens']:,} tokens) took **{warm['step_time']:.0f} s**",
+        f"rollouts, {rl['env/mirrorgrid-noise/turns']:.1f} turns each, {rl['tokens']:,} tokens) **{rl['step_time']:.0f} s**",
+        f"{rl['gen_time']:.0f} s of it generation",
+        f"{100 * rl['invalid_reply_rate']:.1f} % of SmolLM2's replies were invalid",
+        f"about {(80 * warm['step_time'] + 60 * rl['step_time']) / 3600:.0f} hours here",
+    ):
+        assert fragment in text, fragment
