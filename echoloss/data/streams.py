@@ -61,7 +61,8 @@ class TokenStream:
             ([`StepValues`][echoloss.data.streams.StepValues]); None = no step produces it (it
             stays None on interleaved samples).
         untrained_at_zero: position 0 of a sample has no prediction, so this stream holds
-            [`missing`][echoloss.data.streams.TokenStream.missing] there (packed as ``fill``).
+            [`missing`][echoloss.data.streams.TokenStream.missing] there (packed as ``fill``;
+            ``next_token_targets`` refuses a batch that marks a segment's first token in it).
         pack_values: ``fn(sample) -> P + C values`` when packing is not the plain list (RL mask
             after echo, position 0 cleared, observation mask defaulting to the echoed tokens).
         prompt_value: ``fn(sample) -> value`` on the prompt tokens of a completion stream, read

@@ -122,13 +122,14 @@ def next_token_targets(batch: PackedBatch) -> NextTokenTargets:
 
 
 def _check_segment_starts_untrained(batch: PackedBatch) -> None:
-    """Raise if the first token of any segment is RL, echo or observation (docs/spec.md §7)."""
+    """Raise if the first token of any segment is marked in a stream that position 0 must leave
+    at its fill (RL, echo, observation: ``untrained_at_zero`` in `STREAMS`; docs/spec.md §7)."""
     starts = batch.cu_seqlens[:-1].long()  # [S] first token of every segment
     starts = starts[starts < len(batch)]  # an empty segment has no first token
     streams = {
-        "rl_mask": batch.rl_mask[starts],  # [S]
-        "echo_weights": batch.echo_weights[starts] != 0,  # [S]
-        "observation_mask": batch.observation_mask[starts],  # [S]
+        st.packed: batch.streams[st.packed][starts] != st.fill  # [S] bool
+        for st in STREAMS
+        if st.untrained_at_zero
     }
     for name, marked in streams.items():
         if bool(marked.any()):
