@@ -64,6 +64,10 @@ def _logits_chunk(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(h, weight.t())
 
 
+#: Whether this torch has the mixed-dtype ``addmm(..., out_dtype=)`` (CUDA kernels).
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
 def auto_linear_chunk_size(weight: torch.Tensor) -> int:
     """Rows per chunk for ``weight [V, H]``: sized from the device's free memory on CUDA.
 
@@ -92,14 +96,14 @@ def _accumulate_grad_weight(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor
     Same dtypes: one ``addmm_``. An fp32 accumulator for bf16/fp16 inputs on CUDA: one GEMM per
     chunk with bf16/fp16 operands and fp32 accumulation *and output*, added into ``acc`` in the
     same call (``addmm(..., out_dtype=float32, out=acc)``): no ``[V, H]`` temporary and no
-    rounding of the chunk's product to the input dtype. Elsewhere (no mixed-dtype GEMM on CPU)
-    in vocabulary slices, each upcast to fp32 and multiplied by one GEMM, so no ``[V, H]``
-    temporary is allocated either.
+    rounding of the chunk's product to the input dtype. Elsewhere (no mixed-dtype GEMM on CPU,
+    or a torch without ``addmm(out_dtype=)``) in vocabulary slices, each upcast to fp32 and
+    multiplied by one GEMM, so no ``[V, H]`` temporary is allocated either.
     """
     if acc.dtype == dz.dtype:
         acc.addmm_(dz.t(), h)
         return
-    if acc.device.type == "cuda":
+    if acc.device.type == "cuda" and _ADDMM_OUT_DTYPE:
         torch.addmm(acc, dz.t(), h, out_dtype=acc.dtype, out=acc)
         return
     v, hd = acc.shape
