@@ -33,7 +33,7 @@ import torch
 from echoloss.train.data import heldout_conversations, hidden_token_positions
 from echoloss.train.envs import make_env
 from echoloss.train.model import load_model
-from echoloss.train.recipe import heldout_hidden_ce
+from echoloss.train.probes import heldout_hidden_ce
 
 
 def held_out_sets(env, count: int) -> dict[str, list[list[dict]]]:

@@ -38,7 +38,8 @@ import torch
 from echoloss.train.data import heldout_conversations, hidden_token_positions
 from echoloss.train.envs import MirrorGrid, make_env
 from echoloss.train.model import build_tiny_model, build_tokenizer, load_model
-from echoloss.train.recipe import copy_task_warmup, heldout_hidden_ce
+from echoloss.train.probes import heldout_hidden_ce
+from echoloss.train.regimes import copy_task_warmup
 
 
 def _observation_positions(tok, conversations):

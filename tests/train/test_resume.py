@@ -133,7 +133,7 @@ def test_killed_anywhere_then_resumed_gives_the_same_model_and_files(
     if where == "checkpoint write":
         _kill_on_call(monkeypatch, ckpt, "_manifest", 2)
     elif where == "before a checkpoint":
-        _kill_on_call(monkeypatch, recipe, "_save", 3)
+        _kill_on_call(monkeypatch, recipe, "save_run", 3)
     else:
         _die_inside_the_final_export(monkeypatch)
     with pytest.raises(Killed):
@@ -189,7 +189,7 @@ def _checkpoints(out: Path) -> list[Path]:
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, straight):
     out = tmp_path / "run"
     with pytest.raises(Killed), pytest.MonkeyPatch.context() as mp:
-        _kill_on_call(mp, recipe, "_save", 3)  # stop before the last step's checkpoint
+        _kill_on_call(mp, recipe, "save_run", 3)  # stop before the last step's checkpoint
         train(fast_config(out, **OVER), log=_quiet)
     older, newest = _checkpoints(out)[-2:]
     model = newest / "model.pt"
@@ -324,7 +324,7 @@ def test_a_checkpoint_of_another_model_shape_is_a_clear_error(tmp_path, capsys):
 def test_done_is_printed_only_with_a_model(tmp_path, monkeypatch, capsys):
     """Whatever goes wrong in the export, the command never reports success without weights."""
     monkeypatch.setattr(
-        recipe, "_export_model", lambda *a, **k: None
+        recipe, "export_model", lambda *a, **k: None
     )  # an export that wrote nothing
     out = tmp_path / "run"
     args = ["--config", str(FAST), "--output-dir", str(out), "--set", "train.max_steps=1"]

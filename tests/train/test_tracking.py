@@ -65,7 +65,7 @@ class Killed(Exception):
 def test_tensorboard_after_a_resume_has_each_step_once(tmp_path, monkeypatch):
     over = {**OVER, "train.report_to": ["tensorboard"]}
     out = tmp_path / "run"
-    real, calls = recipe._save, [0]
+    real, calls = recipe.save_run, [0]
 
     def dying(*args: Any, **kwargs: Any) -> None:
         calls[0] += 1
@@ -73,7 +73,7 @@ def test_tensorboard_after_a_resume_has_each_step_once(tmp_path, monkeypatch):
             raise Killed
         real(*args, **kwargs)
 
-    monkeypatch.setattr(recipe, "_save", dying)
+    monkeypatch.setattr(recipe, "save_run", dying)
     with pytest.raises(Killed):
         train(fast_config(out, **over), log=lambda _: None)
     monkeypatch.undo()
@@ -161,7 +161,7 @@ def test_an_unknown_tracker_is_named():
 def test_wandb_resume_continues_the_same_run(tmp_path, wandb_offline, monkeypatch):
     over = {**OVER, "train.report_to": ["wandb"]}
     out = tmp_path / "run"
-    real, calls = recipe._save, [0]
+    real, calls = recipe.save_run, [0]
 
     def dying(*args: Any, **kwargs: Any) -> None:
         calls[0] += 1
@@ -169,7 +169,7 @@ def test_wandb_resume_continues_the_same_run(tmp_path, wandb_offline, monkeypatc
             raise Killed
         real(*args, **kwargs)
 
-    monkeypatch.setattr(recipe, "_save", dying)
+    monkeypatch.setattr(recipe, "save_run", dying)
     with pytest.raises(Killed):
         train(fast_config(out, **over), log=lambda _: None)
     monkeypatch.undo()

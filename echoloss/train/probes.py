@@ -1,0 +1,185 @@
+"""Research probes: what a run measures besides its training loss.
+
+* **Held-out success** (`evaluate`): greedy (and sampled) episodes on the env's fixed held-out
+  evaluation tasks.
+* **Held-out observation CE** (`heldout_observation_ce`): the mean NLL of the tool-observation
+  body tokens of a fixed set of held-out conversations, with its exact floor (the env's
+  Bayes-optimal NLL).
+* **Held-out hidden CE** (`heldout_hidden_ce`): the same restricted to the tokens that depend on
+  the env's hidden state, for envs with that capability
+  (`echoloss.train.envs.base.HiddenObservations`).
+* **Split world-model CE**, zero-variance groups and the echo/PG gradient norms:
+  `echoloss.train.probes_world`.
+
+`heldout_set` builds the held-out set once per run; the scripts in ``scripts/`` use these
+functions on saved models.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import echoloss
+from echoloss.loss import LossConfig, LossInputs, echo_loss
+from echoloss.train.config import TrainConfig
+from echoloss.train.data import (
+    EvalResult,
+    evaluate_policy,
+    heldout_conversations,
+    hidden_token_positions,
+    scripted_steps,
+)
+from echoloss.train.envs import Env, HiddenObservations
+from echoloss.train.model import packed_logits
+from echoloss.train.probes_world import WorldModelSet, world_model_ce, world_model_sets
+
+__all__ = [
+    "Heldout",
+    "evaluate",
+    "heldout_hidden_ce",
+    "heldout_observation_ce",
+    "heldout_set",
+]
+
+
+@dataclass
+class Heldout:
+    """The held-out observation set: packed (CE of all observation tokens) and as hidden-token
+    positions (CE of the hidden-dependent ones), each with its exact floor (nats/token).
+
+    Attributes:
+        batches: the held-out conversations, packed, with the observation bodies as echo rows.
+        floor: the Bayes-optimal NLL of those observation tokens, per token.
+        hidden: per conversation, its token ids and the positions of its hidden-dependent tokens
+            (empty when the env does not mark them).
+        hidden_floor: the Bayes-optimal NLL of the hidden-dependent tokens, per token.
+        world_model: the split world-model CE's sets (`echoloss.train.probes_world`), by name.
+    """
+
+    batches: list[echoloss.PackedBatch] = field(default_factory=list)
+    floor: float = math.nan
+    hidden: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    hidden_floor: float = math.nan
+    world_model: dict[str, WorldModelSet] = field(default_factory=dict)
+
+
+def heldout_set(cfg: TrainConfig, env: Env[Any, Any], tok: Any, device: torch.device) -> Heldout:
+    """The held-out observation set of ``data.heldout_size`` conversations and its floors: the
+    env's Bayes-optimal NLL of all observation bodies over their token count, and of the
+    hidden-dependent tokens over theirs (when the env is a ``HiddenObservations``). Empty with
+    ``data.heldout_size = 0`` or a JSONL data source (no env to play)."""
+    if cfg.data.heldout_size == 0 or cfg.data.source == "jsonl":
+        return Heldout()
+    probe = echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=1.0))
+    samples = []
+    out = Heldout()
+    nats = hidden_nats = 0.0
+    for messages in heldout_conversations(env, count=cfg.data.heldout_size):
+        nats += env.observation_nats(messages)
+        for s in echoloss.interleave(scripted_steps(messages, tok), echo=probe):
+            s.advantage = 0.0
+            samples.append(s)
+        if isinstance(env, HiddenObservations):
+            hidden_nats += env.hidden_nats(messages)
+            out.hidden.append(hidden_token_positions(messages, tok, env.hidden_spans(messages)))
+    tokens = sum(sum(1 for w in (s.echo_weights or []) if w) for s in samples)
+    batches = echoloss.pack(samples, max_tokens=cfg.optim.micro_batch_tokens)
+    out.batches = [b.to(device) for b in batches]
+    out.floor = nats / max(tokens, 1)
+    if out.hidden:
+        out.hidden_floor = hidden_nats / max(sum(len(p) for _, p in out.hidden), 1)
+    out.world_model = world_model_sets(env, tok, count=cfg.data.heldout_size)
+    return out
+
+
+@torch.no_grad()
+def heldout_observation_ce(model: Any, batches: list[echoloss.PackedBatch], attn: str) -> float:
+    """Mean cross-entropy (nats/token) of the tool-observation body tokens of the held-out set.
+
+    The observation tokens are chosen by the library itself: the held-out conversations go
+    through ``interleave`` with a tool echo config, and the echo rows are the observation bodies.
+    """
+    was = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    for b in batches:
+        t = echoloss.next_token_targets(b)
+        x = LossInputs(
+            rl_mask=torch.zeros_like(t.rl_mask), echo_weights=t.echo_weights, labels=t.labels
+        )
+        logits = packed_logits(model, b, attn_implementation=attn).float()
+        out = echo_loss(logits, x, config=LossConfig(compute_entropy=False))
+        n = int(out.metrics["echo_tokens/all"])
+        nll += float(out.metrics["echo_nll_mean/all"]) * n
+        count += n
+    model.train(was)
+    return nll / max(count, 1)
+
+
+@torch.no_grad()
+def heldout_hidden_ce(model: Any, sets: list[tuple[list[int], list[int]]], device: Any) -> float:
+    """Mean cross-entropy (nats/token) of the *hidden-dependent* observation tokens of the
+    held-out set: ``sets`` holds each conversation's token ids and the positions of those tokens
+    (`echoloss.train.data.hidden_token_positions`). Each token is scored from everything before
+    it."""
+    was = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    for ids, positions in sets:
+        if not positions:
+            continue
+        x = torch.tensor([ids], device=device)
+        logprobs = torch.log_softmax(model(input_ids=x).logits[0].float(), dim=-1)
+        at = torch.tensor(positions, device=device)
+        nll -= float(logprobs[at - 1, x[0, at]].sum())
+        count += len(positions)
+    model.train(was)
+    return nll / max(count, 1)
+
+
+def evaluate(
+    cfg: TrainConfig,
+    model: Any,
+    tok: Any,
+    env: Env[Any, Any],
+    heldout: Heldout,
+    device: torch.device,
+    full: bool,
+) -> dict[str, float]:
+    """Held-out success on the env's fixed evaluation tasks (one greedy episode each, plus
+    ``train.eval_samples`` sampled ones when ``full``: at the RL start and end) and the held-out
+    observation CEs with their floors. Keys absent when they do not apply."""
+    out: dict[str, float] = {}
+    tasks = env.eval_tasks()
+    if tasks and cfg.data.source != "jsonl":
+        r: EvalResult = evaluate_policy(
+            model,
+            tok,
+            env,
+            tasks,
+            samples=cfg.train.eval_samples if full else 0,
+            temperature=cfg.data.temperature,
+            max_new_tokens=cfg.data.max_new_tokens,
+            device=device,
+        )
+        out.update(eval_success_greedy=r.success_greedy, eval_episodes=float(r.episodes))
+        if full and cfg.train.eval_samples:
+            out.update(
+                eval_success_sampled=r.success_sampled,
+                eval_invalid_rate=r.invalid_rate,
+                eval_imagined_rate=r.imagined_rate,
+            )
+    if heldout.batches:
+        attn = cfg.model.attn_implementation
+        out["heldout_obs_ce"] = heldout_observation_ce(model, heldout.batches, attn)
+        out["obs_ce_floor"] = heldout.floor
+    if heldout.hidden:
+        out["heldout_hidden_ce"] = heldout_hidden_ce(model, heldout.hidden, device)
+        out["hidden_ce_floor"] = heldout.hidden_floor
+    if heldout.world_model:
+        out.update(world_model_ce(model, heldout.world_model, device))
+    return out

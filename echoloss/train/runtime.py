@@ -1,0 +1,108 @@
+"""Where a run executes: device, compute dtype, data-parallel ranks, seeding, FSDP2 sharding.
+
+Every rank of a ``torchrun`` launch runs the same recipe; `gather` is the one collective the
+recipe uses for plain Python values (rewards, counts, metric sums), so that every rank computes
+the same global numbers.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from echoloss.train.config import TrainConfig
+
+__all__ = [
+    "Ranks",
+    "compute_dtype",
+    "gather",
+    "release_process_group",
+    "seed_everything",
+    "shard",
+    "start_ranks",
+]
+
+_OWNED_GROUP: list[bool] = []  # non-empty while a process group this module created is alive
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run: its device, its rank and the number of ranks."""
+
+    device: torch.device
+    rank: int
+    world: int
+
+
+def _pick_device(cfg: TrainConfig) -> torch.device:
+    if cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def start_ranks(cfg: TrainConfig) -> Ranks:
+    """The device, and ``(rank, world_size)``; under ``torchrun`` also initialises the process
+    group (`release_process_group` destroys it again)."""
+    device = _pick_device(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Ranks(device, 0, 1)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _OWNED_GROUP.append(True)
+    return Ranks(device, dist.get_rank(), world)
+
+
+def release_process_group() -> None:
+    """Destroy the process group `start_ranks` created, if any (a live gloo group aborts the
+    interpreter at exit); one created by the caller is left alone."""
+    if _OWNED_GROUP and dist.is_initialized():
+        # FSDP2's modules hold the group through reference cycles (hooks, the device mesh):
+        # collect them now, while every rank is past the final barrier, so the group is torn
+        # down here and not by the garbage collector during interpreter exit, where gloo's
+        # threads abort the process (SIGABRT) when a peer has already gone.
+        gc.collect()
+        dist.destroy_process_group()
+        _OWNED_GROUP.clear()
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """The model's dtype: ``model.dtype``, where ``auto`` is bf16 on a GPU and fp32 on CPU."""
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+
+
+def shard(model: Any) -> None:
+    """FSDP2: one unit per decoder layer, plus the root (embeddings, final norm, LM head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for layer in layers if layers is not None else []:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def gather(obj: Any, world: int) -> list[Any]:
+    """``obj`` of every rank, in rank order (``[obj]`` without data parallelism)."""
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
