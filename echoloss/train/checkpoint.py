@@ -501,7 +501,7 @@ def _torch_load(source: Any, path: Path) -> Any:
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states (torch, CUDA, Python, NumPy) as tensors, numbers and dicts."""
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,

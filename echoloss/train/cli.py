@@ -14,92 +14,15 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import warnings
-from pathlib import Path
-from typing import Any
 
 __all__ = ["main"]
 
 
-def _value(text: str) -> Any:
-    """``--set`` values are JSON when they parse (numbers, booleans, lists), strings otherwise."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="echoloss-train",
-        description="Reference trainer: on-policy RL + echo on a built-in tool environment. "
-        "With no --config it runs the embedded default (a tiny model on CPU). "
-        "`echoloss-train experiment --help` for the ECHO experiment.",
-    )
-    p.add_argument(
-        "--config",
-        help="a TOML file, or a packaged config by name: default, fast, gpu, jsonl "
-        "(default: the embedded default)",
-    )
-    p.add_argument("--max-steps", type=int, help="train.max_steps")
-    p.add_argument("--output-dir", help="train.output_dir")
-    p.add_argument("--seed", type=int, help="train.seed")
-    p.add_argument(
-        "--resume",
-        nargs="?",
-        const="",
-        metavar="PATH",
-        help="resume from a checkpoint directory, or (no value) from OUTPUT_DIR/checkpoints/latest",
-    )
-    p.add_argument(
-        "--allow-import-paths",
-        action="store_true",
-        default=None,
-        help="train.allow_import_paths: let the config name code by import path "
-        "(advantages.fn = 'pkg.mod:fn'); only for configs you trust",
-    )
-    p.add_argument(
-        "--report-to",
-        nargs="+",
-        choices=["tensorboard", "wandb"],
-        metavar="{tensorboard,wandb}",
-        help="train.report_to: also log metrics to TensorBoard and/or Weights & Biases",
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any key, e.g. --set echo.alpha=0 (repeatable)",
-    )
-    return p
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in args.set:
-        key, eq, val = item.partition("=")
-        if not eq or not key:
-            raise SystemExit(f"echoloss-train: --set expects KEY=VALUE, got {item!r}")
-        out[key.strip()] = _value(val)
-    for key, val in (
-        ("train.max_steps", args.max_steps),
-        ("train.output_dir", args.output_dir),
-        ("train.seed", args.seed),
-        ("train.allow_import_paths", args.allow_import_paths),
-        ("train.report_to", args.report_to),
-    ):
-        if val is not None:
-            out[key] = val
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``echoloss-train`` console script."""
+    """Entry point of the ``echoloss-train`` console script: ``experiment ...`` runs the ECHO
+    experiment (`echoloss.train.experiment`), anything else one training run
+    (`echoloss.train.command`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not {"-h", "--help"} & set(argv):
         from echoloss._optional import MissingExtraError, require_extra
@@ -113,67 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         from echoloss.train.experiment import main as experiment_main
 
         return experiment_main(argv[1:])
-    args = _parser().parse_args(argv)
-    from echoloss.train.config import ConfigError, load_config
+    from echoloss.train.command import run
 
-    _plain_warnings()
-    from echoloss.train.presets import resolve_config
-
-    try:
-        cfg = load_config(resolve_config(args.config), _overrides(args))
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"echoloss-train: {err}", file=sys.stderr)
-        return 2
-    from echoloss.io import RolloutFileError
-    from echoloss.loss.core import NonFiniteLossError
-    from echoloss.train.checkpoint import CheckpointError, final_model_complete
-    from echoloss.train.recipe import train
-
-    resume = None
-    if args.resume is not None:
-        resume = args.resume or cfg.train.output_dir
-    out_dir = Path(cfg.train.output_dir)
-    existed = out_dir.exists()
-    try:
-        out = train(cfg, resume=resume)
-    except (FileNotFoundError, RolloutFileError, CheckpointError, ConfigError) as err:
-        # Bad input: say what, no traceback, and leave no directory this run created.
-        _remove_if_created(out_dir, existed)
-        print(f"echoloss-train: {err}", file=sys.stderr)
-        return 2
-    except NonFiniteLossError as err:
-        # Training on would turn every parameter into NaN: stop, keep what was written.
-        print(f"echoloss-train: training stopped: {err}", file=sys.stderr)
-        return 1
-    if int(os.environ.get("RANK", "0")) == 0:
-        if not final_model_complete(out / "final-model"):  # never "done" without the model
-            print(f"echoloss-train: no complete model in {out}/final-model/", file=sys.stderr)
-            return 1
-        print(f"done: {out}/metrics.jsonl, {out}/plots/, {out}/final-model/")
-    return 0
-
-
-def _plain_warnings() -> None:
-    """The trainer's own warnings (a changed config on resume, a skipped checkpoint, a suspicious
-    setting) print as ``echoloss-train: warning: ...``, not in Python's file:line form (only the
-    text changes: filters and ``pytest.warns`` see them as before)."""
-    from echoloss.train.checkpoint import ResumeWarning
-    from echoloss.train.config import ConfigWarning
-
-    default = warnings.formatwarning
-
-    def plain(message: Any, category: Any, *args: Any, **kwargs: Any) -> str:
-        if isinstance(category, type) and issubclass(category, (ResumeWarning, ConfigWarning)):
-            return f"echoloss-train: warning: {message}\n"
-        return default(message, category, *args, **kwargs)
-
-    warnings.formatwarning = plain  # type: ignore[assignment]
-
-
-def _remove_if_created(out: Path, existed: bool) -> None:
-    """Remove ``out`` if this run created it and it is still empty (a start that failed)."""
-    if not existed and out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
+    return run(argv)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,8 @@ def _sample(
 def _render_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """The prompt the model sees: the chat template with the generation prompt, as token ids."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 def _prompt_attributions(
@@ -161,7 +162,8 @@ def _reply_text(tokenizer: Any, completion: list[int]) -> str:
     what the imagined-observation diagnostic reads."""
     eos = tokenizer.eos_token_id
     ids = completion[:-1] if completion and completion[-1] == eos else completion
-    return tokenizer.decode(ids, skip_special_tokens=False)
+    text: str = tokenizer.decode(ids, skip_special_tokens=False)
+    return text
 
 
 def _play(
@@ -466,6 +468,8 @@ def rollout_record(rollout: Rollout) -> dict[str, Any]:
     steps = []
     for s in rollout.steps:
         a = s.attribution
+        if a is not None and not isinstance(a, echoloss.TokenAttribution):
+            a = echoloss.TokenAttribution.from_dict(a)  # the dict form, validated
         steps.append(
             {
                 "prompt_ids": s.prompt_ids,

@@ -325,7 +325,9 @@ def _jobs(args: argparse.Namespace, mode: dict[str, Any], base_cmd: list[str]) -
     if mode.get("levels"):
         return _level_jobs(args, sets, base_cmd)
     jobs: list[_Job] = []
-    per_seed_warm_starts = [] if args.warm_start is not None else [("base", None)]
+    per_seed_warm_starts: list[tuple[str, float | None]] = (
+        [] if args.warm_start is not None else [("base", None)]
+    )
     if per_seed_warm_starts and not args.no_actobs:
         per_seed_warm_starts.append(("actobs", ACTOBS_WEIGHT))
     for seed in args.seeds:
@@ -369,11 +371,11 @@ def _run_one(args: list[str], log: str) -> int:
     import contextlib
     import traceback
 
-    from echoloss.train.cli import main as cli_main
+    from echoloss.train.command import run
 
     with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         try:
-            return cli_main(args)
+            return run(args)
         except BaseException:  # the run failed: its log says why, the experiment goes on
             traceback.print_exc()
             return 1

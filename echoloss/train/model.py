@@ -148,7 +148,7 @@ def build_tiny_model(
     """
     import transformers
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -163,6 +163,8 @@ def build_tiny_model(
         # default 1e6 leaves most pairs nearly still over a few hundred tokens).
         rope_theta=rope_theta,
     )
+    config: Any
+    cls: Any
     if arch == "qwen3":
         config = transformers.Qwen3Config(head_dim=hidden_size // num_heads, **common)
         cls = transformers.Qwen3ForCausalLM
@@ -175,7 +177,8 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
-    return model.float()
+    fp32: torch.nn.Module = model.float()
+    return fp32
 
 
 def load_model(
@@ -287,4 +290,5 @@ def packed_logits(model: Any, batch: Any, *, attn_implementation: str) -> torch.
         kwargs["attention_mask"] = packed_attention_mask(
             batch.cu_seqlens, ids.shape[1], dtype, ids.device
         )
-    return model(**kwargs).logits[0]
+    logits: torch.Tensor = model(**kwargs).logits[0]
+    return logits

@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from echoloss.train.data import hidden_token_positions
+from echoloss.train.envs import Env
 
 __all__ = [
     "EchoGradient",
@@ -71,10 +72,10 @@ class WorldModelSet:
 
 def _bayes_optimal(env: Any) -> Any:
     """The env with exploration off: its `demonstration` is then the Bayes-optimal policy."""
-    return dataclasses.replace(env, demo_explore=0.0) if env.demo_explore else env  # type: ignore[type-var]
+    return dataclasses.replace(env, demo_explore=0.0) if env.demo_explore else env
 
 
-def world_model_sets(env: Any, tokenizer: Any, *, count: int) -> dict[str, WorldModelSet]:
+def world_model_sets(env: Env[Any, Any], tokenizer: Any, *, count: int) -> dict[str, WorldModelSet]:
     """The ``walks`` (random walks, as `heldout_conversations`) and ``demos`` (Bayes-optimal
     demonstrations) held-out sets on the env's held-out tasks; empty when the env marks no
     hidden-dependent tokens (``hidden_tokens``)."""

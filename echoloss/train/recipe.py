@@ -280,12 +280,7 @@ def setup(
     if ranks.world > 1:
         shard(model)
     opt = _optimizer(cfg, model)
-    env = make_env(cfg.env.name, **cfg.env.options())
-    if cfg.echo.span != "observation" and not isinstance(env, EchoSpans):
-        raise ValueError(
-            f"echo.span = {cfg.echo.span!r}: env {cfg.env.name} names no observation spans "
-            "(no echo_spans); use a mirrorgrid env, or echo.span = 'observation'"
-        )
+    env = _environment(cfg)
     source = RolloutSource(cfg, env, tok, ranks)
     decay = cfg.advantages.rae_decay
     rae = echoloss.RAE(decay=decay) if decay is not None else None
@@ -343,6 +338,17 @@ def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any]:
         attn_implementation=m.attn_implementation,
     )
     return model.to(dtype).to(device), tok
+
+
+def _environment(cfg: TrainConfig) -> Env[Any, Any]:
+    """The configured environment, with the capabilities the configuration asks of it."""
+    env = make_env(cfg.env.name, **cfg.env.options())
+    if cfg.echo.span != "observation" and not isinstance(env, EchoSpans):
+        raise ValueError(
+            f"echo.span = {cfg.echo.span!r}: env {cfg.env.name} names no observation spans "
+            "(no echo_spans); use a mirrorgrid env, or echo.span = 'observation'"
+        )
+    return env
 
 
 def _optimizer(cfg: TrainConfig, model: Any) -> torch.optim.Optimizer:

@@ -196,7 +196,7 @@ def test_a_dict_is_validated_like_a_file_and_anything_else_is_named(tmp_path):
 
 
 def test_report_to_and_the_opt_in_have_command_line_flags():
-    from echoloss.train.cli import _overrides, _parser
+    from echoloss.train.command import _overrides, _parser
 
     args = _parser().parse_args(["--report-to", "tensorboard", "wandb", "--allow-import-paths"])
     assert _overrides(args) == {

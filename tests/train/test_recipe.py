@@ -255,8 +255,9 @@ def test_max_steps_zero_is_a_warm_up_only_run_and_says_so(tmp_path):
     assert (out / "final-model" / "config.json").is_file()
     from echoloss.train.config import ConfigError
 
+    nothing = {"train.max_steps": 0, "warmup.steps": 0, "train.eval_at_start": False}
     with pytest.raises(ConfigError, match="nothing to train"):
-        fast_config(tmp_path / "x", **{"train.max_steps": 0, "warmup.steps": 0})
+        fast_config(tmp_path / "x", **nothing)
 
 
 def test_env_options_reach_the_environment_and_the_warm_up_uses_warmup_tasks(tmp_path, monkeypatch):

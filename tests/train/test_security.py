@@ -18,7 +18,8 @@ import torch
 from _train_helpers import FAST, fast_config
 
 from echoloss.train import checkpoint as ckpt
-from echoloss.train.cli import _overrides, _parser, main
+from echoloss.train.cli import main
+from echoloss.train.command import _overrides, _parser
 from echoloss.train.config import ConfigError, advantage_fn, load_config, parse_config
 from echoloss.train.recipe import train
 

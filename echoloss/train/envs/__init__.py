@@ -21,7 +21,7 @@ over `ENVS` pick it up from there). A new ``[env]`` key also goes into
 
 Examples:
     >>> make_env("mirrorgrid", size=4).eval_tasks()[0]
-    MirrorTask(start=(0, 0), goal=(0, 1), flip=(False, False))
+    MirrorTask(start=(0, 0), goal=(0, 1), flip=(False, False), keys=None)
     >>> ENVS["gridwalk"].options
     ('size', 'max_turns')
 """
