@@ -42,7 +42,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MODES", "main", "paired_ci", "runs_table", "steps_to", "summarize"]
+from echoloss.train.persistence import arm_label, reference_label
+
+__all__ = [
+    "MODES",
+    "arm_label",
+    "main",
+    "paired_ci",
+    "reference_label",
+    "runs_table",
+    "steps_to",
+    "summarize",
+]
 
 ACTOBS_WEIGHT = 1.0  # the ActObs-style warm-start's observation CE weight
 THRESHOLD = 0.8  # "steps to 80 %": the first evaluation at or above this held-out success
@@ -454,27 +465,6 @@ def _progress(total: int) -> Any:
 
 # ------------------------------------------------------------------------------------------------
 # The summary
-
-
-def arm_label(row: dict[str, Any]) -> str:
-    """The arm a row belongs to: its ``arm`` (``echo-0.05``), or with a ``level`` (the
-    persistence design) ``"<level> <arm>[ <λ>]"``.
-
-    Examples:
-        >>> arm_label({"arm": "echo-0.05"}), arm_label({"level": "per-world", "arm": "grpo"})
-        ('echo-0.05', 'per-world grpo')
-        >>> arm_label({"level": "per-world", "arm": "placebo", "alpha": 0.05})
-        'per-world placebo 0.05'
-    """
-    level = row.get("level")
-    if not level:
-        return str(row["arm"])
-    return f"{level} {row['arm']}" + ("" if row["arm"] == "grpo" else f" {row['alpha']:g}")
-
-
-def reference_label(label: str) -> str:
-    """The GRPO arm an arm is paired with: ``grpo``, or the GRPO arm of its level."""
-    return f"{label.split(' ')[0]} grpo" if " " in label else "grpo"
 
 
 def runs_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

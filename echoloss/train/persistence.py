@@ -18,10 +18,31 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["markdown", "plots", "verdict"]
+__all__ = ["arm_label", "markdown", "plots", "reference_label", "verdict"]
 
 LOG2 = math.log(2)
 GAIN = 0.03  # gains above this are what a refutation rules out
+
+
+def arm_label(row: dict[str, Any]) -> str:
+    """The arm a row belongs to: its ``arm`` (``echo-0.05``), or with a ``level`` (the
+    persistence design) ``"<level> <arm>[ <λ>]"``.
+
+    Examples:
+        >>> arm_label({"arm": "echo-0.05"}), arm_label({"level": "per-world", "arm": "grpo"})
+        ('echo-0.05', 'per-world grpo')
+        >>> arm_label({"level": "per-world", "arm": "placebo", "alpha": 0.05})
+        'per-world placebo 0.05'
+    """
+    level = row.get("level")
+    if not level:
+        return str(row["arm"])
+    return f"{level} {row['arm']}" + ("" if row["arm"] == "grpo" else f" {row['alpha']:g}")
+
+
+def reference_label(label: str) -> str:
+    """The GRPO arm an arm is paired with: ``grpo``, or the GRPO arm of its level."""
+    return f"{label.split(' ')[0]} grpo" if " " in label else "grpo"
 
 
 def _fmt(x: Any, digits: int = 3, signed: bool = False) -> str:
@@ -177,8 +198,6 @@ def markdown(summary: dict[str, Any]) -> str:
 def _curves(
     rows: list[dict[str, Any]], arm: str, key: str
 ) -> tuple[list[int], list[float], list[dict[int, float]]]:
-    from echoloss.train.experiment import arm_label
-
     curves = [
         {c["rl_step"]: c[key] for c in r.get("curve", []) if c.get(key) is not None}
         for r in rows
@@ -201,8 +220,6 @@ def plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path) -> lis
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from echoloss.train.experiment import arm_label, reference_label
 
     arms = list(summary["arms"])
     colors = {a: plt.get_cmap("tab10")(i) for i, a in enumerate(arms)}
