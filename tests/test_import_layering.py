@@ -208,7 +208,6 @@ def test_no_import_circle_in_the_package():
     )
 
 
-@pytest.mark.xfail(reason="cli, recipe and experiment of echoloss.train import each other")
 def test_no_import_circle_in_the_trainer():
     cycles = _circles(inside_trainer=True)
     assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
