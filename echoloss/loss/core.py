@@ -9,7 +9,7 @@ logprobs is ``[N]``-sized PyTorch in `loss_from_logprobs`, in small steps:
 
 1. `check_requirements`: what the config and policy need from the record;
 2. `check_scored_rows`: the ``O(N)`` non-finite check of the logprobs (names the first bad row);
-3. `_local_sequences`: local sequence numbering and per-term sequence counts;
+3. `echoloss.loss.normalization.local_sequences`: local sequence numbering and counts;
 4. `_resolve_normalizers`: the counts each term divides by;
 5. `_rl_per_token`: policy loss, mismatch weight, ``kl_tau``, reference KL, entropy bonus;
 6. `_rl_term` / `_echo_term`: the two normalised sums, and the final-loss check;
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -46,7 +45,12 @@ from echoloss.loss.checks import check_config, check_requirements, resolve_input
 from echoloss.loss.config import LossConfig
 from echoloss.loss.inputs import LOGPROB_TOLERANCE, LossInputs
 from echoloss.loss.metrics import loss_metrics
-from echoloss.loss.normalization import Normalizers
+from echoloss.loss.normalization import (
+    LocalSequences,
+    Normalizers,
+    local_sequences,
+    row_counts,
+)
 from echoloss.loss.policy import (
     PolicyFn,
     PolicyInputs,
@@ -195,69 +199,8 @@ def _check_finite_rows(
 # ---------------------------------------------------------------- 3. sequences
 
 
-@dataclass(frozen=True)
-class _Sequences:
-    """Local sequence numbering, as ``[N]`` tensors of static size (no host read).
-
-    The sequences with an RL or echo row are numbered ``0..S_local-1`` in the order of their
-    ids; every per-sequence tensor has ``size = N + 1`` slots, the last one (``pad``) collecting
-    the rows that belong to none of them, so its entry is dropped from every sum.
-    """
-
-    size: int  # N + 1 slots of every per-sequence tensor
-    row: torch.Tensor | None  # [N] int64 local sequence of each row (pad: no local sequence)
-    rl_index: torch.Tensor | None  # [N] int64 local sequence of each RL row, pad elsewhere
-    echo_index: torch.Tensor | None  # [N] int64 local sequence of each echo row, pad elsewhere
-    num: torch.Tensor | int  # S_local: sequences with an RL or echo row
-    rl_count: torch.Tensor | int  # sequences with an RL row
-    echo_count: torch.Tensor | int  # sequences with an echo row
-
-    @property
-    def pad(self) -> int:
-        return self.size - 1
-
-
-def _seq_has(index: torch.Tensor, size: int) -> torch.Tensor:
-    """``[size - 1]`` bool: which local sequences some row of ``index`` (pad = none) points to."""
-    ones = torch.ones_like(index, dtype=torch.int32)
-    return (
-        torch.zeros(size, dtype=torch.int32, device=index.device).index_add_(0, index, ones)[:-1]
-        > 0
-    )
-
-
-def _local_sequences(x: LossInputs) -> _Sequences:
-    """Number the sequences that have an RL or echo row ``0..S_local-1`` in id order.
-
-    Sort-based (no id-sized table, no ``unique``): rows sorted by id, a new group where the id
-    changes, groups without a participating row skipped by a cumulative sum.
-    """
-    sid = x.flat("sequence_ids")
-    n = x.rl.numel()
-    if sid is None:
-        return _Sequences(n + 1, None, None, None, 0, 0, 0)
-    sid = sid.long()  # [N]
-    part = x.rl | x.echo  # [N] bool
-    key = sid.masked_fill(sid < 0, torch.iinfo(torch.int64).max)  # [N] padding sorts last
-    sorted_key, order = torch.sort(key)  # [N], [N]
-    starts = torch.ones_like(part)
-    starts[1:] = sorted_key[1:] != sorted_key[:-1]  # [N] bool: first row of each id
-    group = torch.empty_like(order).scatter_(0, order, starts.long().cumsum(0) - 1)  # [N]
-    pad = n  # slot for rows in no participating sequence
-    group_part = _seq_has(torch.where(part, group, pad), n + 1)  # [N] group has a part. row
-    local_of_group = group_part.long().cumsum(0) - 1  # [N]
-    row = torch.where(group_part[group], local_of_group[group], pad)  # [N]
-    rl_index = torch.where(x.rl, row, pad)  # [N]
-    echo_index = torch.where(x.echo, row, pad)  # [N]
-    return _Sequences(
-        size=n + 1,
-        row=row,
-        rl_index=rl_index,
-        echo_index=echo_index,
-        num=group_part.sum(),
-        rl_count=_seq_has(rl_index, n + 1).sum(),
-        echo_count=_seq_has(echo_index, n + 1).sum(),
-    )
+# Local numbering and counts: `echoloss.loss.normalization.local_sequences` and `row_counts`,
+# shared with `count_normalizers` (one counting rule for the loss and the normalisers).
 
 
 # ---------------------------------------------------------------- 4. normalisers
@@ -389,7 +332,7 @@ def _policy_on_rows(
     spec: PolicySpec,
     inputs: PolicyInputs,
     x: LossInputs,
-    seqs: _Sequences,
+    seqs: LocalSequences,
     cfg: LossConfig,
 ) -> PolicyOutput:
     """The policy's per-token loss and flags as ``[N]`` tensors, 0 / False outside RL rows.
@@ -428,7 +371,7 @@ def _rl_per_token(
     lp: torch.Tensor,
     ent: torch.Tensor | None,
     x: LossInputs,
-    seqs: _Sequences,
+    seqs: LocalSequences,
     cfg: LossConfig,
     spec: PolicySpec,
     policy_fn: PolicyFn | None,
@@ -513,7 +456,7 @@ def _rl_per_token(
 
 
 def _rl_term(
-    per_tok: torch.Tensor, rl: torch.Tensor, cfg: LossConfig, norms: _Counts, seqs: _Sequences
+    per_tok: torch.Tensor, rl: torch.Tensor, cfg: LossConfig, norms: _Counts, seqs: LocalSequences
 ) -> torch.Tensor:
     """``L_RL``: ``per_tok [N]`` (0 outside RL rows) normalised by ``cfg.rl_normalization``."""
     mode = cfg.rl_normalization
@@ -532,7 +475,7 @@ def _rl_term(
     return per_seq_mean.sum() / _at_least_one(norms.rl_sequences)  # 0-dim
 
 
-def _observation_counts(x: LossInputs, seqs: _Sequences) -> torch.Tensor:
+def _observation_counts(x: LossInputs, seqs: LocalSequences) -> torch.Tensor:
     """``Z [N + 1]``: rows counted in ``Z_i = |O_i|`` (observation or echo) per local sequence."""
     assert x.observation_mask is not None and seqs.row is not None  # _check_requirements
     counted = x.observation_mask.reshape(-1) | x.echo  # [N] Z_i ≥ |O'_i|
@@ -547,7 +490,7 @@ def _echo_term(
     cfg: LossConfig,
     norms: _Counts,
     n_echo: torch.Tensor,
-    seqs: _Sequences,
+    seqs: LocalSequences,
 ) -> torch.Tensor:
     """``L_echo``: ``per_tok = w·(-log p) [N]`` (0 outside echo rows) normalised by
     ``cfg.echo_normalization``."""
@@ -771,14 +714,15 @@ def loss_from_logprobs(
         spec = check_requirements(x, cfg, policy_fn, checks)
     if cfg.check_finite:
         check_scored_rows(lp, x.rl, x.echo, source, checks)
-    seqs = _local_sequences(x)
-    n_rl, n_echo = x.rl.sum(), x.echo.sum()  # 0-dim int64 on the device
+    seqs = local_sequences(x)
+    counts = row_counts(x, seqs)  # 0-dim device counts, as count_normalizers counts
+    n_echo = counts.echo_tokens
     local = _Counts(
-        rl_tokens=n_rl,
+        rl_tokens=counts.rl_tokens,
         echo_tokens=n_echo,
-        echo_batches=(n_echo > 0).long(),
-        rl_sequences=seqs.rl_count,
-        echo_sequences=seqs.echo_count,
+        echo_batches=counts.echo_batches,
+        rl_sequences=counts.rl_sequences,
+        echo_sequences=counts.echo_sequences,
     )
     norms = _resolve_normalizers(normalizers, local, cfg, checks)
 

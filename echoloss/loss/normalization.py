@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,10 +25,13 @@ from echoloss._validate import describe, problem
 from echoloss.loss.inputs import LossInputs
 
 __all__ = [
+    "LocalSequences",
     "Normalizers",
+    "RowCounts",
     "all_reduce_normalizers",
     "count_normalizers",
-    "count_rows",
+    "local_sequences",
+    "row_counts",
     "undo_data_parallel_averaging",
 ]
 
@@ -105,38 +108,116 @@ class Normalizers:
         return cls(*(int(v) for v in t.tolist()))
 
 
-def count_rows(
-    rl: torch.Tensor, echo: torch.Tensor, sequence_ids: torch.Tensor | None
-) -> Normalizers:
-    """The counts of one micro-batch from its ``[N]`` row masks: the one counting rule.
+@dataclass(frozen=True)
+class LocalSequences:
+    """Local sequence numbering, as ``[N]`` tensors of static size (no host read).
 
-    [`count_normalizers`][echoloss.loss.normalization.count_normalizers] and the loss (its local
-    counts, when no ``normalizers`` are given, and the check that given ones cover them) both
-    count here, so the two can never disagree.
+    The sequences with an RL or echo row are numbered ``0..S_local-1`` in the order of their
+    ids; every per-sequence tensor has ``size = N + 1`` slots, the last one (``pad``) collecting
+    the rows that belong to none of them, so its entry is dropped from every sum.
+    """
 
-    Args:
-        rl: ``[N]`` bool RL rows (echoed rows already removed, `LossInputs.rl`).
-        echo: ``[N]`` bool echo rows (`LossInputs.echo`).
-        sequence_ids: ``[N]`` int64 row → sequence, or None (sequence counts stay 0).
+    size: int  # N + 1 slots of every per-sequence tensor
+    row: torch.Tensor | None  # [N] int64 local sequence of each row (pad: no local sequence)
+    rl_index: torch.Tensor | None  # [N] int64 local sequence of each RL row, pad elsewhere
+    echo_index: torch.Tensor | None  # [N] int64 local sequence of each echo row, pad elsewhere
+    num: torch.Tensor | int  # S_local: sequences with an RL or echo row
+    rl_count: torch.Tensor | int  # sequences with an RL row
+    echo_count: torch.Tensor | int  # sequences with an echo row
+
+    @property
+    def pad(self) -> int:
+        return self.size - 1
+
+
+def _seq_has(index: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size - 1]`` bool: which local sequences some row of ``index`` (pad = none) points to."""
+    ones = torch.ones_like(index, dtype=torch.int32)
+    return (
+        torch.zeros(size, dtype=torch.int32, device=index.device).index_add_(0, index, ones)[:-1]
+        > 0
+    )
+
+
+def local_sequences(x: LossInputs) -> LocalSequences:
+    """Number the sequences that have an RL or echo row ``0..S_local-1`` in id order.
+
+    The one definition of "a sequence takes part in a term", shared by the loss and
+    [`count_normalizers`][echoloss.loss.normalization.count_normalizers] (through `row_counts`).
+
+    Sort-based (no id-sized table, no ``unique``): rows sorted by id, a new group where the id
+    changes, groups without a participating row skipped by a cumulative sum.
 
     Examples:
-        >>> count_rows(torch.tensor([True, False]), torch.tensor([False, True]), None)
-        Normalizers(rl_tokens=1, echo_tokens=1, sequences=0, echo_batches=1, rl_sequences=0, echo_sequences=0)
+        >>> s = local_sequences(LossInputs(rl_mask=torch.tensor([True, False, True]),
+        ...                                sequence_ids=torch.tensor([7, 7, 3])))
+        >>> s.row.tolist(), int(s.num), int(s.rl_count)
+        ([1, 1, 0], 2, 2)
     """
-    n_echo = int(echo.sum())
-    seqs = rl_seqs = echo_seqs = 0
-    if sequence_ids is not None:
-        sid = sequence_ids.reshape(-1)  # [N]
-        seqs = int(torch.unique(sid[rl | echo]).numel())
-        rl_seqs = int(torch.unique(sid[rl]).numel())
-        echo_seqs = int(torch.unique(sid[echo]).numel())
-    return Normalizers(
-        rl_tokens=int(rl.sum()),
+    sid = x.flat("sequence_ids")
+    n = x.rl.numel()
+    if sid is None:
+        return LocalSequences(n + 1, None, None, None, 0, 0, 0)
+    sid = sid.long()  # [N]
+    part = x.rl | x.echo  # [N] bool
+    key = sid.masked_fill(sid < 0, torch.iinfo(torch.int64).max)  # [N] padding sorts last
+    sorted_key, order = torch.sort(key)  # [N], [N]
+    starts = torch.ones_like(part)
+    starts[1:] = sorted_key[1:] != sorted_key[:-1]  # [N] bool: first row of each id
+    group = torch.empty_like(order).scatter_(0, order, starts.long().cumsum(0) - 1)  # [N]
+    pad = n  # slot for rows in no participating sequence
+    group_part = _seq_has(torch.where(part, group, pad), n + 1)  # [N] group has a part. row
+    local_of_group = group_part.long().cumsum(0) - 1  # [N]
+    row = torch.where(group_part[group], local_of_group[group], pad)  # [N]
+    rl_index = torch.where(x.rl, row, pad)  # [N]
+    echo_index = torch.where(x.echo, row, pad)  # [N]
+    return LocalSequences(
+        size=n + 1,
+        row=row,
+        rl_index=rl_index,
+        echo_index=echo_index,
+        num=group_part.sum(),
+        rl_count=_seq_has(rl_index, n + 1).sum(),
+        echo_count=_seq_has(echo_index, n + 1).sum(),
+    )
+
+
+class RowCounts(NamedTuple):
+    """One micro-batch's counts as 0-dim tensors on its device (no host read): the fields of
+    [`Normalizers`][echoloss.loss.normalization.Normalizers] (an int 0 where ``sequence_ids`` is
+    missing)."""
+
+    rl_tokens: torch.Tensor
+    echo_tokens: torch.Tensor
+    sequences: torch.Tensor | int
+    echo_batches: torch.Tensor
+    rl_sequences: torch.Tensor | int
+    echo_sequences: torch.Tensor | int
+
+
+def row_counts(x: LossInputs, seqs: LocalSequences | None = None) -> RowCounts:
+    """The counts of one micro-batch: the one counting rule of the loss and of
+    [`count_normalizers`][echoloss.loss.normalization.count_normalizers], so that the counts given
+    as ``normalizers`` and the loss's own can never disagree.
+
+    Args:
+        x: the micro-batch's record.
+        seqs: its `local_sequences` when already computed.
+
+    Examples:
+        >>> x = LossInputs(rl_mask=torch.tensor([True, False]), echo_weights=torch.tensor([0.0, 1.0]))
+        >>> [int(v) for v in row_counts(x)]
+        [1, 1, 0, 1, 0, 0]
+    """
+    seqs = local_sequences(x) if seqs is None else seqs
+    n_echo = x.echo.sum()  # 0-dim int64
+    return RowCounts(
+        rl_tokens=x.rl.sum(),
         echo_tokens=n_echo,
-        sequences=seqs,
-        echo_batches=int(n_echo > 0),
-        rl_sequences=rl_seqs,
-        echo_sequences=echo_seqs,
+        sequences=seqs.num,
+        echo_batches=(n_echo > 0).long(),
+        rl_sequences=seqs.rl_count,
+        echo_sequences=seqs.echo_count,
     )
 
 
@@ -145,7 +226,7 @@ def count_normalizers(inputs: LossInputs | None = None, /, **fields: Any) -> Nor
 
     Takes the same record as the loss (only ``rl_mask``, ``echo_weights`` and ``sequence_ids``
     are read), so a micro-batch is counted exactly as [`echoloss.echo_loss`][echoloss.loss.echo_loss]
-    counts it (`count_rows`).
+    counts it (`row_counts`).
 
     Args:
         inputs: the micro-batch's `echoloss.LossInputs`.
@@ -169,7 +250,7 @@ def count_normalizers(inputs: LossInputs | None = None, /, **fields: Any) -> Nor
         Normalizers(rl_tokens=1, echo_tokens=2, sequences=2, echo_batches=1, rl_sequences=1, echo_sequences=2)
     """
     x = LossInputs.from_keywords(inputs, **fields)
-    return count_rows(x.rl, x.echo, x.flat("sequence_ids"))
+    return Normalizers(*(int(v) for v in row_counts(x)))  # the loss's counts, read once
 
 
 def all_reduce_normalizers(
