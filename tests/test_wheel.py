@@ -90,7 +90,7 @@ def test_resolve_config_prefers_files_and_rejects_unknown_names(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gpu").write_text("")
     assert resolve_config("gpu") == "gpu"  # an existing file wins over the packaged name
-    with pytest.raises(FileNotFoundError, match="packaged: default, fast, gpu, jsonl"):
+    with pytest.raises(FileNotFoundError, match="packaged: default, fast, gpu, gpu-pretrained, jsonl, pretrained"):
         resolve_config("no-such-config")
 
 
@@ -144,7 +144,7 @@ def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         assert "echoloss/py.typed" in names
-        for cfg in ("default", "fast", "gpu", "jsonl"):
+        for cfg in ("default", "fast", "gpu", "gpu-pretrained", "jsonl", "pretrained"):
             data = z.read(f"echoloss/train/configs/{cfg}.toml").decode()
             assert data == (ROOT / "configs" / f"{cfg}.toml").read_text()  # content, not a link
         assert not any(n.startswith(("tests/", "benchmarks/", "examples/")) for n in names)
@@ -190,7 +190,7 @@ def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
         text=True,
         timeout=600,
     )
-    assert res.returncode == 2 and "packaged: default, fast, gpu, jsonl" in res.stderr, res.stderr
+    assert res.returncode == 2 and "packaged: default, fast, gpu, gpu-pretrained, jsonl, pretrained" in res.stderr, res.stderr
 
 
 def _see_running_site_packages(py: Path) -> None:

@@ -58,6 +58,8 @@ __all__ = [
 #: The largest ``train.seed``: seeds are combined with the rank (``seed * 1000 + rank``) and fed
 #: to torch, NumPy and Python generators; 2**32 - 1 keeps every derived seed inside torch's range.
 MAX_SEED = 2**32 - 1
+#: ``model.path = "packaged:NAME"``: a model shipped as a Python package (echoloss.pretrained).
+PACKAGED_PREFIX = "packaged:"
 #: The opt-in that lets a configuration name code by import path (key and command-line flag).
 OPT_IN = "[train] allow_import_paths = true (or --allow-import-paths)"
 
@@ -98,8 +100,9 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """``[model]``: the tiny built-in model, or a local Hugging Face directory."""
 
-    # a local HF causal-LM directory or a .gguf file (dequantised to `dtype` on load); None = the
-    # tiny built-in model. echoloss.pretrained.materialize makes a directory of a packaged model
+    # a local HF causal-LM directory, a .gguf file (dequantised to `dtype` on load), or
+    # "packaged:NAME", a model installed as a Python package (echoloss.pretrained.PACKAGED_MODELS,
+    # converted once into a cached directory); None = the tiny built-in model
     path: str | None = None
     gguf_file: str | None = None  # the .gguf file inside the directory `path` (a file name)
     arch: Literal["qwen3", "llama"] = "qwen3"
@@ -130,6 +133,16 @@ class ModelConfig(_Section):
     def _local_model(cls, v: str | None) -> str | None:
         if v is None or v == "":
             return None
+        if v.startswith(PACKAGED_PREFIX):
+            from echoloss.pretrained import PACKAGED_MODELS
+
+            name = v.removeprefix(PACKAGED_PREFIX)
+            if name not in PACKAGED_MODELS:
+                raise ValueError(
+                    f"{v!r}: no packaged model {name!r}; expected one of "
+                    + ", ".join(f"'{PACKAGED_PREFIX}{n}'" for n in PACKAGED_MODELS)
+                )
+            return v
         p = Path(v).expanduser()
         if p.is_file() and p.suffix == ".gguf":
             return str(p)
@@ -151,6 +164,10 @@ class ModelConfig(_Section):
                 )
             return self
         p = Path(self.path)
+        if self.path.startswith(PACKAGED_PREFIX):
+            if self.gguf_file is not None:
+                raise ValueError(f"gguf_file: not used with model.path = {self.path!r}")
+            return self
         if self.gguf_file is not None:
             if p.is_file():
                 raise ValueError(

@@ -19,6 +19,7 @@ import torch
 
 import echoloss
 from echoloss.adapters.chat import attribute, render_attributed, steps_from_messages
+from echoloss.train.envs.base import tool_schemas
 
 __all__ = [
     "EvalResult",
@@ -116,15 +117,22 @@ def _sample(
     return results
 
 
-def _render_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def _render_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """The prompt the model sees: the chat template with the generation prompt, as token ids."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
     ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids
 
 
 def _prompt_attributions(
-    tokenizer: Any, messages: list[dict[str, Any]], prompts: list[list[int]]
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    prompts: list[list[int]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[echoloss.TokenAttribution]:
     """The attribution of every model call's prompt, from one attributed rendering of the whole
     conversation (cheaper than attributing each prompt on its own).
@@ -134,14 +142,14 @@ def _prompt_attributions(
     its generation prompt (the start of message ``k`` there) becomes scaffold of no message
     (``-1``). A template that rewrites history falls back to attributing that prompt by itself.
     """
-    full = render_attributed(messages, tokenizer)
+    full = render_attributed(messages, tokenizer, tools=tools)
     assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     att = full.attribution
     out = []
     for k, prompt in zip(assistant, prompts, strict=True):
         n = len(prompt)
         if full.token_ids[:n] != prompt:
-            _, a = attribute(messages[:k], tokenizer, add_generation_prompt=True)
+            _, a = attribute(messages[:k], tokenizer, tools=tools, add_generation_prompt=True)
             out.append(a)
             continue
         indices = [i if i < k else -1 for i in att.message_indices[:n]]
@@ -198,7 +206,7 @@ def _play(
                 break
         elif not live:
             break
-        prompts = [_render_ids(tokenizer, episodes[i].messages) for i in live]
+        prompts = [_render_ids(tokenizer, episodes[i].messages, tool_schemas(env)) for i in live]
         outs = _sample(
             model,
             tokenizer,
@@ -319,7 +327,9 @@ def generate_rollouts(
     )
     rollouts = []
     for (gid, ep), turns in zip(episodes, calls, strict=True):
-        atts = _prompt_attributions(tokenizer, ep.messages, [p for p, _, _ in turns])
+        atts = _prompt_attributions(
+            tokenizer, ep.messages, [p for p, _, _ in turns], tool_schemas(env)
+        )
         steps = [
             echoloss.Step(
                 prompt_ids=p,
@@ -340,7 +350,9 @@ class _NoPlaceholderWarning(logging.Filter):
         return "got no logprobs" not in record.getMessage()
 
 
-def scripted_steps(messages: list[dict[str, Any]], tokenizer: Any) -> list[echoloss.Step]:
+def scripted_steps(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> list[echoloss.Step]:
     """Steps of a scripted conversation. Nothing sampled them, so their logprobs are ``0.0``
     placeholders; they are only used by the SFT warm-start and the held-out evaluation, which
     never read them, so the adapter's warning about placeholders is silenced here."""
@@ -348,7 +360,7 @@ def scripted_steps(messages: list[dict[str, Any]], tokenizer: Any) -> list[echol
     quiet = _NoPlaceholderWarning()
     log.addFilter(quiet)
     try:
-        return steps_from_messages(messages, tokenizer)
+        return steps_from_messages(messages, tokenizer, tools=tools)
     finally:
         log.removeFilter(quiet)
 
@@ -362,7 +374,7 @@ def demo_rollouts(
         messages = env.demonstration(task, random.Random(f"demo/{seed}/{gid}"))
         out.append(
             Rollout(
-                steps=scripted_steps(messages, tokenizer),
+                steps=scripted_steps(messages, tokenizer, tool_schemas(env)),
                 reward=1.0,
                 group_id=gid,
                 env_name=env.name,

@@ -189,7 +189,9 @@ def load_model(
     gguf_file: str | None = None,
 ) -> tuple[Any, Any]:
     """Load a local causal LM and its tokenizer (never a hub name): a Hugging Face directory, a
-    ``.gguf`` file, or the GGUF file ``gguf_file`` inside the directory ``path``.
+    ``.gguf`` file, the GGUF file ``gguf_file`` inside the directory ``path``, or
+    ``"packaged:NAME"``, a model installed as a Python package (`echoloss.pretrained.materialize`
+    converts it once into a cached directory).
 
     GGUF weights are dequantised to ``dtype`` (`echoloss.pretrained.load_gguf`): the model is
     an ordinary one from then on. `describe_model` says which it was.
@@ -200,6 +202,10 @@ def load_model(
     """
     import transformers
 
+    if str(path).startswith("packaged:"):
+        from echoloss.pretrained import materialize
+
+        path = materialize(str(path).removeprefix("packaged:"))
     p = Path(path).expanduser()
     gguf = p if p.suffix == ".gguf" and p.is_file() else None
     if gguf_file is not None:
@@ -240,10 +246,17 @@ def describe_model(path: str | None, gguf_file: str | None, dtype: torch.dtype) 
         'm/x.gguf (GGUF, dequantised to bfloat16)'
         >>> describe_model("m", None, torch.float32)
         'm (float32)'
+        >>> describe_model("packaged:smollm2-135m-instruct", None, torch.bfloat16)
+        'SmolLM2-135M-Instruct (Q4_1), packaged GGUF dequantised to bfloat16 (packaged:smollm2-135m-instruct)'
     """
     what = str(dtype).removeprefix("torch.")
     if path is None:
         return f"tiny built-in model ({what})"
+    if path.startswith("packaged:"):
+        from echoloss.pretrained import PACKAGED_MODELS
+
+        spec = PACKAGED_MODELS[path.removeprefix("packaged:")]
+        return f"{spec.title}, packaged GGUF dequantised to {what} ({path})"
     if gguf_file is not None:
         return f"{Path(path) / gguf_file} (GGUF, dequantised to {what})"
     if path.endswith(".gguf"):

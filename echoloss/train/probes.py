@@ -34,6 +34,7 @@ from echoloss.train.data import (
     scripted_steps,
 )
 from echoloss.train.envs import Env, HiddenObservations
+from echoloss.train.envs.base import tool_schemas
 from echoloss.train.model import packed_logits
 from echoloss.train.probes_world import WorldModelSet, world_model_ce, world_model_sets
 
@@ -80,7 +81,7 @@ def heldout_set(cfg: TrainConfig, env: Env[Any, Any], tok: Any, device: torch.de
     nats = hidden_nats = 0.0
     for messages in heldout_conversations(env, count=cfg.data.heldout_size):
         nats += env.observation_nats(messages)
-        for s in echoloss.interleave(scripted_steps(messages, tok), echo=probe):
+        for s in echoloss.interleave(scripted_steps(messages, tok, tool_schemas(env)), echo=probe):
             s.advantage = 0.0
             samples.append(s)
         if isinstance(env, HiddenObservations):

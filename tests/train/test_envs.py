@@ -211,7 +211,8 @@ def test_exploring_demonstrations_still_infer_the_mirroring():
 
 def test_make_env_names_and_errors():
     for name in ENV_NAMES:
-        assert make_env(name, size=3).name == name
+        options = {"size": 3} if "size" in ENVS[name].options else {}
+        assert make_env(name, **options).name == name
     with pytest.raises(ValueError, match=r"env\.name: expected one of"):
         make_env("maze", size=3)
     with pytest.raises(ValueError, match="gridwalk does not take demo_explore; it takes: size"):
@@ -258,7 +259,7 @@ def test_every_registered_env_implements_the_protocol(name):
     demo = env.demonstration(env.warmup_task(seed=0, index=0), random.Random(0))
     assert demo[-1]["role"] == "assistant" and env.observation_nats(demo) >= 0
     walk = env.random_walk(env.heldout_task(index=0), random.Random(0), turns=2)
-    assert walk[-1] == {"role": "assistant", "content": "done"}
+    assert walk[-1]["role"] == "assistant" and any(m["role"] == "tool" for m in walk)
     episode = env.start(env.task(seed=0, index=0))
     assert isinstance(episode, Episode) and not episode.done
     assert env.turns_needed <= env.turn_limit

@@ -7,6 +7,8 @@
 ``mirrorgrid-noise``  control: one unpredictable digit after every observation
 ``gridwalk``          the first demo environment (`.gridwalk`): every observation prints the
                       optimal move, so it cannot test echo
+``calculator``        for a real instruct model (`.calculator`): arithmetic questions, a
+                      calculator tool called in the model's own tool-call format
 ===================== =========================================================================
 
 Every environment implements the `echoloss.train.envs.base.Env` protocol (optional capabilities
@@ -33,12 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from echoloss.train.envs.base import Env, Episode, HiddenObservations
+from echoloss.train.envs.calculator import Calculator
 from echoloss.train.envs.gridwalk import GridWalk
 from echoloss.train.envs.mirrorgrid import MirrorGrid, MirrorTask, Variant, imagined_observation
 
 __all__ = [
     "ENVS",
     "ENV_NAMES",
+    "Calculator",
     "Env",
     "EnvEntry",
     "Episode",
@@ -91,6 +95,9 @@ ENVS: dict[str, EnvEntry] = {
     ),
     "gridwalk": EnvEntry(
         GridWalk, _GRID, "first demo env: observations print the optimal move (no echo test)"
+    ),
+    "calculator": EnvEntry(
+        Calculator, ("max_turns",), "a real instruct model calls a calculator tool (pretrained)"
     ),
 }
 

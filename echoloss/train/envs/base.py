@@ -10,6 +10,9 @@ Optional capabilities are separate protocols, checked with ``isinstance``:
 
 * `HiddenObservations`: the env marks the tokens of each observation that depend on hidden
   state (and their exact floor); the trainer then also reports ``heldout_hidden_ce``.
+* `ToolSchemas`: the env's tools have JSON schemas, passed to the chat template
+  (``apply_chat_template(tools=...)``) wherever the trainer renders its conversations
+  (`tool_schemas`).
 
 Examples:
     >>> from echoloss.train.envs import make_env
@@ -26,7 +29,7 @@ import random
 from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Env", "Episode", "HiddenObservations", "Message"]
+__all__ = ["Env", "Episode", "HiddenObservations", "Message", "ToolSchemas", "tool_schemas"]
 
 #: One chat message: ``{"role": ..., "content": ...}`` (tool messages also carry ``"name"``).
 Message = dict[str, Any]
@@ -137,3 +140,24 @@ class HiddenObservations(Protocol):
     def hidden_nats(self, messages: list[Message]) -> float:
         """The Bayes-optimal total NLL (nats) of the `hidden_spans`."""
         ...
+
+
+@runtime_checkable
+class ToolSchemas(Protocol):
+    """An env whose tools have JSON schemas (OpenAI function format)."""
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """The schemas, as ``apply_chat_template(tools=...)`` takes them."""
+        ...
+
+
+def tool_schemas(env: object) -> list[dict[str, Any]] | None:
+    """``env.tools`` for a `ToolSchemas` env, else None (what the chat template gets).
+
+    Examples:
+        >>> from echoloss.train.envs import make_env
+        >>> tool_schemas(make_env("gridwalk", size=3)) is None
+        True
+    """
+    return env.tools if isinstance(env, ToolSchemas) else None

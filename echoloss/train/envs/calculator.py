@@ -1,0 +1,394 @@
+"""``calculator``: arithmetic word problems with a calculator tool, for a real instruct model.
+
+Every turn is natural text in the model's own chat template. The system prompt tells the model
+what the tool is and how to call it; the user asks a question the model cannot reliably answer
+in its head; the model calls the tool in the format it was trained on (SmolLM2's: a JSON list
+inside ``<tool_call>`` tags, written in the assistant's content, which is what a ChatML template
+renders); the tool's answer comes back as a ``tool`` message (the echo term's observation); then
+the model answers::
+
+    system     You are a helpful assistant with a calculator. ... <tools>[{...}]</tools> ...
+    user       A shop sells 37 boxes of 48 pens and 12 loose pens. How many pens is that?
+    assistant  <tool_call>[{"name": "calculator", "arguments": {"expression": "37 * 48 + 12"}}]</tool_call>
+    tool       1788                              <- the calculator (echoed)
+    assistant  The shop sells 1788 pens.         -> reward 1: the last number is the answer
+
+The reward is 1 when the last integer of the final answer equals the true value, else 0 (also
+when the turn limit runs out). A reply is *invalid* (``stats["invalid"]``) when it opens a tool
+call that is not a well-formed call of ``calculator`` with an ``expression`` string; the tool
+then answers ``error: ...`` and the episode goes on.
+
+Why it suits echo: the observation (the calculator's result) is a deterministic function of the
+call, so its exact floor is 0 nats, and predicting it *is* doing the arithmetic the task needs.
+
+Tasks are pure functions of ``(seed, index)``. The expression evaluator is a small parser of
+integers, ``+ - *`` and parentheses (never ``eval``).
+
+Examples:
+    >>> env = Calculator()
+    >>> task = CalcTask(question="What is 2 * 3 + 4?", expression="2 * 3 + 4", answer=10)
+    >>> ep = env.start(task)
+    >>> env.act(ep, tool_call("2 * 3 + 4"))
+    '10'
+    >>> env.act(ep, "The answer is 10."), ep.reward, ep.done
+    (None, 1.0, True)
+    >>> evaluate("(12 - 5) * 3")
+    21
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from echoloss.train.envs.base import Message
+
+__all__ = [
+    "TOOLS",
+    "CalcEpisode",
+    "CalcTask",
+    "Calculator",
+    "evaluate",
+    "parse_tool_calls",
+    "tool_call",
+]
+
+TOOL_NAME = "calculator"
+#: The tool schema, passed to ``apply_chat_template(tools=...)`` and printed in the system prompt
+#: (templates that ignore ``tools=``, such as SmolLM2's ChatML, only see it there).
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": TOOL_NAME,
+            "description": "Evaluate an arithmetic expression of integers with + - * and "
+            "parentheses; returns the integer result.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "expression": {
+                        "type": "string",
+                        "description": "The expression, e.g. '37 * 48 + 12'.",
+                    }
+                },
+                "required": ["expression"],
+            },
+        },
+    }
+]
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_INT = re.compile(r"-?\d[\d,]*")
+_TOKEN = re.compile(r"\s*(\d+|[-+*()])")
+_MAX_EXPRESSION = 80  # characters: longer "expressions" are refused, not parsed
+
+# Question templates: (text with {a} {b} {c}, expression). Numbers make the product hard to do
+# in one's head and keep every result a positive integer.
+_QUESTIONS: tuple[tuple[str, str], ...] = (
+    ("What is {a} * {b} + {c}?", "{a} * {b} + {c}"),
+    (
+        "A shop sells {a} boxes of {b} pens and {c} loose pens. How many pens is that?",
+        "{a} * {b} + {c}",
+    ),
+    (
+        "A hall has {a} rows of {b} seats; {c} seats are taken. How many are free?",
+        "{a} * {b} - {c}",
+    ),
+    ("What is ({a} + {c}) * {b}?", "({a} + {c}) * {b}"),
+)
+
+
+@dataclass(frozen=True)
+class CalcTask:
+    """A question, the expression that answers it, and the answer."""
+
+    question: str
+    expression: str
+    answer: int
+
+
+@dataclass
+class CalcEpisode:
+    """A conversation in progress (the fields of `echoloss.train.envs.base.Episode`)."""
+
+    task: CalcTask
+    messages: list[Message]
+    turns: int = 0
+    done: bool = False
+    reward: float = 0.0
+    stats: dict[str, float] = field(
+        default_factory=lambda: {"invalid": 0.0, "tool_calls": 0.0, "answered": 0.0}
+    )
+
+
+def evaluate(expression: str) -> int:
+    """The integer value of ``expression`` (integers, ``+ - *``, parentheses).
+
+    Raises:
+        ValueError: anything else, or an expression longer than 80 characters.
+
+    Examples:
+        >>> evaluate("2 + 3 * 4"), evaluate("(2 + 3) * 4"), evaluate("-3 * -2")
+        (14, 20, 6)
+        >>> evaluate("2 ** 10")
+        Traceback (most recent call last):
+        ...
+        ValueError: not an expression of integers with + - * and parentheses: '2 ** 10'
+    """
+    bad = ValueError(f"not an expression of integers with + - * and parentheses: {expression!r}")
+    if len(expression) > _MAX_EXPRESSION:
+        raise ValueError(f"expression longer than {_MAX_EXPRESSION} characters")
+    tokens: list[str] = []
+    pos = 0
+    rest = expression.rstrip()
+    while pos < len(rest):
+        m = _TOKEN.match(rest, pos)
+        if m is None:
+            raise bad
+        tokens.append(m.group(1))
+        pos = m.end()
+    at = 0
+
+    def peek() -> str | None:
+        return tokens[at] if at < len(tokens) else None
+
+    def take() -> str:
+        nonlocal at
+        if at >= len(tokens):
+            raise bad
+        at += 1
+        return tokens[at - 1]
+
+    def atom() -> int:
+        t = take()
+        if t == "-":
+            return -atom()
+        if t == "(":
+            v = expr()
+            if take() != ")":
+                raise bad
+            return v
+        if not t.isdigit():
+            raise bad
+        return int(t)
+
+    def term() -> int:
+        v = atom()
+        while peek() == "*":
+            take()
+            if peek() == "*":
+                raise bad
+            v *= atom()
+        return v
+
+    def expr() -> int:
+        v = term()
+        while peek() in ("+", "-"):
+            v = v + term() if take() == "+" else v - term()
+        return v
+
+    value = expr()
+    if at != len(tokens):
+        raise bad
+    return value
+
+
+def tool_call(expression: str) -> str:
+    """The assistant text that calls the calculator (SmolLM2's tool-call format).
+
+    Examples:
+        >>> tool_call("1 + 1")
+        '<tool_call>[{"name": "calculator", "arguments": {"expression": "1 + 1"}}]</tool_call>'
+    """
+    call = [{"name": TOOL_NAME, "arguments": {"expression": expression}}]
+    return f"<tool_call>{json.dumps(call)}</tool_call>"
+
+
+def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
+    """The calls in ``text``'s ``<tool_call>`` blocks (a JSON object or list each), ``None`` when
+    it has none; raises ``ValueError`` on a block that is not JSON of that shape.
+
+    Examples:
+        >>> parse_tool_calls(tool_call("2 * 3"))
+        [{'name': 'calculator', 'arguments': {'expression': '2 * 3'}}]
+        >>> parse_tool_calls("The answer is 6.") is None
+        True
+    """
+    blocks = _CALL.findall(text)
+    if not blocks:
+        if "<tool_call>" in text:
+            raise ValueError("a <tool_call> without its closing </tool_call>")
+        return None
+    calls: list[dict[str, Any]] = []
+    for block in blocks:
+        try:
+            data = json.loads(block)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"the tool call is not JSON ({err.msg})") from None
+        for call in data if isinstance(data, list) else [data]:
+            if not isinstance(call, dict):
+                raise ValueError("a tool call must be an object with name and arguments")
+            calls.append(call)
+    return calls
+
+
+def _system_prompt() -> str:
+    return (
+        "You are a helpful assistant with a calculator tool. For any arithmetic, call the "
+        "calculator instead of computing in your head, then answer with the number it returns.\n"
+        f"You have access to the following tools:\n<tools>{json.dumps(TOOLS)}</tools>\n"
+        "To call a tool, reply with only the call, in this format:\n"
+        '<tool_call>[{"name": "calculator", "arguments": {"expression": "12 * 34 + 5"}}]'
+        "</tool_call>\n"
+        "The result comes back in the next message. Then reply with a short sentence that "
+        "ends with the final number.\n"
+        "Example. Question: What is 23 * 41 + 7?\n"
+        f"You: {tool_call('23 * 41 + 7')}\n"
+        "Tool: 950\n"
+        "You: The answer is 950."
+    )
+
+
+@dataclass(frozen=True)
+class Calculator:
+    """Arithmetic questions answered with a calculator tool (see the module docstring).
+
+    Args:
+        max_turns: assistant turns before the episode ends with reward 0 (None = 3: a call, a
+            retry after an error, and the answer).
+        name: the env name used for per-env metrics.
+    """
+
+    max_turns: int | None = None
+    name: str = "calculator"
+
+    def __post_init__(self) -> None:
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"Calculator.max_turns must be >= 1, got {self.max_turns}")
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """The tool schemas for ``apply_chat_template(tools=...)``."""
+        return TOOLS
+
+    @property
+    def turn_limit(self) -> int:
+        return self.max_turns if self.max_turns is not None else 3
+
+    @property
+    def turns_needed(self) -> int:
+        """A call and the answer."""
+        return 2
+
+    def _draw(self, rng: random.Random) -> CalcTask:
+        text, expression = rng.choice(_QUESTIONS)
+        a, b, c = rng.randint(12, 99), rng.randint(12, 99), rng.randint(2, 99)
+        expression = expression.format(a=a, b=b, c=c)
+        return CalcTask(
+            question=text.format(a=a, b=b, c=c), expression=expression, answer=evaluate(expression)
+        )
+
+    def task(self, *, seed: int, index: int) -> CalcTask:
+        """Training task ``index`` of the stream ``seed`` (a pure function)."""
+        return self._draw(random.Random(f"calculator/train/{seed}/{index}"))
+
+    def warmup_task(self, *, seed: int, index: int) -> CalcTask:
+        """Warm-up task ``index`` (its own stream)."""
+        return self._draw(random.Random(f"calculator/warmup/{seed}/{index}"))
+
+    def heldout_task(self, *, index: int) -> CalcTask:
+        """Held-out task ``index`` (a stream no training step draws from)."""
+        return self._draw(random.Random(f"calculator/heldout/{index}"))
+
+    def eval_tasks(self) -> Sequence[CalcTask]:
+        """A fixed evaluation set of 8 held-out questions (each evaluation plays them greedily,
+        plus ``train.eval_samples`` sampled episodes each: minutes per evaluation on a CPU)."""
+        return [self._draw(random.Random(f"calculator/eval/{i}")) for i in range(8)]
+
+    def start(self, task: CalcTask) -> CalcEpisode:
+        """A new episode: the system prompt (the tool, its call format and one worked example)
+        and the question."""
+        messages: list[Message] = [
+            {"role": "system", "content": _system_prompt()},
+            {"role": "user", "content": task.question},
+        ]
+        return CalcEpisode(task=task, messages=messages)
+
+    def observe(self, calls: list[dict[str, Any]]) -> tuple[str, bool]:
+        """The tool's answer to ``calls`` and whether they were all valid."""
+        results = []
+        valid = True
+        for call in calls:
+            args = call.get("arguments")
+            expression = args.get("expression") if isinstance(args, dict) else None
+            if call.get("name") != TOOL_NAME or not isinstance(expression, str):
+                results.append(f"error: call {TOOL_NAME} with an expression string")
+                valid = False
+                continue
+            try:
+                results.append(str(evaluate(expression)))
+            except ValueError as err:
+                results.append(f"error: {err}")
+                valid = False
+        return "\n".join(results), valid
+
+    def act(self, episode: CalcEpisode, text: str) -> str | None:
+        """Apply the assistant's reply: a tool call gets the calculator's answer (returned and
+        appended as a ``tool`` message); any other reply is the final answer and ends the
+        episode."""
+        if episode.done:
+            raise RuntimeError("act() on a finished episode")
+        episode.messages.append({"role": "assistant", "content": text})
+        episode.turns += 1
+        try:
+            calls = parse_tool_calls(text)
+        except ValueError as err:
+            obs, valid = f"error: {err}", False
+        else:
+            if calls is None:  # the final answer
+                numbers = _INT.findall(text)
+                answer = int(numbers[-1].replace(",", "")) if numbers else None
+                episode.done = True
+                episode.stats["answered"] = 1.0
+                episode.reward = float(answer == episode.task.answer)
+                return None
+            obs, valid = self.observe(calls)
+            episode.stats["tool_calls"] += 1
+        if not valid:
+            episode.stats["invalid"] += 1
+        if episode.turns >= self.turn_limit:
+            episode.done = True
+            episode.reward = 0.0
+            return None
+        episode.messages.append({"role": "tool", "name": TOOL_NAME, "content": obs})
+        return obs
+
+    def demonstration(self, task: CalcTask, rng: random.Random) -> list[Message]:
+        """The scripted conversation: call the calculator with the task's expression, answer."""
+        del rng
+        episode = self.start(task)
+        self.act(episode, tool_call(task.expression))
+        self.act(episode, f"The answer is {task.answer}.")
+        return episode.messages
+
+    def random_walk(self, task: CalcTask, rng: random.Random, turns: int) -> list[Message]:
+        """``turns`` calls of random expressions (held-out observation data independent of any
+        policy), then a final answer."""
+        episode = self.start(task)
+        for _ in range(min(turns, self.turn_limit - 1)):
+            a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 99)
+            self.act(episode, tool_call(f"{a} * {b} + {c}"))
+        self.act(episode, f"The answer is {task.answer}.")
+        return episode.messages
+
+    def observation_nats(self, messages: list[Message]) -> float:
+        """0: the calculator's answer is a deterministic function of the call."""
+        del messages
+        return 0.0
+
+    def imagined_observation(self, reply: str) -> bool:
+        """The reply writes chat scaffold or a result block instead of acting."""
+        return "<|im_start|>" in reply or "<tool_response>" in reply or "<|im_end|>" in reply
