@@ -90,7 +90,9 @@ def test_resolve_config_prefers_files_and_rejects_unknown_names(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gpu").write_text("")
     assert resolve_config("gpu") == "gpu"  # an existing file wins over the packaged name
-    with pytest.raises(FileNotFoundError, match="packaged: default, fast, gpu, gpu-pretrained, jsonl, pretrained"):
+    with pytest.raises(
+        FileNotFoundError, match="packaged: default, fast, gpu, gpu-pretrained, jsonl, pretrained"
+    ):
         resolve_config("no-such-config")
 
 
@@ -190,7 +192,10 @@ def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
         text=True,
         timeout=600,
     )
-    assert res.returncode == 2 and "packaged: default, fast, gpu, gpu-pretrained, jsonl, pretrained" in res.stderr, res.stderr
+    assert (
+        res.returncode == 2
+        and "packaged: default, fast, gpu, gpu-pretrained, jsonl, pretrained" in res.stderr
+    ), res.stderr
 
 
 def _see_running_site_packages(py: Path) -> None:
