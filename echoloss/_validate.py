@@ -174,6 +174,7 @@ def check_count(
     value: Any,
     *,
     minimum: float = 0.0,
+    maximum: float = 2.0**53,
     integer: bool = False,
     fix: str = "",
 ) -> float:
@@ -182,7 +183,8 @@ def check_count(
     Every count, constant and factor that reaches a division or a multiplication goes through
     this check where it enters (``num_items_in_batch``, ``dp_size``, ``batch_num_tokens``,
     ...): ``bool`` is refused, NaN and ±inf are refused, and with ``integer=True`` the value
-    must be a whole number.
+    must be a whole number. Counts above ``maximum`` (2**53: exact in float64 and int64) are
+    refused too, before they overflow a conversion.
 
     Examples:
         >>> check_count("num_items_in_batch", torch.tensor(12.0))
@@ -204,6 +206,8 @@ def check_count(
     out = float(value) if not isinstance(value, int) else value
     if isinstance(out, float) and not math.isfinite(out):
         raise ValueError(problem(name, what, describe(out), fix))
+    if out > maximum:
+        raise ValueError(problem(name, f"{what} and ≤ {maximum:g}", describe(value), fix))
     if out < minimum or (integer and out != int(out)):
         raise ValueError(problem(name, what, describe(value), fix))
     return float(out)

@@ -19,6 +19,7 @@ import torch
 
 from echoloss import LossConfig, Normalizers, PolicyInputs, PolicyOutput
 from echoloss._validate import check_count, describe, finite_float, problem
+from echoloss.data._checks import FLOAT32_MAX, FLOAT32_TINY
 
 __all__ = [
     "ECHO_NORMALIZATIONS",
@@ -355,8 +356,15 @@ def _check_options(args: Any, *, epsilon_low: float, epsilon_high: float) -> Non
     if delta is not None:
         finite_float("delta", delta)
     temperature = getattr(args, "temperature", 1.0)
-    if finite_float("temperature", temperature) <= 0:
-        raise ValueError(problem("temperature", "> 0", describe(temperature)))
+    if not FLOAT32_TINY <= finite_float("temperature", temperature) <= FLOAT32_MAX:
+        raise ValueError(
+            problem(
+                "temperature",
+                f"in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (> 0, a normal float32: the "
+                "logits are divided by it)",
+                describe(temperature),
+            )
+        )
 
 
 def _log_ratio(inputs: PolicyInputs, sequence: bool) -> torch.Tensor:

@@ -32,7 +32,14 @@ from echoloss import (
     selective_logprobs,
 )
 from echoloss._logging import warn_once
-from echoloss._validate import check_count, check_mask, check_tensor, describe, problem
+from echoloss._validate import (
+    check_count,
+    check_mask,
+    check_tensor,
+    describe,
+    finite_float,
+    problem,
+)
 from echoloss.loss.core import check_scored_rows
 from echoloss.nn.grpo import (
     ECHO_NORMALIZATIONS,
@@ -218,11 +225,11 @@ class EchoGRPOLoss(nn.Module):
 
         self.mapping = grpo_loss_mapping(
             SimpleNamespace(**opts),
-            epsilon_low=float(opts["epsilon_low"]),
-            epsilon_high=float(opts["epsilon_high"]),
+            epsilon_low=finite_float("epsilon_low", opts["epsilon_low"]),
+            epsilon_high=finite_float("epsilon_high", opts["epsilon_high"]),
         )
         self.config = self.mapping.config
-        self.temperature = float(opts["temperature"])
+        self.temperature = finite_float("temperature", opts["temperature"])
         self.max_completion_length = opts["max_completion_length"]
 
     def _rows(

@@ -3,7 +3,11 @@ own metric names are logged, and λ = 0 is the echo ablation (one optimiser step
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 trl = pytest.importorskip("trl")
 torch = pytest.importorskip("torch")
@@ -96,3 +100,23 @@ def test_bad_tool_alpha_is_refused(tmp_path, alpha):
         EchoGRPOConfig(
             output_dir=str(tmp_path), echo_tool_alpha=alpha, report_to="none", use_cpu=True
         )
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    alpha=st.sampled_from([0.0, 1e-300, 0.05, 3e38, 1e308, -1.0, float("nan"), float("inf")]),
+    loss_type=st.sampled_from(["grpo", "dapo", "cispo", "sapo"]),
+)
+def test_fuzz_one_trl_step(tmp_path_factory, alpha, loss_type):
+    """A named error, or one step whose logged losses and parameters are finite."""
+    tmp = tmp_path_factory.mktemp("trl")
+    try:
+        trainer, _, model = _train(tmp, echo_tool_alpha=alpha, loss_type=loss_type)
+    except (ValueError, TypeError) as e:
+        assert any(n in str(e) for n in ("echo_tool_alpha", "alpha", "loss must be finite")), e
+        return
+    logged = trainer.state.log_history[0]
+    assert all(math.isfinite(v) for k, v in logged.items() if isinstance(v, float)), logged
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
