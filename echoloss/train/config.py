@@ -52,6 +52,7 @@ __all__ = [
     "advantage_fn",
     "load_config",
     "parse_config",
+    "pretrained_rates_problem",
     "turns_needed",
 ]
 
@@ -264,6 +265,41 @@ class EnvConfig(_Section):
         return self
 
 
+#: A model with more parameters than this is a pretrained one (the built-in tiny models, and the
+#: models the experiment trains from them, have well under a million).
+PRETRAINED_PARAMETERS = 10_000_000
+#: The largest learning rate (warm-up or RL) that is not suspicious for a pretrained model: one
+#: warm-up update at 1e-3 took SmolLM2-135M-Instruct from loss_sft 4.25 / obs_nll 2.1 to
+#: 7.16 / 16.5 (RL then started at 100 % invalid replies); the same update at 1e-5 lowered them.
+PRETRAINED_MAX_LR = 1e-4
+
+
+def pretrained_rates_problem(cfg: TrainConfig, parameters: int) -> str | None:
+    """Why the learning rates do not suit a pretrained model of ``parameters`` loaded from
+    ``model.path``, or None. The defaults (``warmup.lr``, ``optim.lr``) are the built-in tiny
+    model's; a pretrained model needs rates far smaller (`PRETRAINED_MAX_LR`).
+
+    Examples:
+        >>> cfg = parse_config({"optim": {"lr": 1e-3}})
+        >>> pretrained_rates_problem(cfg, 135_000_000) is None  # no model.path: the tiny model
+        True
+    """
+    if cfg.model.path is None or parameters <= PRETRAINED_PARAMETERS:
+        return None
+    high = [f"optim.lr = {cfg.optim.lr:g}"] if cfg.optim.lr > PRETRAINED_MAX_LR else []
+    if cfg.warmup.steps and cfg.data.source != "jsonl" and cfg.warmup.lr > PRETRAINED_MAX_LR:
+        high.insert(0, f"warmup.lr = {cfg.warmup.lr:g}")
+    if not high:
+        return None
+    return (
+        f"model.path loads a pretrained model ({parameters / 1e6:.0f}M parameters) but "
+        f"{' and '.join(high)} are learning rates for the built-in tiny model: one warm-up "
+        "update at 1e-3 took SmolLM2-135M-Instruct's SFT loss from 4.25 to 7.16 (at 1e-5 it "
+        f"fell to 3.92). Use rates of at most {PRETRAINED_MAX_LR:g}, e.g. --set warmup.lr=1e-5 "
+        "--set optim.lr=1e-6 (or start from a config written for a pretrained model)"
+    )
+
+
 def turns_needed(env: str, size: int) -> int:
     """The fewest assistant turns in which every task of ``env`` on a ``size``-grid is solved by
     its scripted demonstration (`echoloss.train.envs.base.Env.turns_needed`): the farthest goal
@@ -401,6 +437,10 @@ class TrainSection(_Section):
     # sampled episodes per held-out task at the RL start and end (every evaluation also plays
     # each task once greedily): 240 tasks x (1 + 4) = 1,200 episodes on mirrorgrid 4x4
     eval_samples: int = Field(4, ge=0)
+    # held-out tasks each evaluation plays: None = all of the env's evaluation set; N = N of
+    # them, spread evenly over the set (the same N for every evaluation and arm); 0 = no
+    # success evaluation at all (the held-out observation CEs are still measured)
+    eval_episodes: int | None = Field(None, ge=0)
     eval_at_start: bool = True  # evaluate before the first RL step
     # every N RL steps (from the first) log echo_grad_norm and pg_grad_norm, the norms of the
     # echo term's gradient and of the rest (one extra backward pass on those steps; single

@@ -137,6 +137,12 @@ def _echo_text(cfg: TrainConfig) -> str:
     return text + (" (GRPO only)" if e.alpha == 0 else "")
 
 
+def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32:
+        return "torch.float32"
+    return f"{dtype} compute, torch.float32 master weights"
+
+
 def banner(
     cfg: TrainConfig,
     model: Any,
@@ -151,18 +157,20 @@ def banner(
     m = cfg.model
     dtype = compute_dtype(cfg, device)
     what = (
-        describe_model(m.path, m.gguf_file, dtype)
+        describe_model(m.path, m.gguf_file, torch.float32)
         if m.path
         else f"tiny {m.arch} ({m.num_layers} layers)"
     )
     tasks = len(env.eval_tasks())
+    played = tasks if cfg.train.eval_episodes is None else min(cfg.train.eval_episodes, tasks)
     grid = f" {cfg.env.size}x{cfg.env.size}" if "size" in cfg.env.options() else ""
     lines = [
         "echoloss-train",
-        f"  device {device} ({dtype}), {torch.get_num_threads()} CPU thread(s)",
+        f"  device {device} ({_precision(dtype)}), {torch.get_num_threads()} CPU thread(s)",
         f"  model  {what}, {params / 1e6:.3g}M parameters",
         f"  env    {cfg.env.name}{grid}, turn limit {env.turn_limit}"
-        + (f", {tasks} held-out tasks" if tasks else ""),
+        + (f", {tasks} held-out tasks" if tasks else "")
+        + (f" (evaluation plays {played})" if played != tasks else ""),
         "  steps  "
         + (f"{cfg.warmup.copy_steps} copy-task + " if runs_copy_task(cfg, start) else "")
         + f"{cfg.warmup.steps if cfg.data.source != 'jsonl' else 0} warm-up "

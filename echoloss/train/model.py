@@ -300,6 +300,8 @@ def packed_logits(model: Any, batch: Any, *, attn_implementation: str) -> torch.
     kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": pos, "use_cache": False}
     if "flash" not in attn_implementation:
         dtype = next(model.parameters()).dtype
+        if torch.is_autocast_enabled(ids.device.type):  # fp32 weights computing in bf16
+            dtype = torch.get_autocast_dtype(ids.device.type)
         kwargs["attention_mask"] = packed_attention_mask(
             batch.cu_seqlens, ids.shape[1], dtype, ids.device
         )

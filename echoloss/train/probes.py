@@ -18,8 +18,9 @@ functions on saved models.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,8 +39,11 @@ from echoloss.train.envs.base import tool_schemas
 from echoloss.train.model import packed_logits
 from echoloss.train.probes_world import WorldModelSet, world_model_ce, world_model_sets
 
+T = TypeVar("T")
+
 __all__ = [
     "Heldout",
+    "eval_subset",
     "evaluate",
     "heldout_hidden_ce",
     "heldout_observation_ce",
@@ -142,6 +146,22 @@ def heldout_hidden_ce(model: Any, sets: list[tuple[list[int], list[int]]], devic
     return nll / max(count, 1)
 
 
+def eval_subset(tasks: Sequence[T], count: int | None) -> list[T]:
+    """The evaluation tasks ``train.eval_episodes`` asks for: all (None), none (0), or ``count``
+    of them spread evenly over the set (every mirroring and region of a grid env, not its
+    first pairs), the same ones at every evaluation.
+
+    Examples:
+        >>> eval_subset(list(range(10)), 4), eval_subset(list(range(10)), None) == list(range(10))
+        ([0, 2, 5, 7], True)
+        >>> eval_subset(list(range(10)), 0), eval_subset([1, 2], 5)
+        ([], [1, 2])
+    """
+    if count is None or count >= len(tasks):
+        return list(tasks)
+    return [tasks[i * len(tasks) // count] for i in range(count)]
+
+
 def evaluate(
     cfg: TrainConfig,
     model: Any,
@@ -151,11 +171,12 @@ def evaluate(
     device: torch.device,
     full: bool,
 ) -> dict[str, float]:
-    """Held-out success on the env's fixed evaluation tasks (one greedy episode each, plus
-    ``train.eval_samples`` sampled ones when ``full``: at the RL start and end) and the held-out
-    observation CEs with their floors. Keys absent when they do not apply."""
+    """Held-out success on the env's fixed evaluation tasks (`eval_subset` of them with
+    ``train.eval_episodes``; one greedy episode each, plus ``train.eval_samples`` sampled ones
+    when ``full``: at the RL start and end) and the held-out observation CEs with their floors.
+    Keys absent when they do not apply."""
     out: dict[str, float] = {}
-    tasks = env.eval_tasks()
+    tasks = eval_subset(env.eval_tasks(), cfg.train.eval_episodes)
     if tasks and cfg.data.source != "jsonl":
         r: EvalResult = evaluate_policy(
             model,

@@ -64,7 +64,13 @@ from echoloss.loss import (
 )
 from echoloss.train import checkpoint as ckpt
 from echoloss.train import tracking
-from echoloss.train.config import TrainConfig, advantage_fn, parse_config
+from echoloss.train.config import (
+    ConfigWarning,
+    TrainConfig,
+    advantage_fn,
+    parse_config,
+    pretrained_rates_problem,
+)
 from echoloss.train.data import Rollout, rollout_record
 from echoloss.train.envs import Env, make_env
 from echoloss.train.metrics import MetricSums, banner, rollout_metrics, summary_line
@@ -82,7 +88,7 @@ from echoloss.train.regimes import (
 )
 from echoloss.train.runtime import (
     Ranks,
-    compute_dtype,
+    autocast,
     gather,
     release_process_group,
     seed_everything,
@@ -281,6 +287,7 @@ def setup(
         shard(model)
     opt = _optimizer(cfg, model)
     env = _environment(cfg)
+    _warn_unsuitable(cfg, model, env, ranks)
     source = RolloutSource(cfg, env, tok, ranks)
     decay = cfg.advantages.rae_decay
     rae = echoloss.RAE(decay=decay) if decay is not None else None
@@ -316,14 +323,15 @@ def _print(line: str) -> None:
 
 
 def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any]:
-    """The model (``model.path``, or the built-in tiny one) and its tokenizer, on ``device``."""
+    """The model (``model.path``, or the built-in tiny one) and its tokenizer, on ``device``,
+    with fp32 parameters (the optimiser's master weights)."""
     m = cfg.model
-    dtype = compute_dtype(cfg, device)
+    master = torch.float32  # the parameters; the forward computes in model.dtype (autocast)
     if m.path is not None:
         model, tok = load_model(
-            m.path, dtype=dtype, attn_implementation=m.attn_implementation, gguf_file=m.gguf_file
+            m.path, dtype=master, attn_implementation=m.attn_implementation, gguf_file=m.gguf_file
         )
-        return model.to(device), tok
+        return model.to(device=device, dtype=master), tok
     tok = build_tokenizer(compass=cfg.env.words == "compass")
     model = build_tiny_model(
         arch=m.arch,
@@ -337,7 +345,7 @@ def _build_model(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any]:
         seed=cfg.train.seed,
         attn_implementation=m.attn_implementation,
     )
-    return model.to(dtype).to(device), tok
+    return model.to(master).to(device), tok
 
 
 def _environment(cfg: TrainConfig) -> Env[Any, Any]:
@@ -349,6 +357,20 @@ def _environment(cfg: TrainConfig) -> Env[Any, Any]:
             "(no echo_spans); use a mirrorgrid env, or echo.span = 'observation'"
         )
     return env
+
+
+def _warn_unsuitable(cfg: TrainConfig, model: Any, env: Env[Any, Any], ranks: Ranks) -> None:
+    """Warn (rank 0) about settings that are legal but do not suit this model or env."""
+    problems = [pretrained_rates_problem(cfg, sum(p.numel() for p in model.parameters()))]
+    asked, tasks = cfg.train.eval_episodes, len(env.eval_tasks())
+    if asked is not None and asked > tasks and cfg.data.source != "jsonl":
+        problems.append(
+            f"train.eval_episodes = {asked} but env {env.name} has {tasks} held-out evaluation "
+            f"tasks: each evaluation plays all {tasks}; set at most {tasks}, or leave it unset"
+        )
+    for problem in problems:
+        if problem is not None and ranks.rank == 0:
+            warnings.warn(problem, ConfigWarning, stacklevel=3)
 
 
 def _optimizer(cfg: TrainConfig, model: Any) -> torch.optim.Optimizer:
@@ -414,15 +436,16 @@ def _copy_task(
     def report(k: int, ce: float) -> None:
         log(f"copy task {k:>5}/{steps}  ce {ce:.4f}")
 
-    copy_task_warmup(
-        model,
-        vocab_size=len(tok),
-        steps=steps,
-        lr=cfg.warmup.copy_lr,
-        seed=cfg.train.seed,
-        device=ranks.device,
-        report=report if ranks.rank == 0 else None,
-    )
+    with autocast(cfg, ranks.device):
+        copy_task_warmup(
+            model,
+            vocab_size=len(tok),
+            steps=steps,
+            lr=cfg.warmup.copy_lr,
+            seed=cfg.train.seed,
+            device=ranks.device,
+            report=report if ranks.rank == 0 else None,
+        )
 
 
 def _open_outputs(
@@ -469,7 +492,8 @@ def _open_outputs(
 
 def collect_rollouts(run: Run, index: int, phase: Phase) -> list[Rollout]:
     """1. This rank's share of the step's rollouts; RL rollouts also go to the rollout file."""
-    rollouts = run.source.get(index, run.model)
+    with autocast(run.cfg, run.ranks.device):
+        rollouts = run.source.get(index, run.model)
     f = run.outputs.rollouts
     if f is not None and not phase.warm:  # echoloss rollout JSONL, readable as data
         write_rollouts(f, [rollout_record(r) for r in rollouts])
@@ -583,7 +607,8 @@ def forward_backward(run: Run, mb: MicroBatches, phase: Phase, index: int) -> Tr
     for i, (b, t, x) in enumerate(zip(mb.batches, mb.targets, mb.inputs, strict=True)):
         if run.ranks.world > 1:
             model.set_requires_gradient_sync(i == len(mb.batches) - 1)
-        logits = packed_logits(model, b, attn_implementation=cfg.model.attn_implementation)
+        with autocast(cfg, run.ranks.device):  # the forward only; the loss reads its logits
+            logits = packed_logits(model, b, attn_implementation=cfg.model.attn_implementation)
         losses = step_losses(phase, cfg, logits, x, mb.norms)
         for k, (name, loss) in enumerate(losses):
             res = loss()
@@ -666,7 +691,8 @@ def _record_evaluation(run: Run, step_no: int, rl_step: int, full: bool) -> dict
     # resumed run stays bit-identical), and every arm samples the same way at a given step.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(run.cfg.train.seed * 1_000_003 + step_no)
-        ev = evaluate(run.cfg, run.model, run.tok, run.env, run.heldout, device, full)
+        with autocast(run.cfg, device):
+            ev = evaluate(run.cfg, run.model, run.tok, run.env, run.heldout, device, full)
     f = run.outputs.evals
     if ev and f is not None:
         row = {"step": step_no, "rl_step": rl_step, **ev, "eval_time": time.perf_counter() - t}

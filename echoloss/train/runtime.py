@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from echoloss.train.config import TrainConfig
 
 __all__ = [
     "Ranks",
+    "autocast",
     "compute_dtype",
     "gather",
     "release_process_group",
@@ -76,10 +78,32 @@ def release_process_group() -> None:
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    """The model's dtype: ``model.dtype``, where ``auto`` is bf16 on a GPU and fp32 on CPU."""
+    """The dtype the model computes in: ``model.dtype``, where ``auto`` is bf16 on a GPU and
+    fp32 on CPU. The parameters are fp32 whatever it is (fp32 master weights: `autocast`)."""
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+
+
+def autocast(cfg: TrainConfig, device: torch.device) -> AbstractContextManager[Any]:
+    """Where the model runs (generation, the training forward, evaluation): the parameters stay
+    fp32 and the forward computes in `compute_dtype` under ``torch.autocast``, so that AdamW
+    updates fp32 weights. On bf16 parameters an update below half a bf16 ulp of a weight
+    (``|w|·2⁻⁹``) rounds away: one step at lr 1e-6 changed 0.392 % of SmolLM2-135M-Instruct's
+    parameters, against 99.949 % with fp32 master weights (``scripts/bf16_update_probe.py``).
+    No-op in fp32.
+
+    Example:
+        >>> from echoloss.train.config import parse_config
+        >>> cfg = parse_config({"model": {"dtype": "bfloat16"}})
+        >>> with autocast(cfg, torch.device("cpu")):
+        ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.bfloat16
+    """
+    dtype = compute_dtype(cfg, device)
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def shard(model: Any) -> None:
