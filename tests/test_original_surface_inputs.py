@@ -72,3 +72,13 @@ def test_custom_policy_returning_a_bare_tensor_is_named():
     ):
         echo_loss_from_logprobs(lp, x, config=LossConfig(policy="custom"),
                                 policy_fn=lambda i, c: -i.logprobs)  # fmt: skip
+
+
+def test_converter_batch_is_named():
+    from echoloss.adapters.convert import rllm_echo_weights
+
+    s = Sample(prompt_ids=[1, 2], completion_ids=[3, 4], completion_mask=[False, False],
+               completion_logprobs=[0.0, 0.0], echo_weights=[None, None, 0.5, 0.5])  # fmt: skip
+    with pytest.raises(TypeError, match=r"samples: expected a list of echoloss\.Sample"):
+        rllm_echo_weights(s)
+    assert rllm_echo_weights([s]) == [[0.0, 0.0, 0.25, 0.25]]

@@ -120,6 +120,11 @@ def rllm_echo_weights(samples: Sequence[Sample]) -> list[list[float]]:
         >>> rllm_echo_weights([a, b])  # 0.5 / (2 sequences · |O| = 2 tokens)
         [[0.0, 0.0, 0.125, 0.125], [0.0, 0.0]]
     """
+    if isinstance(samples, (Sample, str, bytes)) or not isinstance(samples, Sequence):
+        raise TypeError(
+            f"samples: expected a list of echoloss.Sample (the whole batch: the weights divide by "
+            f"its size), got {type(samples).__name__}"
+        )
     samples = [_check_sample(s, f"samples[{i}]") for i, s in enumerate(samples)]
     n = len(samples)
     out = []
