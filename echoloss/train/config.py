@@ -566,10 +566,11 @@ class TrainConfig(_Section):
                     "schedule=", "echo.schedule="
                 )
             )
-        if self.warmup.steps == 0 and self.train.max_steps == 0 and not self.train.eval_at_start:
+        evaluate_only = self.model.path is not None and self.train.eval_at_start
+        if self.warmup.steps == 0 and self.train.max_steps == 0 and not evaluate_only:
             raise ValueError(
-                "warmup.steps and train.max_steps are both 0: nothing to train (set "
-                "train.eval_at_start = true to only evaluate model.path)"
+                "warmup.steps and train.max_steps are both 0: nothing to train (to only "
+                "evaluate a model, give model.path and train.eval_at_start = true)"
             )
         return self
 

@@ -258,6 +258,14 @@ def test_max_steps_zero_is_a_warm_up_only_run_and_says_so(tmp_path):
     nothing = {"train.max_steps": 0, "warmup.steps": 0, "train.eval_at_start": False}
     with pytest.raises(ConfigError, match="nothing to train"):
         fast_config(tmp_path / "x", **nothing)
+    with pytest.raises(ConfigError, match="nothing to train"):  # nothing to evaluate either
+        fast_config(tmp_path / "w", **{"train.max_steps": 0, "warmup.steps": 0})
+    # an evaluation-only run: a given model, evaluated at its start, nothing trained
+    only = fast_config(tmp_path / "y", **{"train.max_steps": 0, "warmup.steps": 0,
+                                          "model.path": str(out / "final-model")})  # fmt: skip
+    assert only.train.eval_at_start
+    with pytest.raises(ConfigError, match="nothing to train"):
+        fast_config(tmp_path / "z", **{**nothing, "model.path": str(out / "final-model")})
 
 
 def test_env_options_reach_the_environment_and_the_warm_up_uses_warmup_tasks(tmp_path, monkeypatch):
