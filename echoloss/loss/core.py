@@ -69,6 +69,7 @@ __all__ = [
     "NonFiniteLossError",
     "check_final_loss",
     "check_scored_rows",
+    "compile_loss_algebra",
     "echo_loss",
     "echo_loss_from_logprobs",
     "loss_from_logprobs",
@@ -712,6 +713,61 @@ def loss_from_logprobs(
     checks = DeferredChecks(lp.device) if checks is None else checks
     if spec is None:
         spec = check_requirements(x, cfg, policy_fn, checks)
+    algebra = _algebra
+    if _COMPILE.options is not None and on_device_path(lp.device):
+        algebra = _compiled_algebra()
+    loss, metrics = algebra(lp, ent, x, cfg, normalizers, policy_fn, source, spec, checks)
+    checks.submit()
+    return LossOutput(loss, metrics)
+
+
+class _CompileState:
+    options: dict[str, Any] | None = None  # torch.compile options; None = eager
+    fn: Any = None
+
+
+_COMPILE = _CompileState()
+
+
+def compile_loss_algebra(enabled: bool = True, **options: Any) -> None:
+    """Run the ``[N]`` loss algebra (everything between the two phases) as a compiled region.
+
+    On the device path (CUDA) the algebra after the logprobs (policy, normalisers, echo term,
+    metrics and the device-side checks) is many small kernels; with this switch it runs through
+    ``torch.compile(**options)`` (default ``dynamic=False``: static shapes, one compile per
+    micro-batch shape and configuration), which fuses them. Off by default: the first call of
+    each shape pays the compile. The region traces without graph breaks for the built-in
+    policies (``tests/loss/test_host_syncs.py``); its launch count on a GPU is not measured yet.
+
+    Args:
+        enabled: turn the compiled region on (True) or off (False).
+        **options: keyword arguments of ``torch.compile`` (e.g. ``mode="max-autotune"``).
+
+    Examples:
+        >>> compile_loss_algebra(False)  # the default: eager
+    """
+    _COMPILE.options = ({"dynamic": False} | options) if enabled else None
+    _COMPILE.fn = None
+
+
+def _compiled_algebra() -> Any:
+    if _COMPILE.fn is None:
+        _COMPILE.fn = torch.compile(_algebra, **(_COMPILE.options or {}))
+    return _COMPILE.fn
+
+
+def _algebra(
+    lp: torch.Tensor,
+    ent: torch.Tensor | None,
+    x: LossInputs,
+    cfg: LossConfig,
+    normalizers: Normalizers | None,
+    policy_fn: PolicyFn | None,
+    source: str,
+    spec: PolicySpec,
+    checks: DeferredChecks,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The body of `loss_from_logprobs`: ``(loss, metrics)`` from the ``[N]`` logprobs."""
     if cfg.check_finite:
         check_scored_rows(lp, x.rl, x.echo, source, checks)
     seqs = local_sequences(x)
@@ -742,8 +798,7 @@ def loss_from_logprobs(
     metrics = _metrics(
         x, rl, ent, cfg, -lp_echo.detach(), {"loss_rl": rl_term, "loss_echo": echo_term}
     )
-    checks.submit()
-    return LossOutput(loss, metrics)
+    return loss, metrics
 
 
 def echo_loss_from_logprobs(

@@ -84,9 +84,15 @@ class RecordRows(Mapping[str, torch.Tensor]):
     def __init__(self, record: LossInputs, index: torch.Tensor) -> None:
         self._record = record
         self._index = index  # [n] int64 rows of the record
-        names = ("rl_mask", *(f.name for f in record.per_token_fields()))
-        self._names = tuple(n for n in names if getattr(record, n) is not None)
-        self._cache: dict[str, torch.Tensor] = {}
+        self._given: tuple[str, ...] | None = None  # listed on first use: a policy that never
+        self._cache: dict[str, torch.Tensor] = {}  # reads its rows pays nothing (and compiles)
+
+    @property
+    def _names(self) -> tuple[str, ...]:
+        if self._given is None:
+            names = ("rl_mask", *(f.name for f in self._record.per_token_fields()))
+            self._given = tuple(n for n in names if getattr(self._record, n) is not None)
+        return self._given
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:
