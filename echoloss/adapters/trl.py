@@ -547,7 +547,7 @@ def _build_classes() -> None:
                 num_processes=nproc,
                 accumulation_steps=ga,
                 steps_per_generation=spg,
-                local_items=int(rl.sum()),
+                local_items=int(rl.sum()) if mapping.loss_type in ("dapo", "cispo") else None,
             )
             if mapping.loss_type == "bnpo":  # TRL: this micro-batch's loss tokens
                 norms = Normalizers(rl_tokens=max(int(rl.sum()), 1) * ga)

@@ -300,8 +300,10 @@ class EchoGRPOLoss(nn.Module):
                 )
             world = _world_size()
             items = num_items_in_batch
-            n_rl = int(rl.sum())
-            if items is None and self.mapping.loss_type in ("dapo", "cispo"):
+            divides = self.mapping.loss_type in ("dapo", "cispo")  # the types that read it
+            # This call's RL tokens (a host read) only where a given count must cover them.
+            n_rl = int(rl.sum()) if items is not None and divides else None
+            if items is None and divides:
                 items = _all_reduced(rl.sum().float())  # Liger: the batch's RL tokens, all ranks
             elif items is not None:
                 items = check_items("num_items_in_batch", items, n_rl, "RL tokens")

@@ -120,3 +120,67 @@ def test_fuzz_one_trl_step(tmp_path_factory, alpha, loss_type):
     logged = trainer.state.log_history[0]
     assert all(math.isfinite(v) for k, v in logged.items() if isinstance(v, float)), logged
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+class _Accelerator:
+    """One process: reduce and gather are the identity (as TRL's accelerator with 1 process)."""
+
+    def reduce(self, t, reduction="sum"):
+        return t
+
+    def gather(self, t):
+        return t
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "cispo"])
+def test_trl_metric_values_follow_trls_formulas(level, loss_type):
+    """TRL's metric names with TRL's definitions (grpo_trainer.py, _compute_loss), computed here
+    from the same tensors by hand: clip fractions over the mask, per-sequence min/max, the
+    sequence-level ratio as one value per sequence, cispo's own clip fraction."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from echoloss.adapters.trl import EchoGRPOTrainer
+
+    g = torch.Generator().manual_seed(1)
+    lp = -torch.rand(3, 4, generator=g) * 2
+    old = lp + 0.5 * torch.randn(3, 4, generator=g)
+    adv = torch.tensor([1.0, -1.0, 2.0])[:, None].expand(3, 4)
+    ref = lp + 0.1 * torch.randn(3, 4, generator=g)
+    ent = torch.rand(3, 4, generator=g)
+    rl = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    fake = SimpleNamespace(
+        importance_sampling_level=level, loss_type=loss_type, epsilon_low=0.2,
+        epsilon_high=0.28 if loss_type == "grpo" else 1.5, args=SimpleNamespace(delta=None),
+        accelerator=_Accelerator(), _metrics={"train": defaultdict(list)},
+    )  # fmt: skip
+    EchoGRPOTrainer._log_trl_metrics(fake, "train", lp, old, adv, ref, ent, rl)
+    got = {k: v[0] for k, v in fake._metrics["train"].items()}
+
+    mask = rl.float()
+    log_ratio = (lp - old) * mask
+    if level == "sequence":
+        coef = torch.exp(log_ratio.sum(-1) / mask.sum(-1)).unsqueeze(-1)  # [B, 1]
+        mean = lambda x: float(x.sum() / x.shape[0])  # noqa: E731
+        per_seq = lambda x: x.squeeze(1)  # noqa: E731
+    else:
+        coef = torch.exp(log_ratio)
+        mean = lambda x: float((x * mask).sum() / mask.sum())  # noqa: E731
+        per_seq = lambda x: (x * mask).sum(-1) / mask.sum(-1)  # noqa: E731
+    a = adv[:, :1]
+    d = ref - lp
+    assert got["kl"] == pytest.approx(float(((torch.exp(d) - d - 1) * mask).sum() / mask.sum()))
+    assert got["entropy"] == pytest.approx(float((ent * mask).sum() / mask.sum()))
+    if loss_type == "grpo":
+        low = ((coef < 0.8) & (a < 0)).float()
+        high = ((coef > 1.28) & (a > 0)).float()
+        assert got["clip_ratio/low_mean"] == pytest.approx(mean(low))
+        assert got["clip_ratio/high_mean"] == pytest.approx(mean(high))
+        assert got["clip_ratio/region_mean"] == pytest.approx(mean(((low + high) > 0).float()))
+        assert got["clip_ratio/low_min"] == pytest.approx(float(per_seq(low).min()))
+        assert got["clip_ratio/high_max"] == pytest.approx(float(per_seq(high).max()))
+        assert got["clip_ratio/region_mean"] > 0 or level == "sequence"
+    else:
+        assert got["cispo_clip_ratio"] == pytest.approx(mean(((coef > 1.5) & (a > 0)).float()))
+        assert "clip_ratio/low_mean" not in got
