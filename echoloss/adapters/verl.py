@@ -138,8 +138,9 @@ def _checked_info(info: Mapping[str, Any], echo_weights: torch.Tensor) -> dict[s
         value = info.get(key)
         if value is None:
             continue
-        n = check_count(key, value, minimum=1, integer=True, fix="None = this micro-batch's count")
-        if n < own:
+        # 0 only for a batch without echo tokens (then this micro-batch has none either).
+        n = check_count(key, value, minimum=0, integer=True, fix="None = this micro-batch's count")
+        if n < max(own, 1) and not (n == 0 and own == 0):
             raise ValueError(
                 problem(
                     key,
@@ -206,10 +207,10 @@ def echo_agg_loss(
                 "negative log-likelihood passed as log p",
             )
         )
-    local = info.get("batch_num_tokens") is None and info.get("global_batch_size") is None
-    if local and not bool(mask.any()):
-        # verl's agg_loss would divide 0 by a zero local count; no echo token = no echo term.
-        return (log_prob * 0.0).sum()
+    if not bool(mask.any()):
+        # No echo token: the term is 0 in every mode (verl's agg_loss would divide 0 by a zero
+        # count). Connected through an empty slice: log_prob's unused rows are never read.
+        return log_prob.reshape(-1).narrow(0, 0, 0).sum()
     # Zero outside the mask before the product: -log_prob may be inf on unused rows.
     loss_mat = torch.where(mask, -log_prob * w, torch.zeros_like(log_prob))
     loss: torch.Tensor = _core_algos().agg_loss(

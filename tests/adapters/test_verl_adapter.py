@@ -272,3 +272,17 @@ def test_a_name_verl_owns_is_not_replaced_unless_asked():
         assert core.POLICY_LOSS_REGISTRY["vanilla"] is fn
     finally:
         core.POLICY_LOSS_REGISTRY["vanilla"] = vanilla
+
+
+def test_a_batch_without_echo_tokens_gives_zero_even_with_zero_counts_and_nan_rows():
+    log_prob, *_ = _batch()
+    log_prob = log_prob.detach().clone()
+    log_prob[2, 3] = float("nan")  # a row no loss reads
+    log_prob.requires_grad_()
+    info = adapter.echo_batch_info(torch.zeros(BS, L), dp_size=2, batch_num_tokens=0,
+                                   global_batch_size=0)  # fmt: skip
+    out = adapter.echo_agg_loss(log_prob, torch.zeros(BS, L), loss_agg_mode="token-mean",
+                                batch_info=info)  # fmt: skip
+    assert float(out.detach()) == 0.0 and out.requires_grad
+    (grad,) = torch.autograd.grad(out, log_prob)
+    assert bool((grad == 0).all())
