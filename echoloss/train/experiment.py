@@ -835,6 +835,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"echoloss-train experiment: --alphas must be finite and > 0 (got {args.alphas}); "
               "λ = 0 is the grpo arm, always run", file=sys.stderr)  # fmt: skip
         return 2
+    from echoloss.train.config import MAX_SEED
+
+    if not all(0 <= s <= MAX_SEED for s in args.seeds):
+        print(f"echoloss-train experiment: --seeds must be in [0, {MAX_SEED}] (got "
+              f"{args.seeds})", file=sys.stderr)  # fmt: skip
+        return 2
     for name, values in (("--seeds", args.seeds), ("--alphas", [f"{a:g}" for a in args.alphas])):
         twice = sorted({v for v in values if values.count(v) > 1})
         if twice:

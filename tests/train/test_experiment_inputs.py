@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_experiment import _row
 
 from echoloss.train.experiment import main
@@ -39,3 +41,21 @@ def test_a_run_with_non_finite_numbers_is_named_not_summarised(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "echo-0.01 seed 0: eval_success_end, eval_success_sampled_end" in err
     assert not (tmp_path / "summary.json").exists()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seeds=st.lists(st.integers(-3, 2**40), min_size=1, max_size=4),
+    alphas=st.lists(st.sampled_from(["0.05", "0.01", "nan", "inf", "-1", "0", "1e-300", "3e38"]),
+                    min_size=1, max_size=3),
+)  # fmt: skip
+def test_fuzz_arguments(tmp_path_factory, capsys, seeds, alphas):
+    """A message naming --seeds or --alphas, or (valid arguments) the empty directory's."""
+    out = tmp_path_factory.mktemp("exp")
+    argv = ["--summarize-only", "--output-dir", str(out), "--seeds", *map(str, seeds),
+            "--alphas", *alphas]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--seeds" in err or "--alphas" in err or "no finished runs" in err, err
