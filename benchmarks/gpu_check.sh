@@ -13,3 +13,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 timeout 120 "$PY" -m pytest -q -m gpu tests/ops 2>&1 | tail -5 | tee -a "$OUT/gpu_check_env.txt"
 timeout 120 "$PY" -m benchmarks --device cuda --quick --output "$OUT" --no-plot
 timeout 240 "$PY" -m benchmarks --device cuda --check --output "$OUT" --no-plot
+# Launches and host syncs of one echo_loss forward+backward, eager vs the compiled [N] algebra
+# (compile_loss_algebra); the two Triton phases are among the launches.
+timeout 120 "$PY" -m benchmarks.launch_count --n 16384 --v 151936 | tee "$OUT/gpu_check_launches.md"

@@ -302,3 +302,14 @@ def test_check_mode_prints_one_table_with_sync_and_launch_counts(tmp_path, capsy
         (r["provider"], r["host_syncs"]) for r in ours
     ]
     assert len(table.strip().splitlines()) == 2 + len(rows)
+
+
+def test_launch_count_runs_on_cpu(capsys):
+    """``python -m benchmarks.launch_count`` (eager only: the compiled column takes a minute of
+    inductor compile on CPU) prints its table with no host sync on the CUDA code path."""
+    from benchmarks import launch_count
+
+    assert launch_count.main(["--n", "32", "--v", "64", "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("| eager |"))
+    assert line.split("|")[2].strip() == "0"

@@ -1,0 +1,109 @@
+"""Kernel launches and host syncs of one ``echo_loss`` forward+backward, eager vs compiled algebra.
+
+``python -m benchmarks.launch_count [--n N] [--v V] [--no-compile]``. On CUDA the launches are
+the CUDA kernels the profiler records (the two Triton phases included, so the target "≤ 10
+besides the phases" reads as ≤ 12); host syncs come from the dispatch-mode counter
+(``benchmarks/counting.py``). On CPU (no profiler kernels) both columns come from the counter on
+the CUDA code path, the phases' ops not counted. Prints one Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.counting import count_ops, paused
+
+
+def _record(n: int, v: int, device: torch.device) -> Any:
+    from echoloss.loss import LossInputs
+
+    g = torch.Generator().manual_seed(0)
+    rl = torch.rand(n, generator=g) < 0.6
+    echo = ~rl & (torch.rand(n, generator=g) < 0.5)
+    return LossInputs(
+        labels=torch.randint(0, v, (n,), generator=g).to(device),
+        rl_mask=rl.to(device),
+        echo_weights=torch.where(echo, 0.1, 0.0).to(device),
+        advantages=(torch.randn(n, generator=g) * rl).to(device),
+        inference_logprobs=(-torch.rand(n, generator=g)).to(device),
+        sequence_ids=(torch.arange(n) // max(1, n // 8)).to(device),
+    )
+
+
+def _cuda_kernels(fn: Callable[[], None]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def measure(n: int, v: int, device: torch.device, compiled: bool) -> dict[str, Any]:
+    """Syncs and launches of one forward+backward after a warm-up call."""
+    from echoloss._deferred import device_code_path, raise_deferred_errors
+    from echoloss.loss import echo_loss
+    from echoloss.loss.core import compile_loss_algebra
+
+    x = _record(n, v, device)
+    logits = torch.randn(n, v, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+    def step() -> None:
+        echo_loss(logits, x).loss.backward()
+
+    compile_loss_algebra(compiled)
+    try:
+        with device_code_path():
+            step()  # warm-up (and the compile)
+            raise_deferred_errors()
+            with count_ops() as c:
+                step()
+            launches = _cuda_kernels(step) if device.type == "cuda" else c.num_launches
+            raise_deferred_errors()
+    finally:
+        compile_loss_algebra(False)
+    return {"compiled": compiled, "host_syncs": c.num_syncs, "launches": launches}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.launch_count")
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--v", type=int, default=32000)
+    p.add_argument("--no-compile", action="store_true")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        # The phases are not counted on CPU (they are two Triton launches on CUDA).
+        import importlib
+
+        from echoloss.ops.selective_logprobs import reference
+
+        def fwd(*a: Any, **k: Any) -> Any:
+            with paused():
+                return reference.forward(*a, **k)
+
+        def bwd(*a: Any, **k: Any) -> Any:
+            with paused():
+                return reference.backward(*a, **k)
+
+        op = importlib.import_module("echoloss.ops.selective_logprobs.op")
+        op.resolve_backend = lambda b, d: types.SimpleNamespace(forward=fwd, backward=bwd)
+    rows = [measure(args.n, args.v, device, False)]
+    if not args.no_compile:
+        rows.append(measure(args.n, args.v, device, True))
+    print(f"echo_loss forward+backward, N = {args.n}, V = {args.v}, bf16, {device.type}")
+    print("| algebra | host syncs | launches |")
+    print("|---|---|---|")
+    for r in rows:
+        name = "compiled" if r["compiled"] else "eager"
+        print(f"| {name} | {r['host_syncs']} | {r['launches']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
