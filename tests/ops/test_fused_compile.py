@@ -205,6 +205,7 @@ def test_contiguous_rows_vectorise_without_spills(arch, tmp_path):
         "WIDE_COLS": False,
     }
     consts.update(stride_v=1, BLOCK_V=DEFAULT_LAUNCH["fwd_block"])
+    consts_fwd = dict(consts)
     kf = _compile(
         fwd,
         _fwd_types("bf16"),
@@ -223,9 +224,19 @@ def test_contiguous_rows_vectorise_without_spills(arch, tmp_path):
     kb = _compile(
         bwd, _bwd_types("bf16"), consts, div16=_DIV, arch=arch, warps=DEFAULT_LAUNCH["bwd_warps"]
     )
+    # The one-warp-per-row entry of the launch table (fused.forward_launch at large V).
+    kw = _compile(
+        fwd,
+        _fwd_types("bf16"),
+        {**consts_fwd, "BLOCK_V": DEFAULT_LAUNCH["one_warp_block"]},
+        div16=_DIV[:3],
+        arch=arch,
+        warps=1,
+    )
+    assert re.search(r"ld\.global\S*\.v4\.b32", kw.asm["ptx"]), "one-warp loads are not 128-bit"
     assert re.search(r"ld\.global\S*\.v4\.b32", kf.asm["ptx"]), "forward loads are not 128-bit"
     assert re.search(r"ld\.global\S*\.v4\.b32", kb.asm["ptx"]), "backward loads are not 128-bit"
     assert re.search(r"st\.global\S*\.v4\.b32", kb.asm["ptx"]), "backward stores are not 128-bit"
-    for k in (kf, kb):
+    for k in (kf, kb, kw):
         usage = _resources(k.asm["cubin"], tmp_path)
         assert "LOCAL:0" in usage, usage
