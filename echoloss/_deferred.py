@@ -10,7 +10,9 @@ travel to pinned host memory with one asynchronous copy, and the error is raised
 1. the next loss call whose device has finished the checked work (a non-blocking poll at the
    start of every entry point: usually the next micro-batch), or
 2. [`raise_deferred_errors`][echoloss._deferred.raise_deferred_errors] (blocking), which a
-   training loop calls where it reads the loss anyway (``echoloss-train`` does, once per step).
+   training loop calls where it reads the loss anyway (``echoloss-train`` does, once per step);
+3. at the latest when the interpreter exits: an error still pending then is reported as a
+   ``RuntimeWarning`` (raising is no longer possible), so none is lost silently.
 
 The message is the one the host path raises at once. Checks of shapes, dtypes, devices and
 configuration never read device values and stay immediate on every path. On the host code path
@@ -19,7 +21,9 @@ configuration never read device values and stay immediate on every path. On the 
 
 from __future__ import annotations
 
+import atexit
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -231,3 +235,19 @@ def host_to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
     if len(values):
         host.numpy()[:] = values
     return host.to(device, non_blocking=True)
+
+
+def _report_at_exit() -> None:
+    """Warn about a deferred error nobody read before the interpreter exits."""
+    try:
+        raise_deferred_errors()
+    except Exception as err:  # the process is ending: say it, do not raise
+        warnings.warn(
+            f"a deferred loss check failed and was never raised (no loss call or "
+            f"echoloss.raise_deferred_errors() after it): {err}",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+atexit.register(_report_at_exit)

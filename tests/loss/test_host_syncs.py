@@ -293,3 +293,18 @@ def test_loss_algebra_compiles_without_graph_breaks(name):
         torch.testing.assert_close(dev.metrics[k], host.metrics[k], rtol=1e-6, atol=1e-6)
     for a, b in zip(dev_leaves, host_leaves, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_an_unread_deferred_error_is_reported_at_exit():
+    from echoloss._deferred import _report_at_exit
+
+    x = _record(LossConfig())
+    row = int(x.rl.nonzero()[0, 0])
+    logits = torch.randn(N, V)
+    logits[row] = float("nan")
+    with device_code_path():
+        echo_loss(logits, x)
+    assert pending_count() >= 1
+    with pytest.warns(RuntimeWarning, match=f"never raised.*logits row {row} "):
+        _report_at_exit()
+    assert pending_count() == 0
