@@ -155,6 +155,30 @@ def _checked_info(info: Mapping[str, Any], echo_weights: torch.Tensor) -> dict[s
     return out
 
 
+def _check_scale(w: torch.Tensor, info: Mapping[str, Any], dtype: torch.dtype) -> None:
+    """Each echo token's gradient is ``-w · dp_size`` divided by counts ≥ 1 (and by
+    ``loss_scale_factor``): that product must stay finite in ``dtype``, or the backward pass
+    turns the parameters into inf while the loss itself may still be finite."""
+    if w.numel() == 0:
+        return
+    dp = float(info["dp_size"])
+    factor = info.get("loss_scale_factor")
+    shrink = min(1.0, float(factor)) if factor is not None else 1.0
+    largest = float(w.max())
+    limit = torch.finfo(dtype).max * shrink / dp
+    if largest > limit:
+        raise ValueError(
+            problem(
+                "echo_weights",
+                f"at most {limit:.3g} (times dp_size={info['dp_size']}"
+                + (f" / loss_scale_factor={factor:g}" if factor is not None else "")
+                + f", each echo token's gradient must stay finite in {dtype})",
+                f"a largest weight of {largest:.3g}",
+                "echo weights are λ of order 1e-3 to 1",
+            )
+        )
+
+
 _INFO_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
 
 
@@ -194,6 +218,7 @@ def echo_agg_loss(
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
         raise ValueError("echo_weights: expected finite weights ≥ 0 (0 = not echoed)")
     info = _checked_info(batch_info, w) if batch_info is not None else echo_batch_info(w)
+    _check_scale(w, info, log_prob.dtype)
     mask = w > 0
     bad = mask & ~(torch.isfinite(log_prob) & (log_prob <= LOGPROB_TOLERANCE))
     if bool(bad.any()):

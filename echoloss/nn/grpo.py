@@ -343,6 +343,10 @@ def _check_options(args: Any, *, epsilon_low: float, epsilon_high: float) -> Non
         )
     if finite_float("epsilon_high", epsilon_high) < 0:
         raise ValueError(problem("epsilon_high", "≥ 0", repr(epsilon_high)))
+    if getattr(args, "loss_type", None) == "cispo" and epsilon_high <= 0:
+        raise ValueError(
+            problem("epsilon_high", "> 0 (cispo's importance-weight cap)", repr(epsilon_high))
+        )
     if finite_float("beta", getattr(args, "beta", 0.0)) < 0:
         raise ValueError(problem("beta", "≥ 0 (the KL coefficient)", repr(args.beta)))
     if getattr(args, "loss_type", None) == "sapo":
