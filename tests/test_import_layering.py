@@ -195,22 +195,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def _circles(inside_trainer: bool) -> list[list[str]]:
-    return [
-        c for c in _cycles(_module_graph()) if c[0].startswith("echoloss.train.") == inside_trainer
-    ]
-
-
 def test_no_import_circle_in_the_package():
-    cycles = _circles(inside_trainer=False)
+    cycles = _cycles(_module_graph())
     assert not cycles, "modules that import each other (directly or through others):\n" + "\n".join(
         " <-> ".join(c) for c in cycles
     )
-
-
-def test_no_import_circle_in_the_trainer():
-    cycles = _circles(inside_trainer=True)
-    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
 
 
 def test_the_cycle_finder_sees_lazy_and_relative_circles(tmp_path):
