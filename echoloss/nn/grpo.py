@@ -19,7 +19,10 @@ import torch
 
 from echoloss import LossConfig, Normalizers, PolicyInputs, PolicyOutput
 from echoloss._validate import check_count, describe, finite_float, problem
-from echoloss.data._checks import FLOAT32_MAX, FLOAT32_TINY
+
+# The normal float32 range (the loss divides by the temperature in float32).
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 __all__ = [
     "ECHO_NORMALIZATIONS",
