@@ -739,6 +739,22 @@ def non_finite_keys(value: Any, path: str = "") -> list[str]:
     return []
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by None (JSON has no NaN).
+
+    Examples:
+        >>> _finite({"a": [1.0, float("nan")], "b": {"c": float("inf")}})
+        {'a': [1.0, None], 'b': {'c': None}}
+    """
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _write_summary(out: Path) -> int:
     rows = runs_table(_read_jsonl(out / "results.jsonl"))
     if not rows:
@@ -769,7 +785,7 @@ def _write_summary(out: Path) -> int:
         print(f"summary and plot over the complete seeds {complete}; seeds {partial} have only "
               "some arms (their rows stay in results.json)")  # fmt: skip
     paired = [r for r in rows if r["seed"] in complete]
-    summary = summarize(paired)
+    summary = _finite(summarize(paired))  # an interval of one seed is undefined: null
     summary["complete_seeds"] = complete
     (out / "results.json").write_text(
         json.dumps(

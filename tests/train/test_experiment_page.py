@@ -361,3 +361,38 @@ def test_the_pretrained_step_timing_is_the_committed_measurement():
         f"about {(80 * warm['step_time'] + 60 * rl['step_time']) / 3600:.0f} hours here",
     ):
         assert fragment in text, fragment
+
+
+def test_the_persistence_prose_is_its_rows():
+    """The numbers the persistence result's bullets print, from its committed rows."""
+    folder = ROWS / PERSISTENCE
+    if not (folder / "results.json").is_file():
+        pytest.skip("the persistence rows are not committed yet")
+    text = " ".join(PAGE.read_text().split())
+    rows = json.loads((folder / "results.json").read_text())
+    committed = json.loads((folder / "summary.json").read_text())
+    s = summarize([dict(r) for r in rows if r["seed"] in committed["complete_seeds"]])["arms"]
+
+    def m(arm: str, key: str) -> str:
+        return f"{s[arm][key]['mean']:.3f}"
+
+    def d(arm: str) -> str:
+        return f"{100 * s[arm]['eval_success_sampled_end']['diff_vs_grpo']['mean']:+.1f}"
+
+    walls = sorted(r["wall_s"] for r in rows)
+    n = len(committed["complete_seeds"])
+    for fragment in (
+        f"{n} of 12 seeds, incomplete against the protocol",
+        f"an arm took {walls[0]:,.0f}–{walls[-1]:,.0f} s of wall time",
+        f"rises {m('per-world grpo', 'move_ce_start')} → {m('per-world grpo', 'move_ce_end')}",
+        f"({m('per-world echo 0.01', 'move_ce_end')} at λ = 0.01, {m('per-world echo 0.05', 'move_ce_end')} at 0.05)",
+        f"The placebo's rises to {m('per-world placebo 0.05', 'move_ce_end')}",
+        f"{d('per-world echo 0.01')} points at λ = 0.01, {d('per-world echo 0.05')} at 0.05 and "
+        f"{d('per-world placebo 0.05')} for the placebo; per episode, echo at 0.05 {d('per-episode echo 0.05')}",
+    ):
+        assert fragment in text, fragment
+    assert all(s[a]["reached_80"] == 0 for a in s)  # "every run is censored"
+    assert all(
+        r["move_ce_end"] > r["move_ce_start"] for r in rows if r["seed"] == 0
+    )  # none lowers it
+    assert n == 1 and 'every verdict below is "undecided"' in text
