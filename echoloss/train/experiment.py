@@ -190,52 +190,80 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
-    """The result row of one finished arm: held-out numbers at RL start (its warm-start job's
-    last evaluation, or with a shared ``--warm-start`` its own first one) and at the end, and the
-    RL curve's landmarks."""
+def _mean(key: str, rows: list[dict[str, Any]]) -> float | None:
+    """The mean of ``key`` over the rows that have it (None: no row has it)."""
+    vals = [r[key] for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _rl_start(out: Path, job: _Job) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``(start, evals)`` of one arm: its held-out evaluation at RL start (its warm-start job's
+    last one, or with a shared ``--warm-start`` its own first one; ``{}`` when there is none) and
+    its own evaluations after it."""
     evals = _read_jsonl(out / job.name / "eval.jsonl")
     if job.needs is not None:  # the RL start: the end of its warm-start job, or its start job
         start = [e for e in _read_jsonl(out / job.needs / "eval.jsonl") if e["rl_step"] == 0]
     else:  # a shared --warm-start: the arm evaluated its own RL start
         start = [e for e in evals if e["rl_step"] == 0]
         evals = [e for e in evals if e["rl_step"] > 0]
-    first = start[-1] if start else {}
+    return (start[-1] if start else {}), evals
+
+
+def _persistence_fields(
+    job: _Job, first: dict[str, Any], last: dict[str, Any], rl: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The persistence design's extra fields of an arm's row (``{}`` for an arm without a
+    level): per-split observation CE at RL start and end, their floors, and RL-phase probes."""
+    probes = [m for m in rl if m.get("pg_grad_norm")]
+    split = sorted({k for e in (first, last) for k in e if k.startswith(("ce_", "floor_"))})
+    level = job.meta.get("level")
+    if level is None:
+        return {}
+    return {
+        "level": level,
+        "model": "tiny",
+        "move_ce_start": first.get("ce_walks_move"),
+        "move_ce_end": last.get("ce_walks_move"),
+        **{f"{k}_start": first.get(k) for k in split if k.startswith("ce_")},
+        **{f"{k}_end": last.get(k) for k in split if k.startswith("ce_")},
+        **{k: last.get(k) for k in split if k.startswith("floor_")},
+        "zero_variance_groups": _mean("zero_variance_groups", rl),
+        "echo_pg_grad_ratio": (
+            sum(m["echo_grad_norm"] / m["pg_grad_norm"] for m in probes) / len(probes)
+            if probes
+            else None
+        ),
+        "echo_nll_first5": _mean("echo_nll", rl[:5]),
+    }
+
+
+#: The evaluation fields of each point of an arm's RL curve.
+_CURVE_KEYS = (
+    "rl_step",
+    "eval_success_greedy",
+    "eval_success_sampled",
+    "heldout_hidden_ce",
+    "heldout_obs_ce",
+    "eval_imagined_rate",
+    "eval_invalid_rate",
+    "ce_walks_move",
+    "ce_demos_move",
+)
+
+
+def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
+    """The result row of one finished arm: held-out numbers at RL start (its warm-start job's
+    last evaluation, or with a shared ``--warm-start`` its own first one) and at the end, and the
+    RL curve's landmarks."""
+    first, evals = _rl_start(out, job)
     everything = [{**first, "rl_step": 0}, *evals] if first else evals
     last = max(evals, key=lambda e: e["rl_step"]) if evals else {}
     metrics = _read_jsonl(out / job.name / "metrics.jsonl")
     rl = [m for m in metrics if m.get("phase") == "rl"]
     tail = rl[-max(1, len(rl) // 5) :]
-
-    def mean(key: str, rows: list[dict[str, Any]]) -> float | None:
-        vals = [r[key] for r in rows if key in r]
-        return sum(vals) / len(vals) if vals else None
-
-    probes = [m for m in rl if m.get("pg_grad_norm")]
-    split = sorted({k for e in (first, last) for k in e if k.startswith(("ce_", "floor_"))})
-    level = job.meta.get("level")
-    extra: dict[str, Any] = {}
-    if level is not None:  # the persistence design's fields
-        extra = {
-            "level": level,
-            "model": "tiny",
-            "move_ce_start": first.get("ce_walks_move"),
-            "move_ce_end": last.get("ce_walks_move"),
-            **{f"{k}_start": first.get(k) for k in split if k.startswith("ce_")},
-            **{f"{k}_end": last.get(k) for k in split if k.startswith("ce_")},
-            **{k: last.get(k) for k in split if k.startswith("floor_")},
-            "zero_variance_groups": mean("zero_variance_groups", rl),
-            "echo_pg_grad_ratio": (
-                sum(m["echo_grad_norm"] / m["pg_grad_norm"] for m in probes) / len(probes)
-                if probes
-                else None
-            ),
-            "echo_nll_first5": mean("echo_nll", rl[:5]),
-        }
-
     return {
         "env": env,
-        **extra,
+        **_persistence_fields(job, first, last, rl),
         "arm": job.meta["arm"],
         "alpha": job.meta["alpha"],
         "seed": job.meta["seed"],
@@ -262,24 +290,8 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
         "imagined_obs_rate_end": last.get("eval_imagined_rate"),
         "invalid_reply_rate_start": first.get("eval_invalid_rate"),
         "invalid_reply_rate_end": last.get("eval_invalid_rate"),
-        "train_reward_last20": mean("reward", tail),
-        "curve": [
-            {
-                k: e.get(k)
-                for k in (
-                    "rl_step",
-                    "eval_success_greedy",
-                    "eval_success_sampled",
-                    "heldout_hidden_ce",
-                    "heldout_obs_ce",
-                    "eval_imagined_rate",
-                    "eval_invalid_rate",
-                    "ce_walks_move",
-                    "ce_demos_move",
-                )
-            }
-            for e in everything
-        ],
+        "train_reward_last20": _mean("reward", tail),
+        "curve": [{k: e.get(k) for k in _CURVE_KEYS} for e in everything],
         "wall_s": round(job.wall, 1),
     }
 
@@ -392,6 +404,65 @@ def _run_one(args: list[str], log: str) -> int:
             return 1
 
 
+def _next_job(jobs: list[_Job], lock: threading.Condition, bar: Any) -> _Job | None:
+    """The next job to run, marked running: the first still to do whose needed job is done (or
+    that needs none). A job whose needed job failed is marked failed instead (it cannot run).
+    Waits on ``lock`` while every job left waits for a running one; None when none is left."""
+    with lock:
+        while True:
+            by_name = {j.name: j for j in jobs}
+            todo = [j for j in jobs if j.state == "todo"]
+            if not todo:
+                return None
+            for j in todo:
+                dep = by_name.get(j.needs) if j.needs else None
+                if dep is not None and dep.state == "failed":
+                    j.state = "failed"  # its warm-start failed: it cannot run
+                    bar.update(1)
+                    lock.notify_all()
+                    break
+                if dep is None or dep.state == "done":
+                    j.state = "running"
+                    return j
+            else:
+                lock.wait()
+
+
+def _append_row(out: Path, job: _Job, env: str) -> None:
+    """Append the row of the finished arm ``job`` to ``out/results.jsonl``."""
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(_arm_row(out, job, env)) + "\n")
+
+
+def _keep_finished(jobs: list[_Job], out: Path, env: str, bar: Any) -> None:
+    """Mark done the jobs whose final model exists (a resumed experiment: not run again) and
+    append the rows of those that are arms."""
+    for job in jobs:
+        if (out / job.name / "final-model" / "config.json").is_file():
+            job.state = "done"
+            bar.update(1)
+            if job.meta["kind"] == "arm":
+                _append_row(out, job, env)
+
+
+def _work(
+    jobs: list[_Job], out: Path, env: str, pool: Any, lock: threading.Condition, bar: Any
+) -> None:
+    """One worker thread: run the next ready job in ``pool`` until none is left, recording each
+    one's wall time and state, and appending each finished arm's row."""
+    while (job := _next_job(jobs, lock, bar)) is not None:
+        t = time.perf_counter()
+        code = pool.submit(_run_one, job.args, str(out / f"{job.name}.log")).result()
+        job.wall = time.perf_counter() - t
+        with lock:
+            job.state = "done" if code == 0 else "failed"
+            if job.state == "done" and job.meta["kind"] == "arm":
+                _append_row(out, job, env)
+            bar.update(1)
+            bar.set_postfix_str(f"last: {job.name} {job.wall:.0f}s")
+            lock.notify_all()
+
+
 def _run_all(
     jobs: list[_Job], out: Path, workers: int, env: str, resume: bool = False
 ) -> list[str]:
@@ -404,50 +475,12 @@ def _run_all(
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     lock = threading.Condition()
     bar = _progress(len(jobs))
-    results = out / "results.jsonl"
-
-    def next_job() -> _Job | None:
-        with lock:
-            while True:
-                by_name = {j.name: j for j in jobs}
-                todo = [j for j in jobs if j.state == "todo"]
-                if not todo:
-                    return None
-                for j in todo:
-                    dep = by_name.get(j.needs) if j.needs else None
-                    if dep is not None and dep.state == "failed":
-                        j.state = "failed"  # its warm-start failed: it cannot run
-                        bar.update(1)
-                        lock.notify_all()
-                        break
-                    if dep is None or dep.state == "done":
-                        j.state = "running"
-                        return j
-                else:
-                    lock.wait()
-
-    def worker() -> None:
-        while (job := next_job()) is not None:
-            t = time.perf_counter()
-            code = pool.submit(_run_one, job.args, str(out / f"{job.name}.log")).result()
-            job.wall = time.perf_counter() - t
-            with lock:
-                job.state = "done" if code == 0 else "failed"
-                if job.state == "done" and job.meta["kind"] == "arm":
-                    with open(results, "a") as f:
-                        f.write(json.dumps(_arm_row(out, job, env)) + "\n")
-                bar.update(1)
-                bar.set_postfix_str(f"last: {job.name} {job.wall:.0f}s")
-                lock.notify_all()
-
-    for job in jobs:  # finished before (a resumed experiment): not run again, its row kept
-        if resume and (out / job.name / "final-model" / "config.json").is_file():
-            job.state = "done"
-            bar.update(1)
-            if job.meta["kind"] == "arm":
-                with open(results, "a") as f:
-                    f.write(json.dumps(_arm_row(out, job, env)) + "\n")
-    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    if resume:  # finished before (a resumed experiment): not run again, its row kept
+        _keep_finished(jobs, out, env, bar)
+    threads = [
+        threading.Thread(target=_work, args=(jobs, out, env, pool, lock, bar))
+        for _ in range(workers)
+    ]
     for th in threads:
         th.start()
     for th in threads:
@@ -813,7 +846,8 @@ def _write_summary(out: Path) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The ``echoloss-train experiment`` command line."""
     p = argparse.ArgumentParser(
         prog="echoloss-train experiment", description=__doc__.split("::")[0]
     )
@@ -843,45 +877,63 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the runs of --output-dir whose final model exists (a cut-off experiment "
         "continued with the same arguments); the others run from the start",
     )
-    args = p.parse_args(argv)
-    mode = MODES[args.mode]
-    args.seeds = args.seeds if args.seeds is not None else mode["seeds"]
-    args.alphas = args.alphas if args.alphas is not None else mode["alphas"]
+    return p
+
+
+def _numbers_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--alphas``, ``--seeds`` or ``--jobs`` (None: nothing)."""
     if not all(math.isfinite(a) and a > 0 for a in args.alphas):
-        print(f"echoloss-train experiment: --alphas must be finite and > 0 (got {args.alphas}); "
-              "λ = 0 is the grpo arm, always run", file=sys.stderr)  # fmt: skip
-        return 2
+        return (f"echoloss-train experiment: --alphas must be finite and > 0 (got {args.alphas}); "
+                "λ = 0 is the grpo arm, always run")  # fmt: skip
     from echoloss.train.config import MAX_SEED
 
     if not all(0 <= s <= MAX_SEED for s in args.seeds):
-        print(f"echoloss-train experiment: --seeds must be in [0, {MAX_SEED}] (got "
-              f"{args.seeds})", file=sys.stderr)  # fmt: skip
-        return 2
+        return (f"echoloss-train experiment: --seeds must be in [0, {MAX_SEED}] (got "
+                f"{args.seeds})")  # fmt: skip
     for name, values in (("--seeds", args.seeds), ("--alphas", [f"{a:g}" for a in args.alphas])):
         twice = sorted({v for v in values if values.count(v) > 1})
         if twice:
-            print(f"echoloss-train experiment: {name} lists {twice} more than once: two jobs "
-                  "would write the same run directories; list each once", file=sys.stderr)  # fmt: skip
-            return 2
+            return (f"echoloss-train experiment: {name} lists {twice} more than once: two jobs "
+                    "would write the same run directories; list each once")  # fmt: skip
     if args.jobs < 1:
-        print(f"echoloss-train experiment: --jobs must be >= 1 (got {args.jobs})", file=sys.stderr)
-        return 2
+        return f"echoloss-train experiment: --jobs must be >= 1 (got {args.jobs})"
+    return None
+
+
+def _warm_start_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--warm-start`` for a run (None: nothing, or not given, or only
+    summarising); when it is right, resolves it to an absolute path."""
     if args.warm_start is not None and not args.summarize_only:
         if not args.no_actobs:
-            print("echoloss-train experiment: --warm-start gives every arm the same start, but "
-                  "the actobs arm is defined by its own warm-start; add --no-actobs",
-                  file=sys.stderr)  # fmt: skip
-            return 2
+            return ("echoloss-train experiment: --warm-start gives every arm the same start, but "
+                    "the actobs arm is defined by its own warm-start; add --no-actobs")  # fmt: skip
         if not (args.warm_start / "config.json").is_file():
-            print(f"echoloss-train experiment: --warm-start {str(args.warm_start)!r} is not a model "
-                  "directory (no config.json); pass a run's final-model directory",
-                  file=sys.stderr)  # fmt: skip
-            return 2
+            return (f"echoloss-train experiment: --warm-start {str(args.warm_start)!r} is not a "
+                    "model directory (no config.json); pass a run's final-model directory")  # fmt: skip
         args.warm_start = args.warm_start.resolve()
-    out: Path = args.output_dir
-    if args.summarize_only:
-        return _write_summary(out)
+    return None
 
+
+def _plan(
+    args: argparse.Namespace, mode: dict[str, Any], env_name: str, n_jobs: int, out: Path
+) -> str:
+    """The line that announces the experiment: env, seeds, arms, runs, and where logs go."""
+    arms = (
+        ", ".join(f"{lv} {a}{'' if a == 'grpo' else f' {x:g}'}" for lv, a, x, _ in LEVEL_ARMS)
+        if mode.get("levels")
+        else f"λ {args.alphas}{'' if args.no_actobs else ' + actobs'}"
+    )
+    return (
+        f"experiment ({args.mode}): env {env_name}, seeds {args.seeds}, arms: {arms}"
+        f"{'' if args.warm_start is None else f', every arm from {str(args.warm_start)!r}'}; "
+        f"{n_jobs} runs, {args.jobs} at a time; "
+        f"logs in {out}/*.log, rows streamed to {out}/results.jsonl"
+    )
+
+
+def _run_experiment(args: argparse.Namespace, mode: dict[str, Any], out: Path) -> int:
+    """Run every job of the experiment into ``out``, then write its summary. Returns the exit
+    code: 2 on a bad config, 1 when a run failed, else the summary's."""
     from echoloss.train.config import ConfigError, load_config
 
     try:
@@ -898,18 +950,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = [*mode["set"], *args.set]  # the mode's, then the command line's (the later wins)
     renamed = [item.split("=", 1)[1] for item in sets if item.startswith("env.name=")]
     env_name = renamed[-1] if renamed else base.env.name  # --set env.name=... runs a control
-    arms = (
-        ", ".join(f"{lv} {a}{'' if a == 'grpo' else f' {x:g}'}" for lv, a, x, _ in LEVEL_ARMS)
-        if mode.get("levels")
-        else f"λ {args.alphas}{'' if args.no_actobs else ' + actobs'}"
-    )
-    print(
-        f"experiment ({args.mode}): env {env_name}, seeds {args.seeds}, arms: {arms}"
-        f"{'' if args.warm_start is None else f', every arm from {str(args.warm_start)!r}'}; "
-        f"{len(jobs)} runs, {args.jobs} at a time; "
-        f"logs in {out}/*.log, rows streamed to {out}/results.jsonl",
-        flush=True,
-    )
+    print(_plan(args, mode, env_name, len(jobs), out), flush=True)
     t = time.perf_counter()
     failed = _run_all(jobs, out, args.jobs, env_name, resume=args.resume)
     print(f"{len(jobs) - len(failed)}/{len(jobs)} runs finished in {time.perf_counter() - t:.0f}s")
@@ -918,6 +959,23 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
     code = _write_summary(out)
     return 1 if failed else code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``echoloss-train experiment``: check the arguments, then run the experiment (or with
+    ``--summarize-only`` only rebuild its tables and plots). Returns the exit code."""
+    args = _parser().parse_args(argv)
+    mode = MODES[args.mode]
+    args.seeds = args.seeds if args.seeds is not None else mode["seeds"]
+    args.alphas = args.alphas if args.alphas is not None else mode["alphas"]
+    error = _numbers_error(args) or _warm_start_error(args)
+    if error is not None:
+        print(error, file=sys.stderr)
+        return 2
+    out: Path = args.output_dir
+    if args.summarize_only:
+        return _write_summary(out)
+    return _run_experiment(args, mode, out)
 
 
 if __name__ == "__main__":

@@ -125,9 +125,9 @@ def _echo_arms(summary: dict[str, Any]) -> list[str]:
     return [a for a in summary["arms"] if " echo " in a]
 
 
-def markdown(summary: dict[str, Any]) -> str:
-    """The persistence tables (outcomes, world model, diagnostics) and the verdicts."""
-    arms = summary["arms"]
+def _outcome_lines(summary: dict[str, Any]) -> list[str]:
+    """The complete seeds and the outcomes table: success at start and end, its difference
+    against GRPO, steps to 80 % and the speed ratio, one row per arm."""
     seeds = summary.get("complete_seeds")
     lines = [
         f"Complete paired seeds: {len(seeds) if seeds is not None else '–'}"
@@ -138,7 +138,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "| steps to 80 % greedy (reached) | speed ratio vs grpo |",
         "|---|---|---|---|---|---|---|",
     ]
-    for arm, e in arms.items():
+    for arm, e in summary["arms"].items():
         lines.append(
             f"| {arm} | {len(e['seeds'])} | {_fmt(_mean(e, 'eval_success_sampled_start'))} → "
             f"{_fmt(_mean(e, 'eval_success_sampled_end'))} | "
@@ -147,7 +147,13 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{_fmt(_mean(e, 'steps_to_80_or_censored'), 1)} ({e['reached_80']}) | "
             f"{_ratio(e.get('speed_ratio_vs_grpo'))} |"
         )
-    lines += [
+    return lines
+
+
+def _world_model_lines(arms: dict[str, Any]) -> list[str]:
+    """The world-model table: direction-word CE on held-out random walks and demonstrations,
+    one row per arm (preceded by a blank line)."""
+    lines = [
         "",
         "Direction-word CE (nats/token) on held-out random walks (floor 0 per world; per episode "
         "log 2 on first moves, 0 later) and on held-out Bayes-optimal demonstrations.",
@@ -165,7 +171,13 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{_fmt(_mean(e, 'ce_demos_move_start'))} → {_fmt(_mean(e, 'ce_demos_move_end'))} | "
             f"{_fmt(_mean(e, 'ce_demos_first_end'))} / {_fmt(_mean(e, 'ce_demos_later_end'))} |"
         )
-    lines += [
+    return lines
+
+
+def _diagnostic_lines(arms: dict[str, Any]) -> list[str]:
+    """The diagnostics table: invalid and imagined replies, zero-variance groups, the echo to
+    policy-gradient norm ratio and the early echo NLL, one row per arm (after a blank line)."""
+    lines = [
         "",
         "| arm | invalid / imagined replies (end) | zero-variance groups | ‖∇echo‖ / ‖∇PG‖ "
         "| echo NLL, first 5 RL steps |",
@@ -178,20 +190,39 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{_fmt(_mean(e, 'zero_variance_groups'))} | "
             f"{_fmt(_mean(e, 'echo_pg_grad_ratio'))} | {_fmt(_mean(e, 'echo_nll_first5'))} |"
         )
-    lines += ["", "| echo arm | (a) move CE below GRPO's / below log 2 | (b) success up / faster "
-              "| (c) placebo no gain | gains > 3 points ruled out | verdict |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    return lines
 
-    def yes(x: bool | None) -> str:
-        return "–" if x is None else ("yes" if x else "no")
 
+def _yes(x: bool | None) -> str:
+    """A criterion's cell: ``yes``, ``no``, or ``–`` when it is not decided."""
+    return "–" if x is None else ("yes" if x else "no")
+
+
+def _verdict_lines(summary: dict[str, Any]) -> list[str]:
+    """The verdicts table: each pre-registered criterion and the verdict, one row per echo arm
+    (after a blank line)."""
+    lines = ["", "| echo arm | (a) move CE below GRPO's / below log 2 | (b) success up / faster "
+             "| (c) placebo no gain | gains > 3 points ruled out | verdict |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for arm in _echo_arms(summary):
         v = verdict(summary, arm)
         lines.append(
-            f"| {arm} | {yes(v['ce_below_grpo'])} / {yes(v['ce_below_log2'])} | "
-            f"{yes(v['success_up'])} / {yes(v['speed_up'])} | {yes(v['placebo_no_gain'])} | "
-            f"{yes(v['gains_above_3_ruled_out'])} | **{v['verdict']}** |"
+            f"| {arm} | {_yes(v['ce_below_grpo'])} / {_yes(v['ce_below_log2'])} | "
+            f"{_yes(v['success_up'])} / {_yes(v['speed_up'])} | {_yes(v['placebo_no_gain'])} | "
+            f"{_yes(v['gains_above_3_ruled_out'])} | **{v['verdict']}** |"
         )
+    return lines
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The persistence tables (outcomes, world model, diagnostics) and the verdicts."""
+    arms = summary["arms"]
+    lines = [
+        *_outcome_lines(summary),
+        *_world_model_lines(arms),
+        *_diagnostic_lines(arms),
+        *_verdict_lines(summary),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -210,22 +241,14 @@ def _curves(
     return steps, [sum(c[s] for c in curves) / len(curves) for s in steps], curves
 
 
-def plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path) -> list[Path]:
-    """One figure per question, each one panel: ``success.png`` (primary: sampled success at
-    RL step 60, arm − GRPO, per seed and mean with its 95 % interval), ``speed.png`` (greedy
-    held-out success per world against the RL step, the 80 % line), ``world_model.png``
-    (move-word CE on held-out random walks per world against the RL step, with log 2) and
-    ``per_episode.png`` (the per-episode level's greedy success and move-word CE)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def _success_figure(
+    rows: list[dict[str, Any]], summary: dict[str, Any], colors: dict[str, Any], out: Path
+) -> Path:
+    """``success.png``, the primary outcome: sampled success at RL step 60, arm − GRPO, per
+    seed and mean with its 95 % interval, one line per arm that has a reference."""
     import matplotlib.pyplot as plt
 
     arms = list(summary["arms"])
-    colors = {a: plt.get_cmap("tab10")(i) for i, a in enumerate(arms)}
-    written = []
-
-    # 1. the primary outcome
     fig, ax = plt.subplots(figsize=(7.5, 4.2), constrained_layout=True)
     others = [a for a in arms if reference_label(a) != a]
     for i, arm in enumerate(others):
@@ -248,40 +271,73 @@ def plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path) -> lis
     ax.set_xlabel("held-out sampled success at RL step 60, arm − GRPO (points); dots: seeds")
     ax.set_title("Does echo raise success? (mean, 95 % CI)")
     ax.grid(alpha=0.3, axis="x")
-    written.append(out / "success.png")
-    fig.savefig(written[-1], dpi=110)
+    path = out / "success.png"
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
 
-    def curve_figure(
-        level: str, key: str, ylabel: str, title: str, name: str, lines: list[tuple[float, str]]
-    ) -> None:
-        fig, ax = plt.subplots(figsize=(7.5, 4.2), constrained_layout=True)
-        for arm in [a for a in arms if a.startswith(level)]:
-            steps, mean, curves = _curves(rows, arm, key)
-            for c in curves:
-                xs = sorted(c)
-                ax.plot(xs, [c[x] for x in xs], color=colors[arm], alpha=0.15, lw=0.8)
-            if steps:
-                ax.plot(steps, mean, color=colors[arm], lw=2.2, marker="o", ms=3,
-                        label=f"{arm} (n={len(curves)})")  # fmt: skip
-        for y, label in lines:
-            ax.axhline(y, color="0.4", lw=1, ls="--", label=label)
-        ax.set_xlabel("RL step")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        written.append(out / name)
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
 
-    curve_figure("per-world", "eval_success_greedy", "held-out success (greedy)",
-                 "Per world: how fast does each arm reach 80 %?", "speed.png",
-                 [(0.8, "80 %")])  # fmt: skip
-    curve_figure("per-world", "ce_walks_move", "move-word CE, held-out random walks (nats)",
-                 "Per world: does echo learn the world (floor 0)?", "world_model.png",
-                 [(LOG2, "log 2")])  # fmt: skip
-    curve_figure("per-episode", "eval_success_greedy", "held-out success (greedy)",
-                 "Per episode (the mirroring redrawn): greedy success", "per_episode.png",
-                 [(0.8, "80 %")])  # fmt: skip
+#: The curve figures of `plots`: ``(level, key, ylabel, title, file name, reference lines)``.
+_CURVE_FIGURES: tuple[tuple[str, str, str, str, str, list[tuple[float, str]]], ...] = (
+    ("per-world", "eval_success_greedy", "held-out success (greedy)",
+     "Per world: how fast does each arm reach 80 %?", "speed.png", [(0.8, "80 %")]),
+    ("per-world", "ce_walks_move", "move-word CE, held-out random walks (nats)",
+     "Per world: does echo learn the world (floor 0)?", "world_model.png", [(LOG2, "log 2")]),
+    ("per-episode", "eval_success_greedy", "held-out success (greedy)",
+     "Per episode (the mirroring redrawn): greedy success", "per_episode.png", [(0.8, "80 %")]),
+)  # fmt: skip
+
+
+def _curve_figure(
+    rows: list[dict[str, Any]],
+    colors: dict[str, Any],
+    out: Path,
+    level: str,
+    key: str,
+    ylabel: str,
+    title: str,
+    name: str,
+    lines: list[tuple[float, str]],
+) -> Path:
+    """``out/name``: ``key`` against the RL step for every arm of ``level`` (each seed faint,
+    the mean over seeds bold), with horizontal reference ``lines`` ``(y, label)``."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), constrained_layout=True)
+    for arm in [a for a in colors if a.startswith(level)]:
+        steps, mean, curves = _curves(rows, arm, key)
+        for c in curves:
+            xs = sorted(c)
+            ax.plot(xs, [c[x] for x in xs], color=colors[arm], alpha=0.15, lw=0.8)
+        if steps:
+            ax.plot(steps, mean, color=colors[arm], lw=2.2, marker="o", ms=3,
+                    label=f"{arm} (n={len(curves)})")  # fmt: skip
+    for y, label in lines:
+        ax.axhline(y, color="0.4", lw=1, ls="--", label=label)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = out / name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path) -> list[Path]:
+    """One figure per question, each one panel: ``success.png`` (primary: sampled success at
+    RL step 60, arm − GRPO, per seed and mean with its 95 % interval), ``speed.png`` (greedy
+    held-out success per world against the RL step, the 80 % line), ``world_model.png``
+    (move-word CE on held-out random walks per world against the RL step, with log 2) and
+    ``per_episode.png`` (the per-episode level's greedy success and move-word CE)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {a: plt.get_cmap("tab10")(i) for i, a in enumerate(summary["arms"])}
+    written = [_success_figure(rows, summary, colors, out)]  # 1. the primary outcome
+    for figure in _CURVE_FIGURES:
+        written.append(_curve_figure(rows, colors, out, *figure))
     return written

@@ -9,8 +9,6 @@ import inspect
 import re
 from pathlib import Path
 
-import pytest
-
 from echoloss.train import recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,11 +76,6 @@ def test_every_recipe_function_fits_on_a_screen():
     assert not _long_functions(RECIPE_LIMIT, modules)
 
 
-@pytest.mark.xfail(
-    reason="echoloss/train/experiment.py (main, _arm_row) and persistence.py (markdown, plots) "
-    "are still over the limit",
-    strict=True,
-)
 def test_no_trainer_function_is_over_the_hard_limit():
     assert not _long_functions(TRAINER_LIMIT, sorted(TRAIN.rglob("*.py")))
 

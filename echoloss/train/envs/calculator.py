@@ -141,6 +141,15 @@ def evaluate(expression: str) -> int:
     bad = ValueError(f"not an expression of integers with + - * and parentheses: {expression!r}")
     if len(expression) > _MAX_EXPRESSION:
         raise ValueError(f"expression longer than {_MAX_EXPRESSION} characters")
+    parser = _Parser(_tokenize(expression, bad), bad)
+    value = parser.expr()
+    if parser.at != len(parser.tokens):
+        raise bad
+    return value
+
+
+def _tokenize(expression: str, bad: ValueError) -> list[str]:
+    """The tokens of ``expression`` (integers and ``+ - * ( )``); raises ``bad`` on anything else."""
     tokens: list[str] = []
     pos = 0
     rest = expression.rstrip()
@@ -150,50 +159,60 @@ def evaluate(expression: str) -> int:
             raise bad
         tokens.append(m.group(1))
         pos = m.end()
-    at = 0
+    return tokens
 
-    def peek() -> str | None:
-        return tokens[at] if at < len(tokens) else None
 
-    def take() -> str:
-        nonlocal at
-        if at >= len(tokens):
-            raise bad
-        at += 1
-        return tokens[at - 1]
+class _Parser:
+    """Recursive descent over ``tokens``: ``expr = term (('+'|'-') term)*``,
+    ``term = atom ('*' atom)*``, ``atom = '-' atom | '(' expr ')' | integer``; raises ``bad``
+    on any token out of place."""
 
-    def atom() -> int:
-        t = take()
+    def __init__(self, tokens: list[str], bad: ValueError) -> None:
+        self.tokens = tokens
+        self.bad = bad
+        self.at = 0
+
+    def peek(self) -> str | None:
+        """The next token, or None at the end."""
+        return self.tokens[self.at] if self.at < len(self.tokens) else None
+
+    def take(self) -> str:
+        """Consume and return the next token (``bad`` at the end)."""
+        if self.at >= len(self.tokens):
+            raise self.bad
+        self.at += 1
+        return self.tokens[self.at - 1]
+
+    def atom(self) -> int:
+        """A negated atom, a parenthesised expression or an integer."""
+        t = self.take()
         if t == "-":
-            return -atom()
+            return -self.atom()
         if t == "(":
-            v = expr()
-            if take() != ")":
-                raise bad
+            v = self.expr()
+            if self.take() != ")":
+                raise self.bad
             return v
         if not t.isdigit():
-            raise bad
+            raise self.bad
         return int(t)
 
-    def term() -> int:
-        v = atom()
-        while peek() == "*":
-            take()
-            if peek() == "*":
-                raise bad
-            v *= atom()
+    def term(self) -> int:
+        """A product of atoms (``**`` is refused)."""
+        v = self.atom()
+        while self.peek() == "*":
+            self.take()
+            if self.peek() == "*":
+                raise self.bad
+            v *= self.atom()
         return v
 
-    def expr() -> int:
-        v = term()
-        while peek() in ("+", "-"):
-            v = v + term() if take() == "+" else v - term()
+    def expr(self) -> int:
+        """A sum or difference of terms, left to right."""
+        v = self.term()
+        while self.peek() in ("+", "-"):
+            v = v + self.term() if self.take() == "+" else v - self.term()
         return v
-
-    value = expr()
-    if at != len(tokens):
-        raise bad
-    return value
 
 
 def tool_call(expression: str) -> str:
