@@ -28,6 +28,11 @@ def _body(tok, r, k: int) -> str:
     return tok.decode(ids)
 
 
+@pytest.mark.skipif(
+    not R.SHARED.is_dir(),
+    reason="the expected token split comes from the tokenizer trained on every template, the "
+    "shared third-party ones included; without them its merges differ and '>\\n' is two tokens",
+)
 def test_scaffold_token_straddling_two_tool_results_is_not_a_refusal():
     # Qwen2.5 spells </tool_response> as text: ">\n" closes one result and opens the next.
     tok = _tok("qwen2.5")
