@@ -27,7 +27,7 @@ field, so a new field of the record is a new keyword of every entry point.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -173,28 +173,41 @@ def check_scored_rows(
         checks.submit()
 
 
+def _defer_first_bad_row(
+    checks: DeferredChecks,
+    bad: torch.Tensor,
+    values: torch.Tensor,
+    error: Callable[[int, float], Exception],
+) -> None:
+    """Queue ``error(row, value)`` for the first True row of ``bad [N] bool`` (on the device:
+    no host read until the checks are read)."""
+    row = first_true(bad)
+
+    def message(v: Sequence[float]) -> Exception | None:
+        return error(int(v[1]), v[2]) if v[0] else None
+
+    checks.add([bad.any(), row, values.detach().index_select(0, row.view(1))], message)
+
+
 def _check_finite_rows(
     name: str, values: torch.Tensor, rows: torch.Tensor, why: str, checks: DeferredChecks
 ) -> None:
     """``values [N]`` finite on ``rows [N] bool`` (else name the first bad row)."""
     if values.numel() == 0:
         return
-    bad = rows & ~torch.isfinite(values)  # [N]
-    row = first_true(bad)
-
-    def message(v: Sequence[float]) -> Exception | None:
-        if not v[0]:
-            return None
-        return ValueError(
+    _defer_first_bad_row(
+        checks,
+        rows & ~torch.isfinite(values),  # [N]
+        values,
+        lambda row, value: ValueError(
             problem(
-                f"{name} at row {int(v[1])}",
+                f"{name} at row {row}",
                 f"finite ({why})",
-                f"{v[2]}",
+                f"{value}",
                 "or set LossConfig(check_finite=False) to skip this check",
             )
-        )
-
-    checks.add([bad.any(), row, values.detach().index_select(0, row.view(1))], message)
+        ),
+    )
 
 
 # ---------------------------------------------------------------- 3. sequences
@@ -871,22 +884,19 @@ def _check_entropy(ent: torch.Tensor, rl: torch.Tensor, checks: DeferredChecks) 
     """The caller's entropy on RL rows (where it is read): finite and ≥ 0 (up to rounding)."""
     if ent.numel() == 0:
         return
-    bad = rl & ~(torch.isfinite(ent) & (ent >= -ENTROPY_TOLERANCE))  # [N]
-    row = first_true(bad)
-
-    def message(v: Sequence[float]) -> Exception | None:
-        if not v[0]:
-            return None
-        return ValueError(
+    _defer_first_bad_row(
+        checks,
+        rl & ~(torch.isfinite(ent) & (ent >= -ENTROPY_TOLERANCE)),  # [N]
+        ent,
+        lambda row, value: ValueError(
             problem(
-                f"entropy[{int(v[1])}]",
+                f"entropy[{row}]",
                 f"a finite entropy ≥ 0 (up to -{ENTROPY_TOLERANCE}) on an RL row",
-                repr(v[2]),
+                repr(value),
                 "pass the per-token entropy -Σ p log p of the model's distribution",
             )
-        )
-
-    checks.add([bad.any(), row, ent.detach().index_select(0, row.view(1))], message)
+        ),
+    )
 
 
 def row_temperature_and_entropy(

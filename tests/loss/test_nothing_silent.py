@@ -311,3 +311,17 @@ def test_huge_sequence_ids_allocate_nothing_id_sized():
         losses.append(echo_loss_from_logprobs(lp, x, config=cfg).loss.item())
     # (mean(0.5, 1.0) + 2.0) / 2 sequences
     assert losses == [pytest.approx((0.75 + 2.0) / 2, rel=1e-15)] * 2
+
+
+def test_non_finite_policy_output_names_the_first_bad_row_not_row_0():
+    # Rows 2 and 3 of the policy's per-token loss are NaN: the message names row 2, the first.
+    lp = torch.tensor([-0.5, -1.0, -1.5, -2.0], requires_grad=True)
+    x = LossInputs(rl_mask=torch.ones(4, dtype=torch.bool), advantages=torch.ones(4))
+
+    def broken(inputs, config):
+        bad = torch.tensor([0.0, 0.0, float("nan"), float("nan")])
+        return PolicyOutput(-(inputs.advantages * inputs.logprobs) + bad, {})
+
+    cfg = LossConfig(policy="custom")
+    with pytest.raises(ValueError, match=r"the loss of policy 'custom' at row 2 must be finite"):
+        echo_loss_from_logprobs(lp, x, config=cfg, policy_fn=broken)
