@@ -231,23 +231,37 @@ def test_every_row_table_is_checked():
     assert len(everything) == len(TABLES) + len(NOT_ROW_TABLES) + len(persistence)
 
 
-def test_the_persistence_tables_are_the_report_of_the_committed_rows():
-    """The persistence section prints `persistence.markdown` of its committed rows, verbatim
-    (its four tables, the verdicts included), over the seeds whose six arms all finished; its
-    summary.json is what `summarize` computes; every row has the documented fields."""
-    from echoloss.train import persistence
-    from echoloss.train.experiment import LEVEL_ARMS
-
+def _persistence_rows() -> list[dict[str, Any]]:
     folder = ROWS / PERSISTENCE
     if not (folder / "results.json").is_file():
         pytest.skip("the persistence rows are not committed yet")
-    rows = json.loads((folder / "results.json").read_text())
+    return json.loads((folder / "results.json").read_text())
+
+
+def _persistence_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What `echoloss-train experiment --summarize-only` computes from the rows: the summary of
+    the seeds whose six arms all finished (non-finite numbers as null), with ``complete_seeds``."""
+    from echoloss.train.experiment import LEVEL_ARMS, _finite
+
     labels = {f"{lv} {a}" + ("" if a == "grpo" else f" {x:g}") for lv, a, x, _ in LEVEL_ARMS}
     complete = sorted(
         s
         for s in {r["seed"] for r in rows}
         if {arm_label(r) for r in rows if r["seed"] == s} == labels
     )
+    summary = _finite(summarize([dict(r) for r in rows if r["seed"] in complete]))
+    summary["complete_seeds"] = complete
+    return summary
+
+
+def test_the_persistence_section_is_generated_from_the_committed_rows():
+    """The persistence headline and result of the page are `persistence.update_page` of the
+    summary of the committed rows, character for character (status line, four tables, verdicts
+    and the findings in words), and summary.json is exactly that summary: regenerating the page
+    from the rows changes nothing. Every row has the documented fields."""
+    from echoloss.train import persistence
+
+    rows = _persistence_rows()
     for r in rows:
         for key in ("level", "arm", "model", "alpha", "seed", "move_ce_start", "move_ce_end"):
             assert r.get(key) is not None, (key, r["arm"], r["seed"])
@@ -257,18 +271,156 @@ def test_the_persistence_tables_are_the_report_of_the_committed_rows():
             "echo",
             "placebo",
         )
-    summary = summarize([dict(r) for r in rows if r["seed"] in complete])
-    summary["complete_seeds"] = complete
-    committed = json.loads((folder / "summary.json").read_text())
-    assert committed["complete_seeds"] == complete
-    for arm, entry in summary["arms"].items():
-        for key in ("eval_success_sampled_end", "move_ce_end", "eval_success_end"):
-            assert committed["arms"][arm][key]["mean"] == pytest.approx(
-                entry[key]["mean"], rel=1e-12
-            )
-    md = persistence.markdown(summary)
+    summary = _persistence_summary(rows)
+    committed = json.loads((ROWS / PERSISTENCE / "summary.json").read_text())
+    assert json.loads(json.dumps(summary)) == committed
     page = PAGE.read_text()
-    assert md.strip() in page, "docs/experiment.md does not print persistence.markdown of its rows"
+    assert persistence.update_page(page, summary) == page, (
+        "docs/experiment.md does not print the report of docs/experiment/persistence/results.json;"
+        " run `python scripts/persistence_page.py docs/experiment/persistence`"
+    )
+    n = len(summary["complete_seeds"])
+    if n < persistence.PRE_REGISTERED_SEEDS:  # the status the reader sees first
+        assert f"**Interim: {n} of 12 pre-registered seeds complete**" in page
+        assert f"**interim**: {n} of its 12 pre-registered seeds complete" in page
+
+
+def test_the_pre_registered_seed_count_is_the_drivers():
+    from echoloss.train import persistence
+    from echoloss.train.experiment import MODES
+
+    assert persistence.PRE_REGISTERED_SEEDS == len(MODES["persistence"]["seeds"]) == 12
+
+
+def _shifted_seeds(count: int) -> list[dict[str, Any]]:
+    """``count`` seeds built from the committed seed-0 rows: seed k copies seed 0, with every
+    non-GRPO arm's sampled success at RL step 60 raised by 0.01·k and its move-word CE at
+    step 60 lowered by 0.1·k. So each arm's paired difference against GRPO is seed 0's plus
+    0.01·k (success) or −0.1·k (CE): over k = 0, 1, 2 the mean moves by +0.01 / −0.1 and the
+    half-width of the 95 % t interval is t(0.975, 2) · sd / √3 = 4.303 · 0.01 / √3 = 0.0248
+    (success) and 0.248 (CE)."""
+    seed0 = [r for r in _persistence_rows() if r["seed"] == 0]
+    assert len(seed0) == 6
+    rows = []
+    for k in range(count):
+        for r in seed0:
+            r = {**r, "seed": k}
+            if r["arm"] != "grpo":
+                r["eval_success_sampled_end"] += 0.01 * k
+                r["move_ce_end"] -= 0.1 * k
+            rows.append(r)
+    return rows
+
+
+def test_a_one_seed_run_is_reported_as_an_interim_pilot():
+    from echoloss.train import persistence
+
+    summary = _persistence_summary(_shifted_seeds(1))
+    md = persistence.markdown(summary)
+    assert md.startswith(
+        "### Result: 1 of 12 pre-registered seeds, interim\n\n"
+        "**Interim: 1 of 12 pre-registered seeds complete** (seed 0). The pre-registered criteria"
+        ' are applied only to the complete run, so every verdict below is **"interim"**; with one'
+        " seed no interval exists, so the numbers below are a pilot, not evidence for or against"
+        " the claim. Rows and summary: `docs/experiment/persistence/`.\n"
+    )
+    for line in (  # seed 0: echo 0.01 sampled 0.8135 against GRPO's 0.6604: +0.1531
+        "| per-world echo 0.01 | 1 | 0.461 → 0.814 | +0.153 (one seed) | 0.217 → 0.583 "
+        "| 60.0 (0) | 1.00 (one seed) |",
+        "| per-world echo 0.01 | 1.515 → 1.964 | −3.115 (one seed) | 1.380 | 1.827 / 1.806 "
+        "| 1.296 → 1.589 | 1.534 / 1.682 |",
+        "| per-world echo 0.01 | – / no | – / – | – | – | **interim** |",
+        "| per-world echo 0.05 | – / no | – / – | – | – | **interim** |",
+        "| per-episode echo 0.05 | – / no | – / – | – | – | **interim** |",
+        "What the numbers say (interim, 1 of 12 seeds; means over seeds, differences paired by "
+        "seed):",
+        "(points): per-world echo 0.01 +15.3 (one seed); per-world echo 0.05 +3.6 (one seed); "
+        "per-world placebo 0.05 +4.8 (one seed); per-episode echo 0.05 +14.3 (one seed).",
+    ):
+        assert line in md, line
+    for word in ("support", "refutation", "undecided"):
+        assert word not in md.split("What the numbers say")[0], word
+    assert persistence.headline(summary).endswith(
+        "work: **interim**: 1 of its 12 pre-registered seeds complete, and its criteria decide "
+        "only on the complete run, so it has no verdict yet.\n"
+    )
+
+
+def test_a_three_seed_run_is_interim_with_intervals():
+    from echoloss.train import persistence
+
+    summary = _persistence_summary(_shifted_seeds(3))
+    assert summary["complete_seeds"] == [0, 1, 2]
+    md = persistence.markdown(summary)
+    assert md.startswith(
+        "### Result: 3 of 12 pre-registered seeds, interim\n\n"
+        "**Interim: 3 of 12 pre-registered seeds complete** (seeds 0, 1, 2). The pre-registered"
+        " criteria are applied only to the complete run, so every verdict below is"
+        ' **"interim"**; the 95 % intervals below are over 3 paired seeds, wider than the'
+        " complete run's will be."
+    )
+    for line in (  # +0.153 + 0.010 ± 0.025; −3.115 − 0.100 ± 0.248
+        "| per-world echo 0.01 | 3 | 0.461 → 0.824 | +0.163 [+0.138, +0.188] | 0.217 → 0.583 "
+        "| 60.0 (0) | 1.00 [1.00, 1.00] |",
+        "| per-world echo 0.01 | 1.515 → 1.864 | −3.215 [−3.464, −2.967] | 1.380 |",
+        # the parts as measured so far: (a) CE below GRPO's yes, below log 2 no; (b) success up
+        # (+0.138 > 0), not faster (all censored); (c) the placebo gained (+0.033 > 0)
+        "| per-world echo 0.01 | yes / no | yes / no | no | no | **interim** |",
+        "| per-world echo 0.05 | yes / no | yes / no | no | no | **interim** |",
+        "| per-episode echo 0.05 | yes / no | yes / no | – | no | **interim** |",
+        "(points): per-world echo 0.01 +16.3 [+13.8, +18.8]; per-world echo 0.05 +4.6 "
+        "[+2.2, +7.1]; per-world placebo 0.05 +5.8 [+3.3, +8.3]; per-episode echo 0.05 +15.3 "
+        "[+12.8, +17.8].",
+        "0 of 4 per-world arms end below their start, 0 below log 2.",
+        "* **Speed**: no run reached 80 % greedy held-out success within 60 RL steps, so every "
+        "run is censored and every speed ratio is 1.",
+    ):
+        assert line in md, line
+    assert "**undecided**" not in md and "**support**" not in md
+    # the same rows as a complete run (planned = 3) apply the criteria: (a) fails below log 2
+    final = persistence.markdown(summary, planned_seeds=3)
+    assert final.startswith("### Result: 3 of 3 pre-registered seeds, the complete run\n")
+    assert "| per-world echo 0.01 | yes / no | yes / no | no | no | **undecided** |" in final
+    assert "verdicts: " not in persistence.headline(summary).lower()
+    assert persistence.headline(summary, planned_seeds=3).endswith(
+        "work: complete, 3 of 3 pre-registered seeds. Verdicts: per-world echo 0.01: "
+        "**undecided**; per-world echo 0.05: **undecided**; per-episode echo 0.05: "
+        "**undecided**.\n"
+    )
+
+
+def test_the_page_is_regenerated_from_a_run_by_one_command(tmp_path):
+    """scripts/persistence_page.py RUN_DIR: a cut-off run (seeds 0 and 1 complete, seed 2 with
+    only its GRPO arms) becomes docs/experiment/persistence/ and the page's two generated
+    blocks, "2 of 12" and interim; the rest of the page is untouched."""
+    import importlib.util
+
+    from echoloss.train import persistence
+
+    spec = importlib.util.spec_from_file_location(
+        "persistence_page", ROOT / "scripts" / "persistence_page.py"
+    )
+    assert spec and spec.loader
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = _shifted_seeds(3)
+    rows = [r for r in rows if r["seed"] < 2 or r["arm"] == "grpo"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "experiment.md").write_text(PAGE.read_text())
+    assert script.main([str(run), "--docs", str(docs)]) == 0
+    page = (docs / "experiment.md").read_text()
+    summary = json.loads((docs / "experiment" / "persistence" / "summary.json").read_text())
+    assert summary["complete_seeds"] == [0, 1]
+    assert "### Result: 2 of 12 pre-registered seeds, interim" in page
+    assert page == persistence.update_page(PAGE.read_text(), summary)
+    written = json.loads((docs / "experiment" / "persistence" / "results.json").read_text())
+    assert len(written) == len(rows)  # the partial seed's rows are kept, outside the summary
+    for name in script.FILES:
+        assert (docs / "experiment" / "persistence" / name).stat().st_size > 0, name
 
 
 def _gains(folder: str, arm: str) -> list[float]:
@@ -363,36 +515,9 @@ def test_the_pretrained_step_timing_is_the_committed_measurement():
         assert fragment in text, fragment
 
 
-def test_the_persistence_prose_is_its_rows():
-    """The numbers the persistence result's bullets print, from its committed rows."""
-    folder = ROWS / PERSISTENCE
-    if not (folder / "results.json").is_file():
-        pytest.skip("the persistence rows are not committed yet")
-    text = " ".join(PAGE.read_text().split())
-    rows = json.loads((folder / "results.json").read_text())
-    committed = json.loads((folder / "summary.json").read_text())
-    s = summarize([dict(r) for r in rows if r["seed"] in committed["complete_seeds"]])["arms"]
-
-    def m(arm: str, key: str) -> str:
-        return f"{s[arm][key]['mean']:.3f}"
-
-    def d(arm: str) -> str:
-        return f"{100 * s[arm]['eval_success_sampled_end']['diff_vs_grpo']['mean']:+.1f}"
-
+def test_the_persistence_run_times_are_its_rows():
+    """The hand-written account of the run: seed 0's arms' wall times, from its rows."""
+    rows = [r for r in _persistence_rows() if r["seed"] == 0]
     walls = sorted(r["wall_s"] for r in rows)
-    n = len(committed["complete_seeds"])
-    for fragment in (
-        f"{n} of 12 seeds, incomplete against the protocol",
-        f"an arm took {walls[0]:,.0f}–{walls[-1]:,.0f} s of wall time",
-        f"rises {m('per-world grpo', 'move_ce_start')} → {m('per-world grpo', 'move_ce_end')}",
-        f"({m('per-world echo 0.01', 'move_ce_end')} at λ = 0.01, {m('per-world echo 0.05', 'move_ce_end')} at 0.05)",
-        f"The placebo's rises to {m('per-world placebo 0.05', 'move_ce_end')}",
-        f"{d('per-world echo 0.01')} points at λ = 0.01, {d('per-world echo 0.05')} at 0.05 and "
-        f"{d('per-world placebo 0.05')} for the placebo; per episode, echo at 0.05 {d('per-episode echo 0.05')}",
-    ):
-        assert fragment in text, fragment
-    assert all(s[a]["reached_80"] == 0 for a in s)  # "every run is censored"
-    assert all(
-        r["move_ce_end"] > r["move_ce_start"] for r in rows if r["seed"] == 0
-    )  # none lowers it
-    assert n == 1 and 'every verdict below is "undecided"' in text
+    text = " ".join(PAGE.read_text().split())
+    assert f"each of seed 0's six arms took {walls[0]:,.0f}–{walls[-1]:,.0f} s of wall time" in text

@@ -1,0 +1,97 @@
+"""Rebuild the persistence experiment's report and its part of docs/experiment.md from its rows.
+
+The persistence section of docs/experiment.md prints, between two marker lines each, a headline
+and a result (`echoloss.train.persistence.headline` / `markdown`) of the committed rows; the
+page test (tests/train/test_experiment_page.py) recomputes both from
+``docs/experiment/persistence/results.json``. This script is the one step from rows to page:
+
+1. reads the rows of ``RUN_DIR`` (``results.jsonl`` of an experiment's output directory, or a
+   committed ``results.json``);
+2. runs ``echoloss-train experiment --mode persistence --summarize-only`` on them (in a
+   temporary directory, so ``RUN_DIR`` is not written), which writes ``results.json``,
+   ``summary.json``, ``summary.md`` and the four figures;
+3. copies those into ``docs/experiment/persistence/`` and writes the two generated blocks of
+   ``docs/experiment.md``; nothing else of the page changes.
+
+::
+
+    python scripts/persistence_page.py runs/persistence           # a finished or cut-off run
+    python scripts/persistence_page.py docs/experiment/persistence  # the committed rows again
+
+Run from the repository root. The verdicts read "interim" until all 12 pre-registered seeds
+are complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from echoloss.train import experiment, persistence
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = (
+    "results.json",
+    "summary.json",
+    "summary.md",
+    "success.png",
+    "speed.png",
+    "world_model.png",
+    "per_episode.png",
+)
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    """The rows of ``run_dir``: its ``results.jsonl`` if present, else its ``results.json``."""
+    if (run_dir / "results.jsonl").is_file():
+        text = (run_dir / "results.jsonl").read_text()
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    if (run_dir / "results.json").is_file():
+        return json.loads((run_dir / "results.json").read_text())
+    raise SystemExit(
+        f"persistence_page: {str(run_dir)!r} has neither results.jsonl nor results.json; pass "
+        "the --output-dir of `echoloss-train experiment --mode persistence`"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Summarise ``RUN_DIR``'s rows into docs/experiment/persistence/ and docs/experiment.md."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "run_dir", type=Path, help="an experiment output directory, or the committed one"
+    )
+    p.add_argument("--docs", type=Path, default=ROOT / "docs", help="the docs folder to write")
+    args = p.parse_args(argv)
+    rows = read_rows(args.run_dir)
+    if not rows or any(not r.get("level") for r in rows):
+        raise SystemExit(
+            f"persistence_page: {str(args.run_dir)!r} holds {len(rows)} rows, not all of the "
+            "persistence design (each needs a `level`); pass a persistence run's directory"
+        )
+    target = args.docs / "experiment" / "persistence"
+    page = args.docs / "experiment.md"
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        code = experiment.main(
+            ["--mode", "persistence", "--summarize-only", "--output-dir", str(work)]
+        )
+        if code != 0:
+            return code
+        target.mkdir(parents=True, exist_ok=True)
+        for name in FILES:
+            shutil.copyfile(work / name, target / name)
+    summary = json.loads((target / "summary.json").read_text())
+    page.write_text(persistence.update_page(page.read_text(), summary))
+    seeds = summary["complete_seeds"]
+    print(f"wrote {target}/ and the persistence blocks of {page}: {len(seeds)} of "
+          f"{persistence.PRE_REGISTERED_SEEDS} pre-registered seeds complete")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
