@@ -416,7 +416,8 @@ def update_page(
 
 def _curves(
     rows: list[dict[str, Any]], arm: str, key: str
-) -> tuple[list[int], list[float], list[dict[int, float]]]:
+) -> tuple[list[int], list[dict[int, float]]]:
+    """The RL steps every seed of ``arm`` evaluated ``key`` at, and each seed's curve."""
     curves = [
         {c["rl_step"]: c[key] for c in r.get("curve", []) if c.get(key) is not None}
         for r in rows
@@ -424,23 +425,29 @@ def _curves(
     ]
     curves = [c for c in curves if c]
     if not curves:
-        return [], [], []
-    steps = sorted(set.intersection(*(set(c) for c in curves)))
-    return steps, [sum(c[s] for c in curves) / len(curves) for s in steps], curves
+        return [], []
+    return sorted(set.intersection(*(set(c) for c in curves))), curves
+
+
+def _seed_note(summary: dict[str, Any]) -> str:
+    """``"3 of 12 seeds, interim"`` or ``"12 of 12 seeds"``: how much of the run a figure shows."""
+    n, final = _complete(summary, PRE_REGISTERED_SEEDS)
+    return f"{n} of {PRE_REGISTERED_SEEDS} seeds" + ("" if final else ", interim")
 
 
 def _success_figure(
     rows: list[dict[str, Any]], summary: dict[str, Any], colors: dict[str, Any], out: Path
 ) -> Path:
     """``success.png``, the primary outcome: sampled success at RL step 60, arm − GRPO, per
-    seed and mean with its 95 % interval, one line per arm that has a reference."""
+    seed (dots) and the mean with its 95 % t interval (diamond and bar; the mean alone, hollow,
+    where one seed gives no interval), one line per arm that has a reference."""
     import matplotlib.pyplot as plt
 
     arms = list(summary["arms"])
     fig, ax = plt.subplots(figsize=(7.5, 4.2), constrained_layout=True)
     others = [a for a in arms if reference_label(a) != a]
+    by = {(arm_label(r), r["seed"]): r for r in rows}
     for i, arm in enumerate(others):
-        by = {(arm_label(r), r["seed"]): r for r in rows}
         diffs = [
             by[(arm, s)]["eval_success_sampled_end"]
             - by[(reference_label(arm), s)]["eval_success_sampled_end"]
@@ -449,15 +456,21 @@ def _success_figure(
         ]
         ax.scatter([100 * d for d in diffs], [i] * len(diffs), color=colors[arm], alpha=0.5, s=18)
         d = summary["arms"][arm]["eval_success_sampled_end"].get("diff_vs_grpo") or {}
-        if d.get("n", 0) > 1:
+        if d.get("n", 0) > 1 and d.get("lo") is not None:
             ax.errorbar(100 * d["mean"], i, xerr=[[100 * (d["mean"] - d["lo"])], [100 * (d["hi"] - d["mean"])]],
                         fmt="D", color="k", capsize=4, ms=6)  # fmt: skip
+        elif d.get("n"):
+            ax.plot(100 * d["mean"], i, "D", mfc="none", mec="k", ms=8)
     ax.axvline(0, color="0.4", lw=1)
     for x in (-100 * GAIN, 100 * GAIN):
-        ax.axvline(x, color="0.7", lw=1, ls=":")
+        ax.axvline(x, color="0.6", lw=1, ls=":")
     ax.set_yticks(range(len(others)), others)
-    ax.set_xlabel("held-out sampled success at RL step 60, arm − GRPO (points); dots: seeds")
-    ax.set_title("Does echo raise success? (mean, 95 % CI)")
+    ax.set_xlabel("held-out sampled success at RL step 60, arm − GRPO (percentage points)")
+    ax.set_title(
+        f"Does echo raise success? ({_seed_note(summary)})\n"
+        "dots: seeds; diamond, bar: mean, 95 % t CI (hollow: one seed); dotted: ±3 points",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3, axis="x")
     path = out / "success.png"
     fig.savefig(path, dpi=110)
@@ -467,44 +480,58 @@ def _success_figure(
 
 #: The curve figures of `plots`: ``(level, key, ylabel, title, file name, reference lines)``.
 _CURVE_FIGURES: tuple[tuple[str, str, str, str, str, list[tuple[float, str]]], ...] = (
-    ("per-world", "eval_success_greedy", "held-out success (greedy)",
+    ("per-world", "eval_success_greedy",
+     "held-out greedy success (fraction of the 60 held-out tasks)",
      "Per world: how fast does each arm reach 80 %?", "speed.png", [(0.8, "80 %")]),
-    ("per-world", "ce_walks_move", "move-word CE, held-out random walks (nats)",
-     "Per world: does echo learn the world (floor 0)?", "world_model.png", [(LOG2, "log 2")]),
-    ("per-episode", "eval_success_greedy", "held-out success (greedy)",
-     "Per episode (the mirroring redrawn): greedy success", "per_episode.png", [(0.8, "80 %")]),
+    ("per-world", "ce_walks_move",
+     "move-word CE on held-out random walks (nats/token)",
+     "Per world: does echo learn the world?", "world_model.png",
+     [(LOG2, "log 2 (criterion (a))"), (0.0, "floor 0")]),
+    ("per-episode", "eval_success_greedy",
+     "held-out greedy success (fraction of the 240 held-out tasks)",
+     "Per episode (the mirroring redrawn): how fast does each arm reach 80 %?",
+     "per_episode.png", [(0.8, "80 %")]),
 )  # fmt: skip
 
 
 def _curve_figure(
     rows: list[dict[str, Any]],
+    summary: dict[str, Any],
     colors: dict[str, Any],
     out: Path,
-    level: str,
-    key: str,
-    ylabel: str,
-    title: str,
-    name: str,
-    lines: list[tuple[float, str]],
+    figure: tuple[str, str, str, str, str, list[tuple[float, str]]],
 ) -> Path:
-    """``out/name``: ``key`` against the RL step for every arm of ``level`` (each seed faint,
-    the mean over seeds bold), with horizontal reference ``lines`` ``(y, label)``."""
+    """``out/name``: ``key`` against the RL step for every arm of ``level``: each seed faint,
+    the mean over seeds bold with its 95 % t interval over seeds shaded (from two seeds on),
+    and horizontal reference ``lines`` ``(y, label)``."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2), constrained_layout=True)
+    from echoloss.train.experiment import paired_ci
+
+    level, key, ylabel, title, name, lines = figure
+    fig, ax = plt.subplots(figsize=(7.5, 4.4), constrained_layout=True)
     for arm in [a for a in colors if a.startswith(level)]:
-        steps, mean, curves = _curves(rows, arm, key)
+        steps, curves = _curves(rows, arm, key)
         for c in curves:
             xs = sorted(c)
             ax.plot(xs, [c[x] for x in xs], color=colors[arm], alpha=0.15, lw=0.8)
-        if steps:
-            ax.plot(steps, mean, color=colors[arm], lw=2.2, marker="o", ms=3,
-                    label=f"{arm} (n={len(curves)})")  # fmt: skip
+        if not steps:
+            continue
+        cis = [paired_ci([c[s] for c in curves]) for s in steps]
+        ax.plot(steps, [ci["mean"] for ci in cis], color=colors[arm], lw=2.2, marker="o", ms=3,
+                label=f"{arm} (n={len(curves)})")  # fmt: skip
+        if len(curves) > 1:
+            ax.fill_between(steps, [ci["lo"] for ci in cis], [ci["hi"] for ci in cis],
+                            color=colors[arm], alpha=0.15, lw=0)  # fmt: skip
     for y, label in lines:
-        ax.axhline(y, color="0.4", lw=1, ls="--", label=label)
+        ax.axhline(y, color="0.4", lw=1, ls="--" if y else ":", label=label)
     ax.set_xlabel("RL step")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(
+        f"{title} ({_seed_note(summary)})\n"
+        "bold: mean over seeds, shaded: 95 % t CI (from 2 seeds); faint: seeds",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     path = out / name
@@ -514,11 +541,13 @@ def _curve_figure(
 
 
 def plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path) -> list[Path]:
-    """One figure per question, each one panel: ``success.png`` (primary: sampled success at
-    RL step 60, arm − GRPO, per seed and mean with its 95 % interval), ``speed.png`` (greedy
-    held-out success per world against the RL step, the 80 % line), ``world_model.png``
-    (move-word CE on held-out random walks per world against the RL step, with log 2) and
-    ``per_episode.png`` (the per-episode level's greedy success and move-word CE)."""
+    """One figure per question, each one panel with labelled axes and units, the seed count in
+    its title (``interim`` before the complete run) and 95 % t intervals over seeds:
+    ``success.png`` (primary: sampled success at RL step 60, arm − GRPO, per seed and mean),
+    ``speed.png`` (greedy held-out success per world against the RL step, the 80 % line),
+    ``world_model.png`` (move-word CE on held-out random walks per world against the RL step,
+    with log 2 and the floor) and ``per_episode.png`` (the per-episode level's greedy success
+    against the RL step)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -527,5 +556,5 @@ def plots(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path) -> lis
     colors = {a: plt.get_cmap("tab10")(i) for i, a in enumerate(summary["arms"])}
     written = [_success_figure(rows, summary, colors, out)]  # 1. the primary outcome
     for figure in _CURVE_FIGURES:
-        written.append(_curve_figure(rows, colors, out, *figure))
+        written.append(_curve_figure(rows, summary, colors, out, figure))
     return written
