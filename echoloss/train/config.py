@@ -29,6 +29,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -276,8 +277,13 @@ PRETRAINED_MAX_LR = 1e-4
 
 def pretrained_rates_problem(cfg: TrainConfig, parameters: int) -> str | None:
     """Why the learning rates do not suit a pretrained model of ``parameters`` loaded from
-    ``model.path``, or None. The defaults (``warmup.lr``, ``optim.lr``) are the built-in tiny
-    model's; a pretrained model needs rates far smaller (`PRETRAINED_MAX_LR`).
+    ``model.path``, or None.
+
+    A rate is suspicious when it is above `PRETRAINED_MAX_LR` and is the built-in tiny model's:
+    it comes from the defaults or from a config file that does not set ``model.path`` (e.g.
+    ``--config fast --set model.path=DIR``). A rate set on the command line or in the file that
+    sets ``model.path`` was chosen for that model (``configs/gpu.toml``'s warm-up at 3e-3 teaches
+    mirrorgrid's reply format on purpose) and is left alone.
 
     Examples:
         >>> cfg = parse_config({"optim": {"lr": 1e-3}})
@@ -286,9 +292,12 @@ def pretrained_rates_problem(cfg: TrainConfig, parameters: int) -> str | None:
     """
     if cfg.model.path is None or parameters <= PRETRAINED_PARAMETERS:
         return None
-    high = [f"optim.lr = {cfg.optim.lr:g}"] if cfg.optim.lr > PRETRAINED_MAX_LR else []
-    if cfg.warmup.steps and cfg.data.source != "jsonl" and cfg.warmup.lr > PRETRAINED_MAX_LR:
-        high.insert(0, f"warmup.lr = {cfg.warmup.lr:g}")
+    chosen = cfg._rates_chosen
+    high = []
+    if cfg.warmup.steps and cfg.data.source != "jsonl" and "warmup.lr" not in chosen:
+        high += [f"warmup.lr = {cfg.warmup.lr:g}"] if cfg.warmup.lr > PRETRAINED_MAX_LR else []
+    if "optim.lr" not in chosen and cfg.optim.lr > PRETRAINED_MAX_LR:
+        high.append(f"optim.lr = {cfg.optim.lr:g}")
     if not high:
         return None
     return (
@@ -510,6 +519,11 @@ class TrainConfig(_Section):
     loss: LossConfig = LossConfig(**_LOSS_DEFAULTS)
     optim: OptimConfig = OptimConfig()
     train: TrainSection = TrainSection()
+    #: The learning rates (``"warmup.lr"``, ``"optim.lr"``) chosen for the model of
+    #: ``model.path``: set on the command line (``--set``) or in the same file or table that sets
+    #: ``model.path``. The others come from a source written for the built-in tiny model (the
+    #: defaults, or a file without ``model.path``); `pretrained_rates_problem` warns about those.
+    _rates_chosen: frozenset[str] = PrivateAttr(default=frozenset())
 
     @model_validator(mode="before")
     @classmethod
@@ -641,8 +655,35 @@ def _format(err: ValidationError) -> str:
     return "invalid trainer config:\n" + "\n".join(lines)
 
 
+_RATES = ("warmup.lr", "optim.lr")
+
+
+def _rates_set(data: Mapping[str, Any]) -> set[str]:
+    """The learning rates (of `_RATES`) that ``data`` (a config table) sets."""
+    found = set()
+    for dotted in _RATES:
+        section, key = dotted.split(".")
+        table = data.get(section)
+        if isinstance(table, Mapping) and key in table:
+            found.add(dotted)
+    return found
+
+
+def _sets_model_path(data: Mapping[str, Any]) -> bool:
+    model = data.get("model")
+    return isinstance(model, Mapping) and model.get("path") is not None
+
+
 def parse_config(data: Mapping[str, Any]) -> TrainConfig:
-    """Validate a dict (a parsed TOML file); raises `ConfigError` naming every bad key."""
+    """Validate a dict (a parsed TOML file); raises `ConfigError` naming every bad key.
+
+    Learning rates the dict sets together with ``model.path`` count as chosen for that model
+    (`pretrained_rates_problem`)."""
+    chosen = _rates_set(data) if isinstance(data, Mapping) and _sets_model_path(data) else set()
+    return _validate(data, chosen)
+
+
+def _validate(data: Mapping[str, Any], rates_chosen: set[str]) -> TrainConfig:
     if not isinstance(data, Mapping):
         raise ConfigError(
             f"invalid trainer config: expected a table of sections (a dict, or a TOML file via "
@@ -651,11 +692,13 @@ def parse_config(data: Mapping[str, Any]) -> TrainConfig:
     train = data.get("train")
     allowed = train.get("allow_import_paths") if isinstance(train, Mapping) else False
     try:
-        return TrainConfig.model_validate(
+        cfg = TrainConfig.model_validate(
             dict(data), context={"allow_import_paths": allowed is True}
         )
     except ValidationError as err:
         raise ConfigError(_format(err)) from None
+    cfg._rates_chosen = frozenset(rates_chosen)
+    return cfg
 
 
 def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -671,7 +714,9 @@ def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Read ``path`` (None = the embedded default), apply ``{"section.key": value}`` overrides,
-    validate.
+    validate. Learning rates set by an override, or by a file that sets ``model.path``, count as
+    chosen for that model (`pretrained_rates_problem`); the embedded default's are the tiny
+    model's.
 
     Raises:
         ConfigError: a TOML syntax error (with its line), an unknown key, a wrong type, a bad value.
@@ -688,6 +733,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{where}: not valid TOML: {err}") from None
+    chosen = _rates_set(data) if _sets_model_path(data) else set()
+    chosen |= {key for key in overrides or {} if key in _RATES}
     for key, value in (overrides or {}).items():
         _set(data, key, value)
-    return parse_config(data)
+    return _validate(data, chosen)

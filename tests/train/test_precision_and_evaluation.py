@@ -8,12 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_helpers import fast_config
+from _train_helpers import FAST, REPO, fast_config
 from safetensors.torch import load_file
 
 from echoloss.train import config as config_module
 from echoloss.train import probes
-from echoloss.train.config import ConfigWarning, parse_config, pretrained_rates_problem
+from echoloss.train.config import (
+    ConfigWarning,
+    load_config,
+    parse_config,
+    pretrained_rates_problem,
+)
 from echoloss.train.model import build_tiny_model, build_tokenizer, packed_logits
 from echoloss.train.recipe import train
 from echoloss.train.runtime import autocast
@@ -139,27 +144,51 @@ def _model_dir(tmp_path: Path) -> Path:
 
 def test_pretrained_rates_problem_names_each_rate_and_the_fix(tmp_path):
     path = str(_model_dir(tmp_path))
-    tiny_rates = parse_config({"model": {"path": path}, "warmup": {"lr": 1e-2},
-                               "optim": {"lr": 1e-3}})  # fmt: skip
+    # The embedded default (warmup.lr 1e-2, optim.lr 1e-3) with model.path on the command line.
+    tiny_rates = load_config(None, {"model.path": path})
     problem = pretrained_rates_problem(tiny_rates, 135_000_000)
     assert problem is not None
     assert "warmup.lr = 0.01 and optim.lr = 0.001" in problem and "135M parameters" in problem
     assert "--set warmup.lr=1e-5 --set optim.lr=1e-6" in problem
     assert pretrained_rates_problem(tiny_rates, 100_000) is None  # a model trained here
-    survivable = parse_config({"model": {"path": path}, "warmup": {"lr": 1e-5},
-                               "optim": {"lr": 1e-6}})  # fmt: skip
+    # The schema defaults count as the tiny model's too (warmup.lr 3e-3).
+    schema = parse_config({"model": {"path": path}})
+    assert "warmup.lr = 0.003 and optim.lr" in (pretrained_rates_problem(schema, 10**8) or "")
+    survivable = load_config(None, {"model.path": path, "warmup.lr": 1e-5, "optim.lr": 1e-6})
     assert pretrained_rates_problem(survivable, 135_000_000) is None
-    no_warmup = parse_config({"model": {"path": path}, "warmup": {"steps": 0, "lr": 1e-2},
-                              "optim": {"lr": 1e-6}})  # fmt: skip
+    no_warmup = load_config(None, {"model.path": path, "warmup.steps": 0, "optim.lr": 1e-6})
+    assert no_warmup.warmup.lr == 1e-2  # the embedded default's, never used
     assert pretrained_rates_problem(no_warmup, 135_000_000) is None  # the warm-up never runs
     assert pretrained_rates_problem(parse_config({}), 135_000_000) is None  # no model.path
+
+
+def test_rates_chosen_for_the_model_are_not_the_tiny_models(tmp_path):
+    """A rate set on the command line, or in the file or table that sets model.path, was chosen
+    for that model; only rates from the defaults or from a tiny-model file are warned about."""
+    path = str(_model_dir(tmp_path))
+    in_one_table = parse_config({"model": {"path": path}, "warmup": {"lr": 3e-3},
+                                 "optim": {"lr": 1e-3}})  # fmt: skip
+    assert pretrained_rates_problem(in_one_table, 135_000_000) is None
+    on_the_command_line = load_config(None, {"model.path": path, "optim.lr": 1e-3})
+    problem = pretrained_rates_problem(on_the_command_line, 135_000_000)  # warmup.lr: default's
+    assert problem is not None and "warmup.lr = 0.01 are learning rates" in problem
+    fast = load_config(FAST, {"model.path": path})  # a tiny-model file; the path added
+    assert "optim.lr = 0.01 are" in (pretrained_rates_problem(fast, 135_000_000) or "")
+    gpu = load_config(REPO / "configs" / "gpu.toml", {"model.path": path})
+    assert gpu.warmup.lr == 3e-3 and gpu.optim.lr == 1e-6
+    assert pretrained_rates_problem(gpu, 600_000_000) is None
+    for name in ("pretrained", "gpu-pretrained"):
+        shipped = load_config(REPO / "configs" / f"{name}.toml")
+        assert pretrained_rates_problem(shipped, 10**8) is None
 
 
 def test_a_pretrained_model_at_tiny_rates_warns_once(tmp_path, monkeypatch):
     first = train(fast_config(tmp_path / "a", **ONE_UPDATE), log=lambda _: None)
     # the exported tiny model stands in for a pretrained one: lower the size threshold
     monkeypatch.setattr(config_module, "PRETRAINED_PARAMETERS", 1000)
-    over = {**ONE_UPDATE, "model.path": str(first / "final-model"), "optim.lr": 1e-3}
-    with pytest.warns(ConfigWarning, match="optim.lr = 0.001 are learning rates") as seen:
+    # configs/fast.toml's RL rate (1e-2, written for the tiny model), model.path added
+    over = {k: v for k, v in ONE_UPDATE.items() if k != "optim.lr"}
+    over["model.path"] = str(first / "final-model")
+    with pytest.warns(ConfigWarning, match="optim.lr = 0.01 are learning rates") as seen:
         train(fast_config(tmp_path / "b", **over), log=lambda _: None)
     assert len([w for w in seen if "learning rates" in str(w.message)]) == 1
