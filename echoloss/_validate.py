@@ -213,11 +213,13 @@ def check_count(
     return float(out)
 
 
-def check_mask(name: str, t: Any, fix: str = "") -> torch.Tensor:
+def check_mask(name: str, t: Any, fix: str = "", *, checks: Any = None) -> torch.Tensor:
     """A ``[...]`` mask as bool: a bool tensor, or an integer/float tensor of exact 0s and 1s.
 
     HF-style masks arrive as ``long`` or ``float``; any value other than 0 or 1 (0.5, NaN, -1)
     is a mis-built mask and raises, naming the first bad entry, instead of being read as True.
+    With ``checks`` (an `echoloss._deferred.DeferredChecks`) the values are checked through it:
+    on the device path without a host read, the same error raised later.
 
     Examples:
         >>> check_mask("attention_mask", torch.tensor([1.0, 0.0])).tolist()
@@ -232,17 +234,31 @@ def check_mask(name: str, t: Any, fix: str = "") -> torch.Tensor:
         return tensor
     if tensor.is_complex():
         raise TypeError(problem(name, "a bool or 0/1 mask", describe(tensor), fix))
-    bad = (tensor != 0) & (tensor != 1)
-    if bool(bad.any()):
-        i = int(bad.reshape(-1).nonzero()[0, 0])
-        raise ValueError(
+    bad = ((tensor != 0) & (tensor != 1)).reshape(-1)  # [numel]
+    integer = not tensor.dtype.is_floating_point
+
+    def error(i: int, value: float) -> ValueError:
+        return ValueError(
             problem(
                 f"{name}[{i}]" if tensor.dim() <= 1 else f"{name} (flat index {i})",
                 "0 or 1 (True = this token takes part)",
-                repr(tensor.reshape(-1)[i].item()),
+                repr(int(value) if integer else value),
                 fix,
             )
         )
+
+    if checks is not None and bad.numel():
+        from echoloss._deferred import first_true
+
+        row = first_true(bad)  # 0-dim
+        first = tensor.reshape(-1).index_select(0, row.view(1))
+        checks.add(
+            [bad.any(), row, first.double()],
+            lambda v: error(int(v[1]), v[2]) if v[0] else None,
+        )
+    elif bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise error(i, tensor.reshape(-1)[i].item())
     return tensor != 0
 
 

@@ -356,10 +356,11 @@ def _policy_on_rows(
     every row's fields), and their outputs are masked out, so nothing depends on the number of
     RL rows (no host read). Any other function receives the RL rows compacted, as documented
     for ``register_policy``: that needs their count and sequence count on the host (one sync
-    per call).
+    per call). A per-call ``policy_fn`` declares ``all_rows`` with an attribute
+    ``all_rows = True`` (``echoloss.nn``'s SAPO and sequence-level CISPO do).
     """
     rl = x.rl
-    if spec.all_rows:
+    if spec.all_rows or (spec.fn is None and getattr(fn, "all_rows", False) is True):
         rows = RecordRows(x, torch.arange(rl.numel(), device=rl.device))
         out = check_policy_output(fn(inputs._replace(rows=rows), cfg), inputs.logprobs, cfg.policy)
         flags = {k: f & rl for k, f in out.flags.items()}
@@ -470,13 +471,21 @@ def _rl_per_token(
 
 
 def _rl_term(
-    per_tok: torch.Tensor, rl: torch.Tensor, cfg: LossConfig, norms: _Counts, seqs: LocalSequences
+    per_tok: torch.Tensor,
+    rl: torch.Tensor,
+    cfg: LossConfig,
+    norms: _Counts,
+    seqs: LocalSequences,
+    rl_constant: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``L_RL``: ``per_tok [N]`` (0 outside RL rows) normalised by ``cfg.rl_normalization``."""
+    """``L_RL``: ``per_tok [N]`` (0 outside RL rows) normalised by ``cfg.rl_normalization``
+    (``rl_constant``, a 0-dim device tensor, replaces ``rl_normalization_constant`` when given)."""
     mode = cfg.rl_normalization
     if mode == "token_mean":
         return per_tok.sum() / _at_least_one(norms.rl_tokens)  # 0-dim
     if mode == "token_sum_constant":
+        if rl_constant is not None:
+            return per_tok.sum() / rl_constant  # 0-dim
         assert cfg.rl_normalization_constant is not None  # LossConfig
         return per_tok.sum() / cfg.rl_normalization_constant  # 0-dim
     assert seqs.rl_index is not None  # _check_requirements
@@ -702,6 +711,7 @@ def loss_from_logprobs(
     source: str,
     spec: PolicySpec | None = None,
     checks: DeferredChecks | None = None,
+    rl_constant: torch.Tensor | None = None,
 ) -> LossOutput:
     """The loss algebra shared by every entry point, on ``[N]`` logprobs already scored.
 
@@ -719,6 +729,9 @@ def loss_from_logprobs(
         source: the argument the logprobs came from, for error messages.
         spec: the policy's spec when the requirements were already checked.
         checks: the call's value checks so far (submitted here); None = a new set.
+        rl_constant: 0-dim fp32 divisor of ``rl_normalization="token_sum_constant"`` computed
+            on the device (a count all-reduced or given as a tensor), replacing
+            ``cfg.rl_normalization_constant``; None = the config's.
 
     Returns:
         [`LossOutput`][echoloss.loss.LossOutput].
@@ -729,7 +742,9 @@ def loss_from_logprobs(
     algebra = _algebra
     if _COMPILE.options is not None and on_device_path(lp.device):
         algebra = _compiled_algebra()
-    loss, metrics = algebra(lp, ent, x, cfg, normalizers, policy_fn, source, spec, checks)
+    loss, metrics = algebra(
+        lp, ent, x, cfg, normalizers, policy_fn, source, spec, checks, rl_constant
+    )
     checks.submit()
     return LossOutput(loss, metrics)
 
@@ -779,6 +794,7 @@ def _algebra(
     source: str,
     spec: PolicySpec,
     checks: DeferredChecks,
+    rl_constant: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The body of `loss_from_logprobs`: ``(loss, metrics)`` from the ``[N]`` logprobs."""
     if cfg.check_finite:
@@ -796,7 +812,7 @@ def _algebra(
     norms = _resolve_normalizers(normalizers, local, cfg, checks)
 
     rl = _rl_per_token(lp, ent, x, seqs, cfg, spec, policy_fn, checks)
-    rl_term = _rl_term(rl.per_token, x.rl, cfg, norms, seqs)  # 0-dim
+    rl_term = _rl_term(rl.per_token, x.rl, cfg, norms, seqs, rl_constant)  # 0-dim
 
     # Echo rows: -w · logprob, no ratio / trust region / KL / adv_tau.
     lp_echo = torch.where(x.echo, lp, 0.0)  # [N]
@@ -855,6 +871,24 @@ def echo_loss_from_logprobs(
         tensor([-1.0000, -0.5000])
     """
     raise_deferred_errors(block=False)
+    return logprobs_loss(logprobs, inputs, entropy, config, normalizers, policy_fn, fields)
+
+
+def logprobs_loss(
+    logprobs: torch.Tensor,
+    inputs: LossInputs | None,
+    entropy: torch.Tensor | None,
+    config: LossConfig | None,
+    normalizers: Normalizers | None,
+    policy_fn: PolicyFn | None,
+    fields: dict[str, Any],
+    *,
+    checks: DeferredChecks | None = None,
+    rl_constant: torch.Tensor | None = None,
+) -> LossOutput:
+    """The body of `echo_loss_from_logprobs`, for callers (the ``echoloss.nn`` modules) that
+    bring their own value ``checks`` (checked before these, reported in one submission) or
+    a device-side ``rl_constant`` (see `loss_from_logprobs`)."""
     logprobs = check_tensor("logprobs", logprobs)
     if not logprobs.dtype.is_floating_point:
         raise TypeError(problem("logprobs", "a float tensor", describe(logprobs)))
@@ -864,14 +898,22 @@ def echo_loss_from_logprobs(
         inputs, fields, shape=logprobs.shape, device=logprobs.device, source="logprobs"
     )
     cfg = check_config(config)
-    checks = DeferredChecks(logprobs.device)
+    checks = DeferredChecks(logprobs.device) if checks is None else checks
     ent = None
     if entropy is not None:
         ent = check_per_token("entropy", entropy, x.shape, x.device, "float").reshape(-1)  # [N]
         if cfg.check_finite:
             _check_entropy(ent, x.rl, checks)
     return loss_from_logprobs(
-        logprobs.reshape(-1), ent, x, cfg, normalizers, policy_fn, source="logprobs", checks=checks
+        logprobs.reshape(-1),
+        ent,
+        x,
+        cfg,
+        normalizers,
+        policy_fn,
+        source="logprobs",
+        checks=checks,
+        rl_constant=rl_constant,
     )
 
 

@@ -11,13 +11,15 @@ normaliser is folded into the echo weights by `scale_echo_weights`. Pure PyTorch
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from echoloss import LossConfig, Normalizers, PolicyInputs, PolicyOutput
+from echoloss._deferred import DeferredChecks
 from echoloss._validate import check_count, describe, finite_float, problem
 
 # The normal float32 range (the loss divides by the temperature in float32).
@@ -176,6 +178,47 @@ def check_items(name: str, value: Any, local: int | None, what: str) -> float:
             )
         )
     return items
+
+
+def items_on_device(
+    name: str,
+    value: float | torch.Tensor,
+    local: torch.Tensor | None,
+    what: str,
+    checks: DeferredChecks,
+) -> torch.Tensor:
+    """`check_items` for a count that may live on the device: returns it as a 0-dim float64
+    tensor on ``checks.device``.
+
+    The type is checked at once; the value (finite whole number ≥ 0, and ≥ ``local``, this
+    call's own count as a 0-dim tensor) through ``checks``: on the device path nothing is read
+    on the host, and the error, with `check_items`' message, is raised later.
+
+    Examples:
+        >>> c = DeferredChecks(torch.device("cpu"))
+        >>> items_on_device("num_items_in_batch", torch.tensor(12), torch.tensor(5), "RL tokens", c)
+        tensor(12., dtype=torch.float64)
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            check_count(name, value)  # raises the TypeError naming the argument
+        integer = not value.dtype.is_floating_point
+        count = value.detach().reshape(()).to(device=checks.device, dtype=torch.float64)
+    else:
+        check_count(name, value, minimum=0, integer=True)  # a host number: checked now
+        integer = isinstance(value, int)
+        count = torch.full((), float(value), dtype=torch.float64, device=checks.device)
+
+    def message(v: Sequence[float]) -> Exception | None:
+        host = int(v[0]) if integer and math.isfinite(v[0]) else v[0]
+        try:
+            check_items(name, host, None if local is None else int(v[1]), what)
+        except (TypeError, ValueError) as err:
+            return err
+        return None
+
+    checks.add([count] if local is None else [count, local], message)
+    return count
 
 
 def _sequence_normalizers(count: int) -> Normalizers:
@@ -382,8 +425,8 @@ def _log_ratio(inputs: PolicyInputs, sequence: bool) -> torch.Tensor:
         raise ValueError("a sequence-level ratio needs sequence_ids")
     idx, num = inputs.sequence_index, inputs.num_sequences
     sums = log_ratio.new_zeros(num).index_add(0, idx, log_ratio)
-    per_seq = sums / torch.bincount(idx, minlength=num).to(log_ratio.dtype).clamp(min=1)
-    return per_seq[inputs.sequence_index]
+    rows = log_ratio.new_zeros(num).index_add(0, idx, torch.ones_like(log_ratio))  # [S]
+    return (sums / rows.clamp(min=1)).index_select(0, idx)
 
 
 @dataclass(frozen=True)
@@ -393,6 +436,9 @@ class _Sapo:
     temperature_pos: float
     temperature_neg: float
     sequence: bool
+    #: Runs on every row at once (rows that are not RL carry log ratio 0, advantage 0 and a
+    #: padding sequence), so the loss reads nothing on the host (`echoloss.loss.core`).
+    all_rows: ClassVar[bool] = True
 
     def __call__(self, inputs: PolicyInputs, config: LossConfig) -> PolicyOutput:
         ratio = torch.exp(_log_ratio(inputs, self.sequence))
@@ -410,6 +456,7 @@ class _SequenceCispo:
     """TRL's ``cispo`` with sequence-level ratios: ``-sg(min(s, ε_high)) · A · log p``."""
 
     epsilon_high: float
+    all_rows: ClassVar[bool] = True  # as `_Sapo.all_rows`
 
     def __call__(self, inputs: PolicyInputs, config: LossConfig) -> PolicyOutput:
         with torch.no_grad():
@@ -424,10 +471,11 @@ def scale_echo_weights(
     observation_mask: torch.Tensor,
     *,
     normalization: str,
-    num_echo_items_in_batch: float | None,
+    num_echo_items_in_batch: float | torch.Tensor | None,
     num_processes: int,
     accumulation_steps: int,
     steps_per_generation: int,
+    checks: DeferredChecks | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` echo weights pre-divided by the echo normaliser of one TRL micro-batch.
 
@@ -447,9 +495,11 @@ def scale_echo_weights(
         observation_mask: ``[B, T]`` bool, the rows counted in ``|O_i|``.
         normalization: one of [`ECHO_NORMALIZATIONS`][echoloss.nn.grpo.ECHO_NORMALIZATIONS].
         num_echo_items_in_batch: echo tokens in the generation batch over every process
-            (``"token_mean"`` only).
+            (``"token_mean"`` only): a number or a 0-dim tensor.
         num_processes, accumulation_steps, steps_per_generation: as in TRL (eval: 1, 1, 1 for the
             last two factors' ratio).
+        checks: where the counts read from device values are checked (no host read on the
+            device path); None = checked here, deferred on CUDA like the loss's checks.
 
     Examples:
         >>> w = torch.tensor([[0.0, 0.5, 0.5], [0.5, 0.0, 0.0]])
@@ -473,14 +523,22 @@ def scale_echo_weights(
                 "num_echo_items_in_batch: required by echo normalization 'token_mean' (echo "
                 "tokens of the generation batch over every process)"
             )
-        items = check_items(
-            "num_echo_items_in_batch", num_echo_items_in_batch, int(echoed.sum()), "echo tokens"
-        )
+        own = checks is None
+        checks = DeferredChecks(echo_weights.device) if checks is None else checks
+        items = items_on_device(
+            "num_echo_items_in_batch",
+            num_echo_items_in_batch,
+            echoed.sum(),
+            "echo tokens",
+            checks,
+        )  # 0-dim float64
+        if own:
+            checks.submit()
         # max(·, 1): only a batch without echo tokens has items == 0, and its weights are all 0.
-        divisor = max(items, 1.0) / num_processes
-        return echo_weights / (divisor * accumulation_steps / steps_per_generation)
+        divisor = items.clamp(min=1) / num_processes * accumulation_steps / steps_per_generation
+        return echo_weights / divisor.to(echo_weights.dtype)
     if normalization == "batch_token_mean":
-        return echo_weights / (max(int(echoed.sum()), 1) * accumulation_steps)
+        return echo_weights / (echoed.sum().clamp(min=1) * accumulation_steps)
     if normalization == "sequence_mean":
         z = (observation_mask | echoed).sum(dim=1, keepdim=True).clamp(min=1)
         return echo_weights / (z * echo_weights.shape[0] * accumulation_steps)

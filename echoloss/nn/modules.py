@@ -27,10 +27,10 @@ from echoloss import (
     LossInputs,
     LossOutput,
     Normalizers,
-    echo_loss_from_logprobs,
     linear_selective_logprobs,
     selective_logprobs,
 )
+from echoloss._deferred import DeferredChecks, raise_deferred_errors
 from echoloss._logging import warn_once
 from echoloss._validate import (
     check_count,
@@ -40,13 +40,13 @@ from echoloss._validate import (
     finite_float,
     problem,
 )
-from echoloss.loss.core import check_scored_rows
+from echoloss.loss.core import check_scored_rows, logprobs_loss
 from echoloss.nn.grpo import (
     ECHO_NORMALIZATIONS,
     ECHO_TEMPERATURES,
     GRPOLossMapping,
-    check_items,
     grpo_loss_mapping,
+    items_on_device,
     row_temperature,
     scale_echo_weights,
 )
@@ -95,14 +95,16 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _all_reduced(count: torch.Tensor) -> float:
-    """The sum of a per-rank count over the data-parallel group (the count itself alone)."""
+def _all_reduced(count: torch.Tensor) -> torch.Tensor:
+    """0-dim float64: the sum of a per-rank count over the data-parallel group (the count
+    itself alone), left on the device (an all-reduce does not make the host wait)."""
     import torch.distributed as dist
 
+    count = count.double()
     if dist.is_available() and dist.is_initialized():
         count = count.clone()
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
-    return float(count)
+    return count
 
 
 class EchoGRPOLoss(nn.Module):
@@ -236,8 +238,9 @@ class EchoGRPOLoss(nn.Module):
         self,
         attention_mask: torch.Tensor,
         echo_weights: torch.Tensor | None,
+        checks: DeferredChecks,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        valid = check_mask("attention_mask", attention_mask)
+        valid = check_mask("attention_mask", attention_mask, checks=checks)
         if echo_weights is None:
             w = torch.zeros(valid.shape, device=valid.device)
         else:
@@ -272,6 +275,7 @@ class EchoGRPOLoss(nn.Module):
         num_echo_items_in_batch: float | torch.Tensor | None,
         normalizers: Normalizers | None,
         env_names: Sequence[str] | None,
+        checks: DeferredChecks,
         source: str = "logits",
     ) -> LossOutput:
         b, t = rl.shape
@@ -289,49 +293,20 @@ class EchoGRPOLoss(nn.Module):
         obs = (
             echo
             if observation_mask is None
-            else (check_mask("observation_mask", observation_mask) | echo)
+            else (check_mask("observation_mask", observation_mask, checks=checks) | echo)
         )
         cfg, norms = self.config, normalizers
+        rl_constant = None  # dapo / cispo: the RL divisor, computed on the device
         if self.mapping is not None:
             if normalizers is not None:
                 raise ValueError(
                     "normalizers: the GRPO options fix the normaliser per call (loss_type); "
                     "pass num_items_in_batch instead, or use config=LossConfig(...)"
                 )
-            world = _world_size()
-            items = num_items_in_batch
-            divides = self.mapping.loss_type in ("dapo", "cispo")  # the types that read it
-            # This call's RL tokens (a host read) only where a given count must cover them.
-            n_rl = int(rl.sum()) if items is not None and divides else None
-            if items is None and divides:
-                items = _all_reduced(rl.sum().float())  # Liger: the batch's RL tokens, all ranks
-            elif items is not None:
-                items = check_items("num_items_in_batch", items, n_rl, "RL tokens")
-            cfg, norms = self.mapping.micro_batch(
-                batch_size=b,
-                max_completion_length=self.max_completion_length or 0,
-                num_items_in_batch=None if items is None else float(items),
-                num_processes=world,
-                accumulation_steps=1,
-                steps_per_generation=1,
-                local_items=n_rl,
+            cfg, norms, rl_constant = self._rl_normalizer(
+                self.mapping, rl, b, num_items_in_batch, checks
             )
-            if self.mapping.loss_type == "bnpo":
-                norms = Normalizers(rl_tokens=max(int(rl.sum()), 1))
-            echo_items = num_echo_items_in_batch
-            if echo_items is not None:
-                echo_items = check_count("num_echo_items_in_batch", echo_items, integer=True)
-            if echo_items is None and self.echo_normalization == "token_mean":
-                echo_items = _all_reduced(echo.sum().float())
-            echo_w = scale_echo_weights(
-                echo_w,
-                obs,
-                normalization=self.echo_normalization,
-                num_echo_items_in_batch=None if echo_items is None else float(echo_items),
-                num_processes=world,
-                accumulation_steps=1,
-                steps_per_generation=1,
-            )
+            echo_w = self._scaled_echo_weights(echo_w, echo, obs, num_echo_items_in_batch, checks)
         if cfg.kl_coef > 0 and ref_per_token_logps is None:
             raise ValueError(
                 f"ref_per_token_logps: required by beta={cfg.kl_coef} ([B, T] reference-model "
@@ -341,10 +316,11 @@ class EchoGRPOLoss(nn.Module):
             # On-policy: the ratio's denominator is this pass's logprobs, so a non-finite one
             # is the model's output (named by its source), not an old logprob.
             if cfg.check_finite:
-                check_scored_rows(lp.reshape(-1), rl.reshape(-1), echo.reshape(-1), source)
+                check_scored_rows(lp.reshape(-1), rl.reshape(-1), echo.reshape(-1), source, checks)
             old = lp.detach()
         else:
             old = check_tensor("old_per_token_logps", old_per_token_logps).float()
+        checks.submit()  # before the record's own checks: errors come in call order
         record = _record(
             source,
             rl_mask=rl,
@@ -357,13 +333,81 @@ class EchoGRPOLoss(nn.Module):
             observation_mask=obs,
             env_names=None if env_names is None else tuple(env_names),
         )
-        return echo_loss_from_logprobs(
+        return logprobs_loss(
             lp,
             record,
-            entropy=entropy.detach(),
-            config=cfg,
-            normalizers=norms,
-            policy_fn=None if self.mapping is None else self.mapping.policy_fn,
+            entropy.detach(),
+            cfg,
+            norms,
+            None if self.mapping is None else self.mapping.policy_fn,
+            {},
+            checks=checks,
+            rl_constant=rl_constant,
+        )
+
+    def _rl_normalizer(
+        self,
+        mapping: GRPOLossMapping,
+        rl: torch.Tensor,
+        batch_size: int,
+        num_items_in_batch: float | torch.Tensor | None,
+        checks: DeferredChecks,
+    ) -> tuple[LossConfig, Normalizers | None, torch.Tensor | None]:
+        """``(config, normalizers, rl_constant)`` of one call (one call = one step, as Liger).
+
+        ``dapo``/``cispo`` divide by the RL tokens of the batch over every rank: the count
+        given, or this call's all-reduced, as a device tensor (``rl_constant``, no host read);
+        ``bnpo`` by this call's RL tokens (the config's ``token_mean`` over the call); the other
+        types by constants of the batch shape.
+        """
+        world = _world_size()
+        items = num_items_in_batch
+        lt = mapping.loss_type
+        if lt in ("dapo", "cispo"):
+            if items is None:  # Liger: the batch's RL tokens, all ranks
+                count = _all_reduced(rl.sum())
+            else:
+                count = items_on_device("num_items_in_batch", items, rl.sum(), "RL tokens", checks)
+            # GRPOLossMapping.micro_batch's divisor with one call per step, on the device
+            return mapping.config, None, (count.clamp(min=1) / world).float()
+        if items is not None:  # given but unused by this loss type: still a valid count
+            items_on_device("num_items_in_batch", items, None, "RL tokens", checks)
+        if lt == "bnpo":
+            return mapping.config, None, None
+        cfg, norms = mapping.micro_batch(
+            batch_size=batch_size,
+            max_completion_length=self.max_completion_length or 0,
+            num_items_in_batch=None,
+            num_processes=world,
+            accumulation_steps=1,
+            steps_per_generation=1,
+        )
+        return cfg, norms, None
+
+    def _scaled_echo_weights(
+        self,
+        echo_w: torch.Tensor,
+        echo: torch.Tensor,
+        obs: torch.Tensor,
+        num_echo_items_in_batch: float | torch.Tensor | None,
+        checks: DeferredChecks,
+    ) -> torch.Tensor:
+        """The echo weights pre-divided by the echo normaliser (`scale_echo_weights`); the
+        echo-token count, when not given, is this call's, all-reduced, on the device."""
+        items = num_echo_items_in_batch
+        if items is not None and self.echo_normalization != "token_mean":
+            items_on_device("num_echo_items_in_batch", items, None, "echo tokens", checks)
+        elif items is None and self.echo_normalization == "token_mean":
+            items = _all_reduced(echo.sum())
+        return scale_echo_weights(
+            echo_w,
+            obs,
+            normalization=self.echo_normalization,
+            num_echo_items_in_batch=items,
+            num_processes=_world_size(),
+            accumulation_steps=1,
+            steps_per_generation=1,
+            checks=checks,
         )
 
     def forward(
@@ -404,7 +448,10 @@ class EchoGRPOLoss(nn.Module):
         Returns:
             [`echoloss.LossOutput`][echoloss.LossOutput] ``(loss, metrics)``.
         """
-        rl, echo, w = self._rows(attention_mask, echo_weights)
+        raise_deferred_errors(block=False)  # errors of earlier calls whose work is done
+        checks = DeferredChecks(logits.device)
+        rl, echo, w = self._rows(attention_mask, echo_weights, checks)
+        checks.submit()  # queued before the op's own checks: errors come in call order
         temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
         lp, ent = selective_logprobs(
             logits,
@@ -429,6 +476,7 @@ class EchoGRPOLoss(nn.Module):
             num_echo_items_in_batch=num_echo_items_in_batch,
             normalizers=normalizers,
             env_names=env_names,
+            checks=checks,
         )
 
 
@@ -511,7 +559,10 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
                 f"{list(lin_weight.shape)}"
             )
         b, t, h = _input.shape
-        rl, echo, w = self._rows(attention_mask, echo_weights)
+        raise_deferred_errors(block=False)  # errors of earlier calls whose work is done
+        checks = DeferredChecks(_input.device)
+        rl, echo, w = self._rows(attention_mask, echo_weights, checks)
+        checks.submit()  # queued before the op's own checks: errors come in call order
         hidden = _input.reshape(b * t, h)
         weight = lin_weight.to(_input.dtype)
         if bias is not None:
@@ -546,5 +597,6 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             num_echo_items_in_batch=num_echo_items_in_batch,
             normalizers=normalizers,
             env_names=env_names,
+            checks=checks,
             source="hidden",
         )

@@ -308,3 +308,142 @@ def test_an_unread_deferred_error_is_reported_at_exit():
     with pytest.warns(RuntimeWarning, match=f"never raised.*logits row {row} "):
         _report_at_exit()
     assert pending_count() == 0
+
+
+# ---------------------------------------------------------------- the echoloss.nn modules
+
+MODULE_CASES = {
+    # loss_type, importance_sampling_level, echo_normalization
+    "grpo-token-mean": ("grpo", "token", "token_mean"),
+    "bnpo-batch-token-mean": ("bnpo", "token", "batch_token_mean"),
+    "dr_grpo-sequence-mean": ("dr_grpo", "token", "sequence_mean"),
+    "dapo-token-mean": ("dapo", "token", "token_mean"),
+    "cispo-sequence-level": ("cispo", "sequence", "token_mean"),
+    "sapo-sequence-level": ("sapo", "sequence", "sequence_mean"),
+    "gspo": ("grpo", "sequence", "token_mean"),
+    "luspo": ("luspo", "token", "batch_token_mean"),
+}
+B, T = 4, 6
+
+
+def _module_batch(seed: int = 0, **changes):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, T)  # float, as HF builds it: checked for 0/1 on the device
+    mask[0, 4:] = 0
+    mask[3, 1:] = 0
+    ew = torch.zeros(B, T)
+    ew[1, 2] = ew[2, 0] = ew[2, 5] = 0.5
+    batch = dict(
+        ids=torch.randint(0, V, (B, T), generator=g),
+        attention_mask=mask,
+        advantages=torch.randn(B, generator=g),
+        ref_per_token_logps=-torch.rand(B, T, generator=g),
+        echo_weights=ew,
+        observation_mask=ew > 0,
+    )
+    batch.update(changes)
+    return batch
+
+
+def _run_module(fused: bool, module, batch, **kw):
+    from echoloss.nn import EchoFusedLinearGRPOLoss, EchoGRPOLoss
+
+    torch.manual_seed(2)
+    cls = EchoFusedLinearGRPOLoss if fused else EchoGRPOLoss
+    loss_fn = cls(**module) if isinstance(module, dict) else module
+    args = (batch["ids"], batch["attention_mask"], batch["advantages"])
+    extra = {k: batch[k] for k in ("echo_weights", "observation_mask")}
+    if fused:
+        hidden = torch.randn(B, T, H).requires_grad_()
+        weight = torch.randn(V, H).requires_grad_()
+        out = loss_fn(
+            hidden, weight, *args, ref_per_token_logps=batch["ref_per_token_logps"], **extra, **kw
+        )
+        return out, [hidden, weight]
+    logits = torch.randn(B, T, V).requires_grad_()
+    out = loss_fn(logits, *args, ref_per_token_logps=batch["ref_per_token_logps"], **extra, **kw)
+    return out, [logits]
+
+
+def _options(name: str) -> dict:
+    lt, level, echo_norm = MODULE_CASES[name]
+    return dict(
+        loss_type=lt,
+        importance_sampling_level=level,
+        echo_normalization=echo_norm,
+        max_completion_length=T,
+        epsilon_high=5.0 if lt == "cispo" else 0.28,
+    )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
+@pytest.mark.parametrize("name", sorted(MODULE_CASES))
+def test_modules_issue_no_host_sync(name, fused, phases_uncounted):
+    """``EchoGRPOLoss`` / ``EchoFusedLinearGRPOLoss``: 0 host syncs forward and backward (each
+    issued 1 to 5 before the normalisers and counts stayed on the device: the 0/1 check of a
+    float ``attention_mask``, the all-reduced RL and echo token counts read as floats, this
+    call's counts checked against ``num_*items_in_batch``, and SAPO / sequence-level CISPO
+    given the RL rows compacted), with the same loss and gradients as the host path."""
+    batch = _module_batch()
+    host, host_leaves = _run_module(fused, _options(name), batch)
+    host.loss.backward()
+    with device_code_path():
+        with count_ops() as fwd:
+            dev, dev_leaves = _run_module(fused, _options(name), batch)
+        with count_ops() as bwd:
+            dev.loss.backward()
+        raise_deferred_errors()
+    assert fwd.num_syncs == 0, dict(fwd.syncs)
+    assert bwd.num_syncs == 0, dict(bwd.syncs)
+    torch.testing.assert_close(dev.loss, host.loss, rtol=1e-6, atol=1e-6)
+    for a, b in zip(dev_leaves, host_leaves, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("items", [lambda n: n + 3, lambda n: torch.tensor(n + 3)])
+def test_module_given_counts_issue_no_host_sync(items, phases_uncounted):
+    """Counts given as numbers or as tensors (TRL passes ``num_items_in_batch`` as a tensor)."""
+    batch = _module_batch()
+    n_rl = int((batch["attention_mask"].bool() & ~(batch["echo_weights"] > 0)).sum())
+    n_echo = int((batch["echo_weights"] > 0).sum())
+    kw = dict(num_items_in_batch=items(n_rl), num_echo_items_in_batch=items(n_echo))
+    with device_code_path():
+        with count_ops() as fwd:
+            out, _ = _run_module(False, _options("dapo-token-mean"), batch, **kw)
+        with count_ops() as bwd:
+            out.loss.backward()
+        raise_deferred_errors()
+    assert fwd.num_syncs == 0 and bwd.num_syncs == 0, (dict(fwd.syncs), dict(bwd.syncs))
+
+
+@pytest.mark.parametrize(
+    "case", ["attention-mask-half", "items-too-small", "echo-items-tensor-too-small", "nan-logit"]
+)
+def test_module_value_errors_are_deferred_with_the_same_message(case):
+    batch, kw = _module_batch(), {}
+    if case == "attention-mask-half":
+        batch["attention_mask"] = batch["attention_mask"].clone()
+        batch["attention_mask"][2, 3] = 0.5
+    elif case == "items-too-small":
+        kw["num_items_in_batch"] = 2
+    elif case == "echo-items-tensor-too-small":
+        kw["num_echo_items_in_batch"] = torch.tensor(1)
+    options = _options("dapo-token-mean")
+    module = __import__("echoloss.nn", fromlist=["EchoGRPOLoss"]).EchoGRPOLoss(**options)
+    if case == "nan-logit":
+        original = module.forward
+
+        def forward(logits, *a, **k):
+            logits = logits.detach().clone()
+            logits[1, 3, 0] = float("nan")
+            return original(logits.requires_grad_(), *a, **k)
+
+        module.forward = forward  # type: ignore[method-assign]
+    expected = _host_error(lambda: _run_module(False, module, batch, **kw))
+    with device_code_path():
+        out, _ = _run_module(False, module, batch, **kw)  # no error yet
+        assert pending_count() >= 1
+        out.loss.backward()
+        with pytest.raises(ValueError) as e:
+            raise_deferred_errors()
+    assert str(e.value) == expected
