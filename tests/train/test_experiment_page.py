@@ -13,6 +13,8 @@ import json
 import math
 import re
 from collections.abc import Callable
+from decimal import ROUND_HALF_UP, Decimal
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +128,10 @@ COLUMNS: dict[str, Stat] = {
     ],
     "invalid replies (end)": lambda e, rows, arm: [e["invalid_reply_rate_end"]["mean"]],
 }
-# Tables whose numbers are not arm statistics of committed rows: the world-model probe (its
-# rows are the probe's jsonl, checked in tests/test_scripts.py), the first version's pilot
-# findings, and the persistence design's arm list (settings, not results).
+# Tables whose numbers are not arm statistics of results.json rows: the world-model probe (its
+# rows are the probe's jsonl, recomputed in test_the_world_model_probe_table_and_prose_are_its_jsonl),
+# the first version's findings (settings only: the pilots' numbers were not kept, so the page
+# gives none), and the persistence design's arm list (settings, not results).
 NOT_ROW_TABLES = ("| model | where |", "| finding |", "| level | arm | λ | echo target |")
 
 
@@ -521,3 +524,204 @@ def test_the_persistence_run_times_are_its_rows():
     walls = sorted(r["wall_s"] for r in rows)
     text = " ".join(PAGE.read_text().split())
     assert f"each of seed 0's six arms took {walls[0]:,.0f}–{walls[-1]:,.0f} s of wall time" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The prose of every section, recomputed: each claim's numbers formatted from the rows (or the
+# committed jsonl files) as the page prints them, and the fragment found on the page.
+
+
+def _text() -> str:
+    return " ".join(PAGE.read_text().split())
+
+
+def _says(*fragments: str) -> None:
+    text = _text()
+    for fragment in fragments:
+        assert fragment in text, f"the page does not say {fragment!r} (recomputed from the rows)"
+
+
+def _f(x: float, digits: int, sign: bool = False) -> str:
+    """A number as the page prints it: rounded half up from its shortest decimal form (the
+    jsonl files store 4 decimals: 0.2945 prints 0.295), U+2212 for minus."""
+    q = Decimal(repr(float(x))).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
+    return (f"{q:+f}" if sign else f"{q:f}").replace("-", "−")
+
+
+def _cif(c: dict[str, float], digits: int = 3, scale: float = 1.0) -> str:
+    """``+0.115 [+0.079, +0.150]``: a mean and its 95 % interval as the page prints them."""
+    m, lo, hi = (scale * c[k] for k in ("mean", "lo", "hi"))
+    return f"{_f(m, digits, True)} [{_f(lo, digits, True)}, {_f(hi, digits, True)}]"
+
+
+def _span(values: list[float], digits: int, sign: bool = False, sep: str = "–") -> str:
+    return f"{_f(min(values), digits, sign)}{sep}{_f(max(values), digits, sign)}"
+
+
+def _seed_values(folder: str, arm: str, key: str) -> list[float]:
+    return _per_seed(_rows(folder), arm, lambda r: r[key])
+
+
+def _mean_of(folder: str, arm: str, key: str) -> float:
+    values = _seed_values(folder, arm, key)
+    return sum(values) / len(values)
+
+
+def _paired(folder: str, arm: str, key: str) -> list[float]:
+    """Per seed: ``arm``'s ``key`` minus GRPO's."""
+    rows = _rows(folder)
+    grpo = {r["seed"]: r[key] for r in rows if arm_label(r) == "grpo"}
+    return [r[key] - grpo[r["seed"]] for r in sorted(rows, key=lambda r: r["seed"]) if arm_label(r) == arm]  # fmt: skip
+
+
+def _jsonl(name: str) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (ROWS / name).read_text().splitlines() if x.strip()]
+
+
+def test_the_first_versions_numbers_are_its_rows():
+    """The first mirrorgrid version (docs/experiment/first-version/results.json, the rows it
+    committed) and the standard error of sampled success over 960 episodes."""
+    s = summarize(_rows("first-version"))["arms"]
+    floor = _rows("first-version")[0]["obs_ce_floor"]
+    _says(
+        f"GRPO's held-out success {_f(100 * s['grpo']['eval_success_gain']['mean'], 1, True)} points "
+        f"greedy and {_f(100 * s['grpo']['eval_success_sampled_gain']['mean'], 1, True)} sampled",
+        f"(drop {_f(s['echo-0.05']['heldout_obs_ce_drop']['mean'], 2)} nats/token against GRPO's "
+        f"{_f(s['grpo']['heldout_obs_ce_drop']['mean'], 2)})",
+        f"but ended at {s['echo-0.05']['heldout_obs_ce_end']['mean'] / floor:.0f}× its floor",
+        f"a standard error of at most {100 * math.sqrt(0.25 / 960):.1f} points",
+    )
+
+
+def test_the_main_runs_prose_is_its_rows():
+    main = summarize(_rows(""))["arms"]
+    gains = _seed_values("", "grpo", "eval_success_sampled_gain")
+    greedy = _seed_values("", "grpo", "eval_success_gain")
+    drops = {a: main[a]["heldout_obs_ce_drop"]["mean"] for a in main}
+    floor = _rows("")[0]["obs_ce_floor"]
+    over = [v / floor for v in _seed_values("", "echo-0.05", "heldout_obs_ce_end")]
+    walls = [r["wall_s"] for r in _rows("")]
+    sampled = {a: main[a]["eval_success_sampled_end"].get("diff_vs_grpo") for a in main}
+    greedy_d = {a: main[a]["eval_success_end"].get("diff_vs_grpo") for a in main}
+    actobs = _rows("")
+    actobs_gain = paired_ci(_seed_values("", "actobs", "eval_success_sampled_gain"))
+    actobs_greedy = paired_ci(_seed_values("", "actobs", "eval_success_gain"))
+    assert paired_ci(_seed_values("", "echo-0.05", "heldout_obs_ce_end"))["lo"] > math.log(3)
+    _says(
+        f"an RL arm took {math.floor(min(walls))}–{math.ceil(max(walls))} s",  # the range that holds them
+        f"a gain of {_cif(paired_ci(gains))} over RL (every seed gains: {_span(gains, 2, True, ' to ')})",
+        f"greedy {_f(main['grpo']['eval_success_start']['mean'], 3)} → "
+        f"{_f(main['grpo']['eval_success_end']['mean'], 3)}, {_cif(paired_ci(greedy))}",
+        f"Over 120 RL steps the sampled gain is {_cif(paired_ci(_seed_values('rl-120', 'grpo', 'eval_success_sampled_gain')))}",
+        f"Drop over RL: GRPO {_f(drops['grpo'], 3, True)} [{_f(paired_ci(_seed_values('', 'grpo', 'heldout_obs_ce_drop'))['lo'], 3, True)}, "
+        f"{_f(paired_ci(_seed_values('', 'grpo', 'heldout_obs_ce_drop'))['hi'], 3, True)}]",
+        f"{_f(drops['echo-0.005'], 3, True)} / {_f(drops['echo-0.01'], 3, True)} / {_f(drops['echo-0.05'], 3, True)} nats/token",
+        f"paired difference of the drops at λ = 0.05: {_cif(main['echo-0.05']['heldout_obs_ce_drop']['diff_vs_grpo'])}",
+        f"λ = 0.05 ends at {_f(main['echo-0.05']['heldout_obs_ce_end']['mean'], 3)} nats per direction word, "
+        f"{main['echo-0.05']['obs_ce_over_floor_end']['mean']:.1f}× the floor ({_span(over, 1, sep='× to ')}× across seeds)",
+        f"echo falls from {_f(main['echo-0.05']['heldout_obs_ce_all_start']['mean'], 3)} to "
+        f"{_f(main['echo-0.05']['heldout_obs_ce_all_end']['mean'], 3)} nats/token while GRPO rises to "
+        f"{_f(main['grpo']['heldout_obs_ce_all_end']['mean'], 3)}",
+        f"λ = 0.005 {_cif(sampled['echo-0.005'])}, λ = 0.01 {_cif(sampled['echo-0.01'])}, λ = 0.05 {_cif(sampled['echo-0.05'])}; "
+        f"greedy {_cif(greedy_d['echo-0.005'])}, {_cif(greedy_d['echo-0.01'])}, {_cif(greedy_d['echo-0.05'])}",
+        f"**invalid replies end at {100 * main['echo-0.05']['invalid_reply_rate_end']['mean']:.1f} % against GRPO's "
+        f"{100 * main['grpo']['invalid_reply_rate_end']['mean']:.1f} %**",
+        f"(the {_f(main['echo-0.05']['imagined_obs_rate_end']['mean'], 3)} above included)",
+        f"{_f(main['actobs']['eval_success_sampled_start']['mean'], 3)} → {_f(main['actobs']['eval_success_sampled_end']['mean'], 3)}, "
+        f"{_cif(sampled['actobs'])} over GRPO at the end (gain over RL {_cif(actobs_gain)}; greedy gain {_cif(actobs_greedy)})",
+        f"({_f(main['actobs']['eval_success_sampled_start']['mean'], 3)} vs {_f(main['grpo']['eval_success_sampled_start']['mean'], 3)})",
+        f"({_f(main['actobs']['heldout_obs_ce_start']['mean'], 3)} vs {_f(main['grpo']['heldout_obs_ce_start']['mean'], 3)})",
+        f"rises like GRPO's (to {_f(main['actobs']['heldout_obs_ce_end']['mean'], 3)})",
+    )
+    assert actobs and all(main[a]["reached_80"] == 0 for a in main)  # "no run reached 80 %"
+    _says("no run reached 80 % greedy held-out success within 60 RL steps")
+
+
+def test_the_environment_numbers():
+    """The floors of the held-out set (rows), the uniform references (log 3, log 5) and the
+    split of the (start, goal) pairs (the environment)."""
+    from echoloss.train.envs import make_env
+
+    row = _rows("")[0]
+    _says(
+        f"the floor is **{row['obs_ce_floor']:.3f} nats per direction word**; over every "
+        f"observation-body token it is {row['obs_ce_all_floor']:.4f}",
+        f"**log 3 = {math.log(3):.3f}**",
+        f"log 5 = {math.log(5):.3f}",
+    )
+    env = make_env("mirrorgrid")
+    train, held = set(env.train_pairs()), set(env.eval_pairs())
+    assert not train & held and len(train | held) == 16 * 15  # every (start, goal) pair of 4×4
+    _says(
+        f"the {len(train | held)} (start, goal) pairs are split once",
+        f"into {len(train)} training pairs",
+        f"and {len(held)} held-out pairs",
+        f"{len(held)} held-out pairs × 4 mirrorings = {len(env.eval_tasks())} tasks",
+    )
+
+
+def test_the_world_model_probe_table_and_prose_are_its_jsonl():
+    """Every row of the probe table and every number of its prose, from
+    docs/experiment/world_model_probe_*.jsonl."""
+    tables = [t for t in _tables() if t[2][:2] == ["model", "where"]]
+    assert len(tables) == 1
+    _, _, header, body = tables[0]
+    assert header[2:] == ["steps", "held-out CE at step 250 → 1000 → end", "floor", "log 3"]
+    files = [
+        "h64_l2_3000", "gpu_h64_l2", "gpu_h128_l4", "gpu_h256_l4", "gpu_shown_h64_l2",
+        "induction3000_h64_l2", "init-copy3000_observations_h64_l2", "init-copy3000_hidden_h64_l2",
+    ]  # fmt: skip
+    assert len(body) == len(files)
+    probes = {}
+    for name, row in zip(files, body, strict=True):
+        rows = [r for r in _jsonl(f"world_model_probe_{name}.jsonl") if "step" in r]
+        probes[name] = {r["step"]: r for r in rows}
+        by = probes[name]
+        last = rows[-1]
+        assert ("GPU" if last.get("device") == "cuda" else "CPU") == row[1], name
+        assert int(row[2]) == last["step"], name
+        first = 300 if "(step 300)" in row[3] else 250
+        want = [by[first]["heldout_ce"], by[1000]["heldout_ce"], last["heldout_ce"]]
+        got = [v for v, _ in _numbers(row[3].replace("(step 300)", ""))]
+        assert all(abs(g - w) <= 5e-4 + 1e-9 for g, w in zip(got, want, strict=True)), (name, got)
+        assert float(row[4]) == round(last["floor"], 3) and float(row[5]) == round(last["log3"], 3)
+    old = [_jsonl(f"world_model_probe_{n}.jsonl")[-1] for n in ("h64_l2", "h128_l4")]
+    ind, scratch = probes["induction3000_h64_l2"], probes["h64_l2_3000"]
+    copy = [
+        r for r in _jsonl("world_model_probe_induction3000_h64_l2.jsonl") if "pretrain_step" in r
+    ]
+    floor = ind[0]["floor"]
+    at_1000 = [probes[n][1000]["heldout_ce"] for n in files[:5]]
+    ends = [probes[n][max(probes[n])]["heldout_ce"] for n in files[:4]]
+    within = min(s for s in ind if all(ind[t]["heldout_ce"] <= 2 * floor for t in ind if t >= s))
+    gpu = _jsonl("world_model_probe_gpu_h64_l2.jsonl")[-1]
+    obs = probes["init-copy3000_observations_h64_l2"]
+    hidden = probes["init-copy3000_hidden_h64_l2"]
+    rises = [obs[b]["heldout_ce"] - obs[a]["heldout_ce"] for a, b in pairwise(sorted(obs)[1:])]
+    lowest = min(obs.values(), key=lambda r: r["heldout_ce"])
+    _says(
+        f"about {gpu['seconds'] / gpu['step']:.2f} s):",
+        f"ended at {_f(old[0]['heldout_ce'], 3)} and {_f(old[1]['heldout_ce'], 3)}.",
+        f"{_span(at_1000[:4], 2)} nats per word after 1,000 steps of direct supervision, "
+        f"{_span(ends, 2)} after 1,750–3,000, still {_span([e / floor for e in ends], 1)}× the floor",
+        f"({_f(probes['gpu_shown_h64_l2'][2000]['heldout_ce'], 3)} at step 2,000, floor 0)",
+        f"its loss falls to {next(r for r in copy if r['pretrain_step'] == 200)['copy_ce']:.2f} within 200 steps",
+        f"is at {_f(ind[200]['heldout_ce'], 3)} → {_f(ind[400]['heldout_ce'], 3)} → {_f(ind[800]['heldout_ce'], 3)} nats per "
+        f"word after 200 → 400 → 800 steps ({_f(ind[700]['heldout_ce'], 3)} at 700;",
+        f"still at {_f(scratch[750]['heldout_ce'], 3)} after 750",
+        f"**within 2× of the floor from step {within:,}** ({_f(ind[within]['heldout_ce'], 3)}), at "
+        f"{_f(ind[2000]['heldout_ce'], 3)} after 2,000 and **{_f(ind[3000]['heldout_ce'], 3)} after 3,000, "
+        f"{_f(ind[3000]['heldout_ce'] / floor, 2)}× the floor**",
+        f"about {within:,} steps of direct supervision",
+        f"hidden CE {_f(obs[200]['heldout_ce'], 3)} → {_f(obs[1000]['heldout_ce'], 3)} → {_f(obs[2000]['heldout_ce'], 3)}",
+        f"by up to {max(rises):.2f} between evaluations; lowest {_f(lowest['heldout_ce'], 3)} at {lowest['step']:,})",
+        f"({_f(hidden[1000]['heldout_ce'], 3)} at 1,000, {_f(hidden[1500]['heldout_ce'], 3)} at 1,500, against "
+        f"{_f(obs[1500]['heldout_ce'], 3)} for every token)",
+        f"than the probe ({_f(ind[400]['heldout_ce'], 3)} after 400 steps)",
+    )
+    assert all(
+        ind[s]["heldout_ce"] < math.log(3) for s in ind if s >= 200
+    )  # "leaves log 3 within 200"
+    assert all(
+        probes[n][250]["heldout_ce"] < 1.1 for n in files[:5]
+    )  # "learns the rules within 250"
