@@ -554,6 +554,11 @@ def _cif(c: dict[str, float], digits: int = 3, scale: float = 1.0) -> str:
     return f"{_f(m, digits, True)} [{_f(lo, digits, True)}, {_f(hi, digits, True)}]"
 
 
+def _bracket(c: dict[str, float], digits: int = 3, scale: float = 1.0) -> str:
+    """``[+0.079, +0.150]``: an interval alone."""
+    return f"[{_f(scale * c['lo'], digits, True)}, {_f(scale * c['hi'], digits, True)}]"
+
+
 def _span(values: list[float], digits: int, sign: bool = False, sep: str = "–") -> str:
     return f"{_f(min(values), digits, sign)}{sep}{_f(max(values), digits, sign)}"
 
@@ -725,3 +730,172 @@ def test_the_world_model_probe_table_and_prose_are_its_jsonl():
     assert all(
         probes[n][250]["heldout_ce"] < 1.1 for n in files[:5]
     )  # "learns the rules within 250"
+
+
+def _entry(folder: str) -> dict[str, Any]:
+    return summarize(_rows(folder))["arms"]
+
+
+def test_the_longer_and_wider_runs_prose_is_their_rows():
+    """120 RL steps, the default over 24 seeds, the copy-task pre-warm-up."""
+    s, main = _entry("rl-120"), _entry("")
+    g = _seed_values("rl-120", "grpo", "eval_success_sampled_gain")
+    floor = _rows("rl-120")[0]["obs_ce_floor"]
+    _says(
+        f"(every seed gains, {_span(g, 2, True, ' to ')})",
+        f"lower bound of its interval at {_f(100 * paired_ci(g)['lo'], 1)}",
+        f"Greedy success rises {_f(100 * paired_ci(_seed_values('rl-120', 'grpo', 'eval_success_gain'))['mean'], 1)} points "
+        f"{_bracket(paired_ci(_seed_values('rl-120', 'grpo', 'eval_success_gain')), 1, 100)}",
+        f"moved from {_f(main['echo-0.01']['eval_success_sampled_end']['diff_vs_grpo']['mean'], 3, True)} at 60 steps to "
+        f"{_cif(s['echo-0.01']['eval_success_sampled_end']['diff_vs_grpo'])} at 120",
+        f"Greedy: {_cif(s['echo-0.01']['eval_success_end']['diff_vs_grpo'])}",
+        f"echo ends at {_f(s['echo-0.01']['heldout_obs_ce_end']['mean'], 3)} "
+        f"({_f(main['echo-0.01']['heldout_obs_ce_end']['mean'], 3)} after 60 steps), "
+        f"{s['echo-0.01']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor; GRPO's rises further "
+        f"({_f(s['grpo']['heldout_obs_ce_end']['mean'], 3)})",
+    )
+    s = _entry("default-24-seeds")
+    d = s["echo-0.01"]["eval_success_sampled_end"]["diff_vs_grpo"]
+    per_seed = _paired("default-24-seeds", "echo-0.01", "eval_success_sampled_end")
+    new = [x for x, r in zip(per_seed, sorted([r for r in _rows("default-24-seeds") if r["arm"] == "echo-0.01"], key=lambda r: r["seed"]), strict=True) if r["seed"] >= 8]  # fmt: skip
+    g = _seed_values("default-24-seeds", "grpo", "eval_success_sampled_gain")
+    gg = _seed_values("default-24-seeds", "grpo", "eval_success_gain")
+    echo_end = _seed_values("default-24-seeds", "echo-0.01", "heldout_obs_ce_end")
+    floor = _rows("default-24-seeds")[0]["obs_ce_floor"]
+    assert len(per_seed) == 24 and len(new) == 16
+    _says(
+        f"The lower bound of the interval of sampled success, {_f(100 * d['lo'], 1, True)} points, clears the margin by "
+        f"{_f(100 * d['lo'] + 3, 1)} point; the point estimate is {_f(100 * d['mean'], 1, True)} points (echo below GRPO in "
+        f"{sum(x < 0 for x in per_seed)} of 24 seeds; per seed {_span([100 * x for x in per_seed], 1, True, ' to ')})",
+        f"new seeds alone give {_cif(paired_ci(new))}, undecided",
+        f"{_cif(paired_ci(g))} sampled (every seed gains, {_span(g, 2, True, ' to ')}), {_cif(paired_ci(gg))} greedy",
+        f"echo's hidden CE falls {_f(s['echo-0.01']['heldout_obs_ce_drop']['mean'], 3)} (to "
+        f"{_f(s['echo-0.01']['heldout_obs_ce_end']['mean'], 3)}, {s['echo-0.01']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor; "
+        f"seeds {_span(echo_end, 2)}) while GRPO's rises {_f(-s['grpo']['heldout_obs_ce_drop']['mean'], 3)} "
+        f"(paired difference of the drops {_cif(s['echo-0.01']['heldout_obs_ce_drop']['diff_vs_grpo'])}); invalid replies "
+        f"{100 * s['echo-0.01']['invalid_reply_rate_end']['mean']:.1f} % against {100 * s['grpo']['invalid_reply_rate_end']['mean']:.1f} %",
+    )
+    assert all(x > 0 for x in g) and paired_ci(g)["hi"] < 0.15 and _verdict(d) == "not worse"
+    s = _entry("copy-1000")
+    diffs = _paired("copy-1000", "echo-0.05", "eval_success_sampled_end")
+    seed1 = {r["arm"]: r for r in _rows("copy-1000") if r["seed"] == 1}
+    echo_end = _seed_values("copy-1000", "echo-0.05", "heldout_obs_ce_end")
+    floor = _rows("copy-1000")[0]["obs_ce_floor"]
+    listed = ", ".join(
+        f"**{_f(x, 3, True)}**" if i == 1 else _f(x, 3, True) for i, x in enumerate(diffs)
+    )
+    assert seed1["grpo"]["eval_success_sampled_end"] == 0 == seed1["grpo"]["eval_success_end"]
+    _says(
+        f"held-out invalid replies end at {100 * seed1['grpo']['invalid_reply_rate_end']:.1f} %",
+        f"and ended at {_f(seed1['echo-0.05']['eval_success_sampled_end'], 3)}",
+        f"per seed, echo − GRPO is {listed} (median {_f(sorted(diffs)[3] / 2 + sorted(diffs)[4] / 2, 3, True)})",
+        f"(to {_f(s['echo-0.05']['heldout_obs_ce_end']['mean'], 3)} against {_f(main['echo-0.05']['heldout_obs_ce_end']['mean'], 3)}, "
+        f"{s['echo-0.05']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor against "
+        f"{main['echo-0.05']['obs_ce_over_floor_end']['mean']:.1f}×; seeds end at {_span(echo_end, 2)})",
+        f"or below log 5 ({math.log(5):.3f})",
+    )
+    assert min(echo_end) > math.log(5)
+    assert sum(r["invalid_reply_rate_end"] > 0.5 for r in _rows("copy-1000")) == 1  # one collapse
+
+
+def test_the_warm_start_sections_prose_is_their_rows():
+    """The calibrated starts (long and short warm-up) and the exploring start of 400 RL steps."""
+    s = _entry("calibrated-start")
+    floor = _rows("calibrated-start")[0]["obs_ce_floor"]
+    grpo_end = _seed_values("calibrated-start", "grpo", "heldout_obs_ce_end")
+    echo_end = _seed_values("calibrated-start", "echo-0.05", "heldout_obs_ce_end")
+    _says(
+        f"greedy success {_f(s['grpo']['eval_success_start']['mean'], 3)}, sampled "
+        f"{_f(s['grpo']['eval_success_sampled_start']['mean'], 3)} on the 240 held-out tasks before any RL",
+        f"(GRPO {_f(100 * s['grpo']['eval_success_sampled_gain']['mean'], 1, True)} points)",
+        f"({_f(s['grpo']['heldout_obs_ce_start']['mean'], 3)} → {_f(s['grpo']['heldout_obs_ce_end']['mean'], 3)}, every seed "
+        f"{_span(grpo_end, 2)}), echo's falls (λ = 0.05: → {_f(s['echo-0.05']['heldout_obs_ce_end']['mean'], 3)}, seeds "
+        f"{_span(echo_end, 2)}; λ = 0.01: → {_f(s['echo-0.01']['heldout_obs_ce_end']['mean'], 3)})",
+        f"The paired difference of the drops is {_f(s['echo-0.05']['heldout_obs_ce_drop']['diff_vs_grpo']['mean'], 2, True)} nats per word",
+        f"echo moves the second one {_f(s['echo-0.05']['heldout_obs_ce_drop']['mean'], 2)} nats per word in 60 steps, still "
+        f"{s['echo-0.05']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor",
+    )
+    assert all(
+        min(grpo_end) > v for v in _seed_values("calibrated-start", "grpo", "heldout_obs_ce_start")
+    )
+    for arm in ("echo-0.01", "echo-0.05"):  # "intervals within ±1 point"
+        d = s[arm]["eval_success_sampled_end"]["diff_vs_grpo"]
+        assert d["lo"] > -0.01 and d["hi"] < 0.01 and _verdict(d) == "not worse"
+    s = _entry("short-calibrated-start")
+    floor = _rows("short-calibrated-start")[0]["obs_ce_floor"]
+    g = _seed_values("short-calibrated-start", "grpo", "eval_success_sampled_gain")
+    e = _seed_values("short-calibrated-start", "echo-0.05", "heldout_obs_ce_end")
+    _says(
+        f"greedy held-out success {_f(s['grpo']['eval_success_start']['mean'], 3)}, sampled "
+        f"{_f(s['grpo']['eval_success_sampled_start']['mean'], 3)}, hidden CE {_f(s['grpo']['heldout_obs_ce_start']['mean'], 3)}",
+        f"(per seed {_span([100 * x for x in g], 0, True, ' to ')}), greedy "
+        f"{_f(100 * s['grpo']['eval_success_gain']['mean'], 0, True)} points",
+        f"one seed {max(_seed_values('short-calibrated-start', 'grpo', 'heldout_obs_ce_end')):.2f})",
+        f"hidden CE falls to {_f(s['echo-0.05']['heldout_obs_ce_end']['mean'], 3)} (seeds {_span(e, 2)}, "
+        f"{s['echo-0.05']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor",
+        f"{_f(100 * s['echo-0.05']['eval_success_end']['diff_vs_grpo']['mean'], 1, True)} greedy "
+        f"{_bracket(s['echo-0.05']['eval_success_end']['diff_vs_grpo'], 1, 100)}",
+    )
+    assert all(x < 0 for x in _ce_changes("short-calibrated-start", "echo-0.05"))  # 8 of 8
+    _says("(seeds 1.33–1.71, 8.2× the floor; it falls in 8 of 8 seeds)")
+    s = _entry("exploring-start-400")
+    floor = _rows("exploring-start-400")[0]["obs_ce_floor"]
+    grpo_end = _seed_values("exploring-start-400", "grpo", "heldout_obs_ce_end")
+    e05 = _seed_values("exploring-start-400", "echo-0.05", "heldout_obs_ce_end")
+    e2 = _seed_values("exploring-start-400", "echo-0.2", "heldout_obs_ce_end")
+    diffs = _paired("exploring-start-400", "echo-0.05", "eval_success_sampled_end")
+    greedy_end = {a: _seed_values("exploring-start-400", a, "eval_success_end") for a in s}
+    rows = {(r["arm"], r["seed"]): r for r in _rows("exploring-start-400")}
+    invalid = _seed_values("exploring-start-400", "echo-0.05", "invalid_reply_rate_end")
+    curves = [
+        c["heldout_hidden_ce"]
+        for r in _rows("exploring-start-400")
+        if r["arm"] == "echo-0.05"
+        for c in r["curve"]
+        if c.get("heldout_hidden_ce") is not None
+    ]
+    collapsed = rows[("echo-0.2", 1)]
+    others = [
+        100 * (r["eval_success_sampled_end"] - r["eval_success_sampled_start"])
+        for (a, seed), r in rows.items()
+        if a == "echo-0.2" and seed != 1
+    ]
+    gg = paired_ci(_seed_values("exploring-start-400", "grpo", "eval_success_gain"))
+    _says(
+        f"greedy success moves less, {_f(100 * gg['mean'], 1, True)} points {_bracket(gg, 1, 100)}",
+        f"seed 2 ends at {_f(rows[('grpo', 2)]['eval_success_end'], 3)})",
+        f"(every seed, ending {_span(grpo_end, 2)})",
+        f"{_f(s['grpo']['heldout_obs_ce_all_start']['mean'], 3)} → {_f(s['grpo']['heldout_obs_ce_all_end']['mean'], 3)} nats per token, "
+        f"{s['grpo']['heldout_obs_ce_all_end']['mean'] / s['grpo']['heldout_obs_ce_all_start']['mean']:.0f}×",
+        f"the all-token CE stays at {_f(s['echo-0.05']['heldout_obs_ce_all_end']['mean'], 3)}",
+        f"{_f(s['echo-0.05']['heldout_obs_ce_start']['mean'], 3)} → {_f(s['echo-0.05']['heldout_obs_ce_end']['mean'], 3)} "
+        f"(seeds {_span(e05, 2)}), {s['echo-0.05']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor",
+        f"(lowest {min(curves):.2f})",
+        f"The paired difference of the drops, {_f(s['echo-0.05']['heldout_obs_ce_drop']['diff_vs_grpo']['mean'], 2, True)} "
+        f"nats per word {_bracket(s['echo-0.05']['heldout_obs_ce_drop']['diff_vs_grpo'], 2)}",
+        f"sampled {_f(100 * s['echo-0.05']['eval_success_sampled_gain']['mean'], 1, True)} points over RL "
+        f"{_bracket(paired_ci(_seed_values('exploring-start-400', 'echo-0.05', 'eval_success_sampled_gain')), 1, 100)}",
+        f"GRPO **{_f(100 * s['echo-0.05']['eval_success_sampled_end']['diff_vs_grpo']['mean'], 1, True)} points "
+        f"{_bracket(s['echo-0.05']['eval_success_sampled_end']['diff_vs_grpo'], 1, 100)}**",
+        f"better in {sum(x > 0 for x in diffs)} of 8 seeds",
+        f"greedy {_cif(s['echo-0.05']['eval_success_end']['diff_vs_grpo'], 1, 100)}",
+        f"({' and '.join(_f(x, 3) for x in sorted((x for x in greedy_end['echo-0.05'] if x >= 0.8), reverse=True))})",
+        f"Invalid replies end at {100 * s['echo-0.05']['invalid_reply_rate_end']['mean']:.1f} % (one seed "
+        f"{100 * max(invalid):.1f} %) against {100 * s['grpo']['invalid_reply_rate_end']['mean']:.1f} %",
+        f"hidden CE {_f(s['echo-0.2']['heldout_obs_ce_end']['mean'], 3)} at the end (seeds {_span(e2, 2)}, "
+        f"{s['echo-0.2']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor), all-token "
+        f"{_f(s['echo-0.2']['heldout_obs_ce_all_end']['mean'], 3)}; success "
+        f"{_f(100 * s['echo-0.2']['eval_success_sampled_gain']['mean'], 1, True)} points over RL, "
+        f"{_cif(s['echo-0.2']['eval_success_sampled_end']['diff_vs_grpo'], 1, 100)} against GRPO",
+        f"seed 1 ends at {_f(collapsed['eval_success_sampled_end'], 3)} sampled with "
+        f"{100 * collapsed['invalid_reply_rate_end']:.1f} % invalid replies and "
+        f"{100 * collapsed['imagined_obs_rate_end']:.1f} % of its replies writing observation text",
+        f"the other seven gain {_span(others, 0, True, ' to ')} points",
+        f"favours echo by {_f(s['echo-0.05']['heldout_obs_ce_drop']['diff_vs_grpo']['mean'], 2)} nats",
+    )
+    assert (
+        all(x < 0.8 for x in greedy_end["grpo"])
+        and len([x for x in greedy_end["echo-0.05"] if x >= 0.8]) == 2
+    )
+    assert min(curves) > 1.0  # "never falls meaningfully below log 3"
+    assert len({c["rl_step"] for r in _rows("exploring-start-400") for c in r["curve"]}) == 9
