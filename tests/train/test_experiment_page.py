@@ -899,3 +899,124 @@ def test_the_warm_start_sections_prose_is_their_rows():
     )
     assert min(curves) > 1.0  # "never falls meaningfully below log 3"
     assert len({c["rl_step"] for r in _rows("exploring-start-400") for c in r["curve"]}) == 9
+
+
+def test_the_world_model_start_prose_is_its_rows():
+    """The start pre-trained on the logs: its rows, its warm-start evaluation, its pilots and
+    the held-out CE on demonstrations (docs/experiment/world-model-start/)."""
+    folder = "world-model-start"
+    s = _entry(folder)
+    floor = _rows(folder)[0]["obs_ce_floor"]
+    warm = _jsonl(f"{folder}/warm-start-eval.jsonl")[-1]
+    obs = {r["step"]: r for r in _jsonl("world_model_probe_init-copy3000_observations_h64_l2.jsonl") if "step" in r}  # fmt: skip
+    explore = _entry("exploring-start-400")["grpo"]
+    starts = _seed_values(folder, "grpo", "eval_success_sampled_start")
+    g = _seed_values(folder, "grpo", "eval_success_sampled_gain")
+    grpo_end = _seed_values(folder, "grpo", "heldout_obs_ce_end")
+    e2 = _seed_values(folder, "echo-0.2", "heldout_obs_ce_end")
+    change = {a: paired_ci(_ce_changes(folder, a)) for a in s}
+    favour = {
+        a: paired_ci([-x for x in _paired(folder, a, "heldout_obs_ce_end")])
+        for a in ("echo-0.05", "echo-0.2")
+    }
+    alpha1 = {r["rl_step"]: r for r in _jsonl(f"{folder}/pilot-alpha1-eval.jsonl")}
+    long = {r["arm"]: r for r in json.loads((ROWS / folder / "pilot-300-steps.json").read_text())}
+    part = {r["arm"]: r for r in json.loads((ROWS / folder / "pilot-partial-start.json").read_text())}  # fmt: skip
+    sets = _jsonl(f"{folder}/heldout-ce-sets.jsonl")
+
+    def demos(prefix: str) -> float:
+        ces = [
+            r["ce"] for r in sets if r["set"] == "demonstrations" and r["model"].startswith(prefix)
+        ]
+        return sum(ces) / len(ces)
+
+    _says(
+        f"lr 3e-3, {obs[2000]['seconds']:.0f} s on one thread",
+        f"**greedy held-out success {_f(warm['eval_success_greedy'], 3)}**, sampled {_f(warm['eval_success_sampled'], 3)}",
+        f"{_span(starts, 3)} in the arms' evaluations, mean {_f(sum(starts) / len(starts), 3)}), **hidden CE "
+        f"{_f(warm['heldout_hidden_ce'], 3)} ({warm['heldout_hidden_ce'] / warm['hidden_ce_floor']:.2f}× the floor)**, "
+        f"all-token CE {_f(warm['heldout_obs_ce'], 3)}",
+        f"gave greedy {_f(explore['eval_success_start']['mean'], 3)}, sampled {_f(explore['eval_success_sampled_start']['mean'], 3)}, "
+        f"hidden CE {_f(explore['heldout_obs_ce_start']['mean'], 3)}",
+        f"(every seed {_span([100 * x for x in g], 0, True, ' to ')})",
+        f"hidden CE {_f(s['grpo']['heldout_obs_ce_start']['mean'], 3)} → {_f(s['grpo']['heldout_obs_ce_end']['mean'], 3)} "
+        f"({_f(change['grpo']['mean'], 3, True)}, every seed, ending {_span(grpo_end, 2)}, "
+        f"{s['grpo']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor)",
+        f"the hidden CE rises {_f(change['echo-0.2']['mean'], 3)} {_bracket(change['echo-0.2'])} to "
+        f"{_f(s['echo-0.2']['heldout_obs_ce_end']['mean'], 3)} ({s['echo-0.2']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor; "
+        f"seeds {_span(e2, 3)}, two of them within 2×)",
+        f"it rises {_f(change['echo-0.05']['mean'], 3)} to {_f(s['echo-0.05']['heldout_obs_ce_end']['mean'], 3)}",
+        f"favours echo by {_f(favour['echo-0.2']['mean'], 3)} nats per word {_bracket(favour['echo-0.2'])} at λ = 0.2 "
+        f"({_f(favour['echo-0.05']['mean'], 3)} {_bracket(favour['echo-0.05'])} at 0.05)",
+        f"(+{100 * s['echo-0.2']['eval_success_sampled_end']['diff_vs_grpo']['mean']:.1f} points "
+        f"{_bracket(s['echo-0.2']['eval_success_sampled_end']['diff_vs_grpo'], 1, 100)})",
+        f"({_cif(s['echo-0.05']['eval_success_sampled_end']['diff_vs_grpo'], 1, 100)}, its lower bound just past the margin)",
+        f"the hidden CE is {_f(alpha1[20]['heldout_hidden_ce'], 3)} at RL step 20 with greedy {_f(alpha1[20]['eval_success_greedy'], 3)}",
+        f"(greedy {_f(alpha1[40]['eval_success_greedy'], 3)} at step 40, {_f(alpha1[60]['eval_success_greedy'], 3)} at step 60, "
+        f"{100 * alpha1[60]['eval_invalid_rate']:.1f} % invalid replies)",
+        f"sampled {_f(long['grpo']['eval_success_sampled_start'], 3)} → {_f(long['grpo']['eval_success_sampled_end'], 3)} (GRPO), "
+        f"{_f(long['echo-0.05']['eval_success_sampled_end'], 3)} (echo-0.05), {_f(long['echo-0.2']['eval_success_sampled_end'], 3)} "
+        f"(echo-0.2); hidden CE → {_f(long['grpo']['heldout_obs_ce_end'], 3)}, {_f(long['echo-0.05']['heldout_obs_ce_end'], 3)} "
+        f"and {_f(long['echo-0.2']['heldout_obs_ce_end'], 3)}",
+        f"(hidden CE {_f(obs[700]['heldout_ce'], 3)}; the run",
+        f"at greedy {_f(part['grpo']['eval_success_start'], 3)}, sampled {_f(part['grpo']['eval_success_sampled_start'], 3)}, "
+        f"hidden CE {_f(part['grpo']['heldout_obs_ce_start'], 3)} ({part['grpo']['heldout_obs_ce_start'] / floor:.1f}× the floor; "
+        f"the warm-up lowered it from {_f(obs[700]['heldout_ce'], 3)})",
+        f"GRPO reaches sampled {_f(part['grpo']['eval_success_sampled_end'], 3)} and CE {_f(part['grpo']['heldout_obs_ce_end'], 3)}; "
+        f"echo at λ = 0.2 sampled {_f(part['echo-0.2']['eval_success_sampled_end'], 3)} and CE {_f(part['echo-0.2']['heldout_obs_ce_end'], 3)}",
+        f"(floor {_f(sets[1]['floor'], 3)} there)",
+        f"The start scores {_f(demos('runs/wmp/warm'), 3)}; GRPO ends at {_f(demos('runs/wmp/exp60/grpo'), 3)}, echo at "
+        f"{_f(demos('runs/wmp/exp60/echo-0.05'), 3)} (λ = 0.05) and {_f(demos('runs/wmp/exp60/echo-0.2'), 3)}",
+        f"start {_f(demos('runs/wm/e0.8'), 3)}, GRPO {_f(demos('runs/wm/exp400/grpo'), 3)}, echo-0.05 "
+        f"{_f(demos('runs/wm/exp400/echo-0.05'), 3)}",
+        f"it ends at {s['echo-0.2']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor, not within 2×",
+    )
+    assert sum(x <= 2 * floor for x in e2) == 2 and all(x > 0 for x in _ce_changes(folder, "grpo"))
+    assert all(c["eval_success_greedy"] >= 0.8 for r in _rows(folder) for c in r["curve"])
+    assert (
+        sum(1 for r in sets if r["model"].startswith("runs/wmp/exp60/grpo")) == 16
+    )  # 8 seeds × 2 sets
+    assert part["grpo"]["heldout_obs_ce_start"] < obs[700]["heldout_ce"]
+
+
+def test_the_controls_prose_is_their_rows():
+    noise, shown, main = _entry("controls/mirrorgrid-noise"), _entry("controls/mirrorgrid-shown"), _entry("")  # fmt: skip
+    seed2 = next(r for r in _rows("controls/mirrorgrid-shown") if r["arm"] == "echo-0.05" and r["seed"] == 2)  # fmt: skip
+    _says(
+        f"(drop {_f(noise['echo-0.05']['heldout_obs_ce_drop']['mean'], 3)} against "
+        f"{_f(main['echo-0.05']['heldout_obs_ce_drop']['mean'], 3)} without noise)",
+        f"(GRPO's sampled gain {_cif(paired_ci(_seed_values('controls/mirrorgrid-noise', 'grpo', 'eval_success_sampled_gain')))})",
+        f"(echo ends at {_f(shown['echo-0.05']['heldout_obs_ce_end']['mean'], 3)} nats per word)",
+        f"({_f(shown['echo-0.05']['eval_success_sampled_gain']['mean'], 3, True)} over RL, interval "
+        f"{_bracket(paired_ci(_seed_values('controls/mirrorgrid-shown', 'echo-0.05', 'eval_success_sampled_gain')))})",
+        f"(seed 2: success {_f(seed2['eval_success_sampled_end'], 3)}, {100 * seed2['invalid_reply_rate_end']:.0f} % invalid replies)",
+        f"invalid replies end at {100 * shown['echo-0.05']['invalid_reply_rate_end']['mean']:.1f} % against "
+        f"{100 * shown['grpo']['invalid_reply_rate_end']['mean']:.1f} % under GRPO",
+    )
+    assert (
+        paired_ci(_ce_changes("controls/mirrorgrid-noise", "grpo"))["lo"] < 0
+    )  # GRPO's "does not"
+
+
+def test_the_reproduce_sections_numbers_are_the_main_rows():
+    """The default's λ and its seed-0 run, from the main experiment's rows."""
+    main = _entry("")
+    seed0 = {r["arm"]: r for r in _rows("") if r["seed"] == 0}
+    worst = {a: max(_seed_values("", a, "invalid_reply_rate_end")) for a in ("echo-0.005", "echo-0.01", "echo-0.05")}  # fmt: skip
+    e = seed0["echo-0.01"]
+    _says(
+        f"leaks observation text into the replies ({100 * main['echo-0.05']['invalid_reply_rate_end']['mean']:.0f} %",
+        f"(−{-100 * main['echo-0.01']['eval_success_sampled_end']['diff_vs_grpo']['mean']:.1f} points "
+        f"{_bracket(main['echo-0.01']['eval_success_sampled_end']['diff_vs_grpo'], 1, 100)}) with "
+        f"{100 * main['echo-0.01']['invalid_reply_rate_end']['mean']:.0f} % invalid replies and a hidden-CE drop of "
+        f"{_f(main['echo-0.01']['heldout_obs_ce_drop']['mean'], 3)}",
+        f"sampled held-out success {_f(e['eval_success_sampled_start'], 3)} → {_f(e['eval_success_sampled_end'], 3)}, "
+        f"greedy {_f(e['eval_success_start'], 3)} → {_f(e['eval_success_end'], 3)}, hidden CE "
+        f"{_f(e['heldout_obs_ce_start'], 3)} → {_f(e['heldout_obs_ce_end'], 3)}, and invalid replies ending at "
+        f"{100 * e['invalid_reply_rate_end']:.1f} %",
+        f"{_f(seed0['echo-0.005']['invalid_reply_rate_end'], 3)}, {_f(seed0['echo-0.01']['invalid_reply_rate_end'], 3)} and "
+        f"{_f(seed0['echo-0.05']['invalid_reply_rate_end'], 3)} at λ = 0.005, 0.01, 0.05, against "
+        f"{_f(seed0['grpo']['invalid_reply_rate_end'], 3)} under GRPO",
+    )
+    assert [seed0[a]["invalid_reply_rate_end"] == worst[a] for a in worst] == [True, True, False]
+    assert sum(x > seed0["echo-0.05"]["invalid_reply_rate_end"] for x in _seed_values("", "echo-0.05", "invalid_reply_rate_end")) == 3  # fmt: skip
