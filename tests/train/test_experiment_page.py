@@ -4,7 +4,13 @@ Each table sits in a section that names its rows' folder (``docs/experiment/<fol
 column's header names a statistic (`COLUMNS`), recomputed here with `summarize` / `paired_ci` /
 `speed_ratio` from that folder's ``results.json`` and compared with every number printed in the
 cell, to the digits printed. A table whose header this test does not know fails, so a new table
-needs its statistic here. Prose numbers that carry a claim are checked in `test_prose_claims`.
+needs its statistic here. The persistence section is generated (`persistence.update_page`) and
+compared character for character with the report of its committed rows. The prose is checked
+sentence by sentence: each claim test formats its numbers from the rows (or the committed jsonl
+files) as the page prints them and finds the fragment on the page; the audit
+(`test_every_number_of_the_prose_is_recomputed_or_a_setting`) then requires every number of the
+prose to sit inside such a fragment or inside a `SETTINGS` pattern (what was run, not what was
+measured), so a new number without a test fails.
 """
 
 from __future__ import annotations
@@ -441,11 +447,7 @@ def _ce_changes(folder: str, arm: str) -> list[float]:
 def test_prose_claims():
     """Numbers of the page's prose that carry its conclusions, recomputed from the rows (each
     with the sentence it appears in)."""
-    text = PAGE.read_text()
-
-    def says(fragment: str) -> None:
-        assert fragment in " ".join(text.split()), f"the page no longer says {fragment!r}"
-
+    says = _says
     # GRPO's CE change in the 10 settings: point estimate up in all, interval above 0 in 7
     settings = ["", "rl-120", "copy-1000", "default-24-seeds", "calibrated-start",
                 "short-calibrated-start", "exploring-start-400", "world-model-start",
@@ -501,7 +503,6 @@ def test_prose_claims():
 
 
 def test_the_pretrained_step_timing_is_the_committed_measurement():
-    text = " ".join(PAGE.read_text().split())
     rows = [
         json.loads(x)
         for x in (ROWS / PERSISTENCE / "pretrained-step-timing.jsonl").read_text().splitlines()
@@ -515,15 +516,14 @@ def test_the_pretrained_step_timing_is_the_committed_measurement():
         f"{100 * rl['invalid_reply_rate']:.1f} % of SmolLM2's replies were invalid",
         f"about {(80 * warm['step_time'] + 60 * rl['step_time']) / 3600:.0f} hours here",
     ):
-        assert fragment in text, fragment
+        _says(fragment)
 
 
 def test_the_persistence_run_times_are_its_rows():
     """The hand-written account of the run: seed 0's arms' wall times, from its rows."""
     rows = [r for r in _persistence_rows() if r["seed"] == 0]
     walls = sorted(r["wall_s"] for r in rows)
-    text = " ".join(PAGE.read_text().split())
-    assert f"each of seed 0's six arms took {walls[0]:,.0f}–{walls[-1]:,.0f} s of wall time" in text
+    _says(f"each of seed 0's six arms took {walls[0]:,.0f}–{walls[-1]:,.0f} s of wall time")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,10 +535,16 @@ def _text() -> str:
     return " ".join(PAGE.read_text().split())
 
 
+_SAID: list[str] | None = None  # while the audit runs the claim tests: every fragment checked
+
+
 def _says(*fragments: str) -> None:
+    """Each fragment (numbers formatted from the rows) is on the page, whitespace normalised."""
     text = _text()
     for fragment in fragments:
         assert fragment in text, f"the page does not say {fragment!r} (recomputed from the rows)"
+        if _SAID is not None:
+            _SAID.append(fragment)
 
 
 def _f(x: float, digits: int, sign: bool = False) -> str:
@@ -1020,3 +1026,230 @@ def test_the_reproduce_sections_numbers_are_the_main_rows():
     )
     assert [seed0[a]["invalid_reply_rate_end"] == worst[a] for a in worst] == [True, True, False]
     assert sum(x > seed0["echo-0.05"]["invalid_reply_rate_end"] for x in _seed_values("", "echo-0.05", "invalid_reply_rate_end")) == 3  # fmt: skip
+
+
+def test_the_summary_at_the_top_is_the_rows():
+    """The "In short" paragraph: each number from the section it summarises."""
+    explore, wm = _entry("exploring-start-400"), _entry("world-model-start")
+    short, d24, main = _entry("short-calibrated-start"), _entry("default-24-seeds"), _entry("")
+    floor = _rows("")[0]["obs_ce_floor"]
+    best = min(
+        e["heldout_obs_ce_end"]["mean"] / floor
+        for folder in (
+            "",
+            "rl-120",
+            "copy-1000",
+            "default-24-seeds",
+            "calibrated-start",
+            "short-calibrated-start",
+            "exploring-start-400",
+        )
+        for a, e in _entry(folder).items()
+        if a.startswith("echo")
+    )
+    act = main["actobs"]["eval_success_sampled_end"]["diff_vs_grpo"]
+    ind = {r["step"]: r for r in _jsonl("world_model_probe_induction3000_h64_l2.jsonl") if "step" in r}  # fmt: skip
+    within = min(s for s in ind if all(ind[t]["heldout_ce"] <= 2 * floor for t in ind if t >= s))
+    _says(
+        f"(1.132 → {_f(explore['echo-0.05']['heldout_obs_ce_end']['mean'], 3)}); it never came within 2× of the floor "
+        f"(best {best:.1f}×)",
+        f"an in-context copy skill and about {within:,} steps",
+        f"({_f(100 * d24['echo-0.01']['eval_success_sampled_end']['diff_vs_grpo']['mean'], 1, True)} "
+        f"{_bracket(d24['echo-0.01']['eval_success_sampled_end']['diff_vs_grpo'], 1, 100)} points)",
+        f"{_f(100 * short['echo-0.05']['eval_success_sampled_end']['diff_vs_grpo']['mean'], 1, True)} points over GRPO "
+        f"{_bracket(short['echo-0.05']['eval_success_sampled_end']['diff_vs_grpo'], 1, 100)}",
+        f"(all-token CE {_f(explore['grpo']['heldout_obs_ce_all_start']['mean'], 3)} → "
+        f"{_f(explore['grpo']['heldout_obs_ce_all_end']['mean'], 3)})",
+        f"(hidden CE {_f(explore['echo-0.05']['heldout_obs_ce_start']['mean'], 3)} → "
+        f"{_f(explore['echo-0.05']['heldout_obs_ce_end']['mean'], 3)}, about log 3), and ends "
+        f"{_f(100 * explore['echo-0.05']['eval_success_sampled_end']['diff_vs_grpo']['mean'], 1)} points ahead of GRPO "
+        f"{_bracket(explore['echo-0.05']['eval_success_sampled_end']['diff_vs_grpo'], 1, 100)}",
+        f"(hidden CE {_f(wm['grpo']['heldout_obs_ce_start']['mean'], 3)}, "
+        f"{wm['grpo']['heldout_obs_ce_start']['mean'] / floor:.1f}× the floor)",
+        f"while its hidden CE rises to {_f(wm['grpo']['heldout_obs_ce_end']['mean'], 3)}",
+        f"is not worse ({_f(100 * wm['echo-0.2']['eval_success_sampled_end']['diff_vs_grpo']['mean'], 1, True)} points "
+        f"{_bracket(wm['echo-0.2']['eval_success_sampled_end']['diff_vs_grpo'], 1, 100)}) and keeps the CE at "
+        f"{_f(wm['echo-0.2']['heldout_obs_ce_end']['mean'], 3)} ({wm['echo-0.2']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor)",
+        f"GRPO ({_f(100 * act['mean'], 1, True)} points {_bracket(act, 1, 100)})",
+        f"({wm['echo-0.2']['heldout_obs_ce_end']['mean'] / floor:.1f}× the floor after 60 RL steps at λ = 0.2)",
+        f"from a partial one ({json.loads((ROWS / 'world-model-start' / 'pilot-partial-start.json').read_text())[0]['heldout_obs_ce_start'] / floor:.1f}×, one pilot)",
+    )
+    assert best > 2 and _verdict(d24["echo-0.01"]["eval_success_sampled_end"]["diff_vs_grpo"]) == "not worse"  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The audit: every number the page's prose prints is inside a fragment a test above recomputes,
+# or is a setting of a run (a λ, a step count, a seed list: what was run, not what was measured).
+
+# Regexes of the prose that name what was run, not what was measured: λ, learning rates,
+# weights, step, seed, run and task counts, evaluation points, the pre-registered thresholds and
+# margins, reference constants (log 2, log 3), and the wall times of the commands (from their
+# logs: the cost of a run, not a result; a run's rows keep only each arm's `wall_s`).
+SETTINGS: tuple[str, ...] = (
+    r"λ (?:=|≤|up to|above) [\d.]+(?:(?:,| and| /| or) [\d.]+)*",
+    r"(?:echo|placebo)[- ][\d.]+|\*\*echo-[\d.]+\*\*|λ = 0\b",
+    r"at (?:0\.\d+|λ = [\d.]+)\b",
+    r"lr [\d.e-]+|weight [\d.]+|probability [\d.]+|temperature 1|\bT = \d+|clipping threshold [\d.]+",
+    r"\b\d[\d,]* (?:RL |warm-up |SFT |copy-task |log-reading |exploring warm-up |training )?steps?\b",
+    r"\bsteps? \d(?:[\d,]*\d)?(?:(?:,| and| →) \d(?:[\d,]*\d)?)*",
+    r"RL steps? \d+(?:, \d+)*(?:, …, \d+)?|steps \d+ and \d+",
+    r"\d+-step",
+    r"\b\d+ (?:paired |complete |new |pre-registered )?seeds?\b|seeds? \d+(?:–\d+)?(?: \d+)*|\(\d+–\d+|then \d+–\d+|seed-\d+",
+    r"\d+ of (?:its |the )?12 pre-registered seeds",
+    r"from \d+ to \d+",
+    r"\d+ (?:prompts|rollouts|walks|demonstrations|runs|warm-starts|arms|cores|workers|threads?|invocations)\b",
+    r"\d+ (?:held-out )?(?:pairs|tasks|episodes|conversations|moves|mirrorings|evaluations)\b|\(\d+\)",
+    r"\d+ (?:sampled|greedy) episodes?|\d+ per task|\d+ per-episode|\d[\d,]*-episode|\(\d+\): [\d,]+ episodes",
+    r"\d+ × \d+|\d+×\d+|× \d+|\d+ ×|\b\d+ to \d+ moves",
+    r"hidden \d+|\d+ layers|\d+-core|--jobs \d+|-n \d+|\b\d+ random token ids",
+    r"\d+ % (?:random|of the time)|\d+ % (?:greedy|t|interval|intervals|CI)\b|\(\d+ % random",
+    r"80 %|0\.8 greedy|≥ 0\.8|below 0\.80|95 %|\+0\.03|−0\.03|-0\.03|−3[- ]points?|\+3 points|margin",
+    r"≥ 15[- ]points?|\+15 points|\+15 missed|15 points|\b\d+× (?:more|of the floor)|within 2×|2× of",
+    r"±\d+(?:\.\d+)?[- ]points?",
+    r"log \d+(?: = [\d.]+)?|`log 2` = [\d.]+|\(log 3\)|\((?:log 5 )?\([\d.]+\)\)",
+    r"floor (?:is )?\*?\*?0\b\*?\*?|floor 0\b|, 0 after|below 0\b|above 0\b|reaches [01]\b|includes 0|below 1\b|above\)|"
+    r"towards 1|Below 1|or above|[01] or (?:below|above)|to 0\b|reward 0|were 0|is 0 for|entirely below 0",
+    r"\b1,0\b|`flip 1,0`|\+3,-2",
+    r"\b[\d,.]+ (?:s|minutes|hours)\b(?: \([\d.]+ minutes\))?",
+    r"≥ \d+|\d+ points? of held-out|\bk = \d",
+    r"(?:all|every) \d+ (?:settings|are complete)",
+    r"in \d+ of them|\d+ of \d+ intervals",
+    r"\bthe \d+ pre-registered|all \d+ are",
+    r"mean of the per-step ratios",
+    r"\d+ \(start, goal\) pairs|\d+ random walks|\d+ RL arms|\d+× GRPO's|log [35] \([\d.]+\)",
+    r"\d+ at \d+ × \d+|\d+-point target|all 0\b",
+    r"every \d+\b|after \d+ and \d+ RL|\d+ instead of [\d,]+|instead of \d+|over \d+\.|the default \d+",
+    r"world is \*\*0\*\*|\*\*Seeds\*\*: \d+ \(\d+–\d+\)|= \d+\)|\d+ CPU cores|\(\d+ warm-up|counted at \d+",
+    r"the \d+-seed|\d+ otherwise idle|set to [\d.]+|[\d.]+, the λ|while [\d.]+ is the largest λ",
+    r"the first \d+ steps|the [\d,]+-step one|\d+ (?:held-out )?pairs",
+)
+
+
+def _claim_tests() -> tuple[Callable[[], None], ...]:
+    return (
+        test_prose_claims,
+        test_the_pretrained_step_timing_is_the_committed_measurement,
+        test_the_persistence_run_times_are_its_rows,
+        test_the_first_versions_numbers_are_its_rows,
+        test_the_main_runs_prose_is_its_rows,
+        test_the_environment_numbers,
+        test_the_world_model_probe_table_and_prose_are_its_jsonl,
+        test_the_longer_and_wider_runs_prose_is_their_rows,
+        test_the_warm_start_sections_prose_is_their_rows,
+        test_the_world_model_start_prose_is_its_rows,
+        test_the_controls_prose_is_their_rows,
+        test_the_reproduce_sections_numbers_are_the_main_rows,
+        test_the_summary_at_the_top_is_the_rows,
+        test_the_remaining_result_sentences_are_the_rows,
+    )
+
+
+_PROSE_NUMBER = re.compile(r"(?<![\w.])[+\-−]?\d+(?:,\d{3})*(?:\.\d+)?(?:e-\d+)?(?![\w])")
+
+
+def _prose() -> str:
+    """The page's prose, whitespace normalised: no generated block (recomputed verbatim above),
+    no code block, table, figure line or heading."""
+    from echoloss.train import persistence
+
+    text = PAGE.read_text()
+    for begin, end in (persistence.HEADLINE_MARKERS, persistence.RESULT_MARKERS):
+        text = text.split(begin)[0] + text.split(end)[1]
+    text = re.sub(r"```.*?```", " ", text, flags=re.S)
+    lines = [x for x in text.splitlines() if not x.startswith(("|", "![", "#"))]
+    return " ".join(" ".join(lines).split())
+
+
+def _unchecked_numbers() -> list[str]:
+    """Each prose number no claim test checks and no setting pattern names, in context."""
+    global _SAID
+    _SAID = []
+    try:
+        for test in _claim_tests():
+            test()
+        fragments = _SAID
+    finally:
+        _SAID = None
+    prose = _prose()
+    covered = bytearray(len(prose))
+    for fragment in [*fragments, *SETTINGS]:
+        for m in re.finditer(fragment if fragment in SETTINGS else re.escape(fragment), prose):
+            covered[m.start() : m.end()] = b"\x01" * (m.end() - m.start())
+    for m in re.finditer(r"`[^`]*`|\]\([^)]*\)", prose):  # inline code and link targets
+        covered[m.start() : m.end()] = b"\x01" * (m.end() - m.start())
+    return [
+        prose[max(0, m.start() - 50) : m.end() + 20]
+        for m in _PROSE_NUMBER.finditer(prose)
+        if not all(covered[m.start() : m.end()])
+    ]
+
+
+def test_every_number_of_the_prose_is_recomputed_or_a_setting():
+    unchecked = _unchecked_numbers()
+    assert not unchecked, f"{len(unchecked)} numbers no test recomputes:\n" + "\n".join(unchecked)
+
+
+def test_the_remaining_result_sentences_are_the_rows():
+    """Result sentences the section tests above do not phrase: the headline of each bullet."""
+    main, rl120, d24 = _entry(""), _entry("rl-120"), _entry("default-24-seeds")
+    short, calib, explore, wm = (
+        _entry(f)
+        for f in (
+            "short-calibrated-start",
+            "calibrated-start",
+            "exploring-start-400",
+            "world-model-start",
+        )
+    )
+    row = _rows("")[0]
+    g = main["grpo"]
+    c = short["grpo"]
+    up = _ce_changes("short-calibrated-start", "echo-0.01")
+    sampled_short = paired_ci(
+        _seed_values("short-calibrated-start", "grpo", "eval_success_sampled_gain")
+    )
+    wm_gain = paired_ci(_seed_values("world-model-start", "grpo", "eval_success_sampled_gain"))
+    ex_gain = paired_ci(_seed_values("exploring-start-400", "grpo", "eval_success_sampled_gain"))
+    wm_ends = [wm[a]["eval_success_sampled_end"]["mean"] for a in ("echo-0.05", "echo-0.2")]
+    seed1 = next(r for r in _rows("copy-1000") if r["arm"] == "grpo" and r["seed"] == 1)
+    d = d24["echo-0.01"]["eval_success_sampled_end"]["diff_vs_grpo"]
+    _says(
+        f"exact floor {row['obs_ce_floor']:.4f}; and on every observation-body token (floor {row['obs_ce_all_floor']:.4f})",
+        f"rises {100 * g['eval_success_sampled_gain']['mean']:.1f} points, not 15.** Sampled "
+        f"{_f(g['eval_success_sampled_start']['mean'], 3)} → {_f(g['eval_success_sampled_end']['mean'], 3)}",
+        f"*not worse*, narrowly: {_cif(d)}",
+        f"rises {100 * rl120['grpo']['eval_success_sampled_gain']['mean']:.1f} points over 120 RL steps",
+        f"stays at {100 * d24['grpo']['eval_success_sampled_gain']['mean']:.0f} points over 60 RL steps",
+        f"(held-out success {_f(seed1['eval_success_sampled_end'], 3)})",
+        f"the hidden CE at the start, {_f(calib['grpo']['heldout_obs_ce_start']['mean'], 3)}, is above log 3 ({math.log(3):.3f})",
+        f"sampled success {_f(100 * sampled_short['mean'], 1, True)} points {_bracket(sampled_short, 1, 100)}",
+        f"hidden CE doubles ({_f(c['heldout_obs_ce_start']['mean'], 3)} → {_f(c['heldout_obs_ce_end']['mean'], 3)};",
+        f"against GRPO {_f(100 * short['echo-0.05']['eval_success_sampled_end']['diff_vs_grpo']['mean'], 1, True)} points "
+        f"sampled {_bracket(short['echo-0.05']['eval_success_sampled_end']['diff_vs_grpo'], 1, 100)}",
+        f"({_f(c['heldout_obs_ce_start']['mean'], 3)} → {_f(short['echo-0.01']['heldout_obs_ce_end']['mean'], 3)}, "
+        f"in 8 of 8 seeds: {_span(up, 2, True, ' to ')})",
+        f"nothing for RL to learn (greedy {_f(calib['grpo']['eval_success_start']['mean'], 3)})",
+        f"greedy held-out success {_f(explore['grpo']['eval_success_start']['mean'], 3)}, sampled "
+        f"{_f(explore['grpo']['eval_success_sampled_start']['mean'], 3)}, hidden CE "
+        f"{_f(explore['grpo']['heldout_obs_ce_start']['mean'], 3)} (log 3 = {math.log(3):.3f}; floor {row['obs_ce_floor']:.3f})",
+        f"**GRPO learns: {_f(100 * ex_gain['mean'], 1, True)} points of held-out sampled success {_bracket(ex_gain, 1, 100)}**",
+        f"hidden CE rises {_f(explore['grpo']['heldout_obs_ce_start']['mean'], 3)} → {_f(explore['grpo']['heldout_obs_ce_end']['mean'], 3)}",
+        f"GRPO {_f(100 * wm_gain['mean'], 1, True)} points of sampled success {_bracket(wm_gain, 1, 100)}**",
+        f"(every seed {_span([100 * x for x in _seed_values('world-model-start', 'grpo', 'eval_success_sampled_gain')], 0, True, ' to ')}), "
+        f"greedy {_f(wm['grpo']['eval_success_start']['mean'], 3)} → {_f(wm['grpo']['eval_success_end']['mean'], 3)}",
+        f"all-token CE {_f(wm['grpo']['heldout_obs_ce_all_start']['mean'], 3)} → {_f(wm['grpo']['heldout_obs_ce_all_end']['mean'], 3)}",
+        f"near the ceiling ({_span(wm_ends, 2)} sampled)",
+        "between 0 and 3 points of held-out success",
+    )
+    ind = {r["step"]: r for r in _jsonl("world_model_probe_induction3000_h64_l2.jsonl") if "step" in r}  # fmt: skip
+    within = min(s for s in ind if all(ind[t]["heldout_ce"] <= 2 * 0.1941 for t in ind if t >= s))
+    _says(f"about {within:,} steps of supervision", f"random walks in about {within:,} steps")
+    raised = sum(x > 0 for x in up)  # λ = 0.01 from the short calibrated start
+    _says(
+        f"short calibrated start ({raised} of {len(up)} seeds)",
+        f"short calibrated start raised it (in {raised} of {len(up)} seeds)",
+    )
+    assert (
+        d["lo"] > -0.03 and d["mean"] < 0
+    )  # "costs between 0 and 3 points", point estimate a cost
+    assert ex_gain["lo"] > 0.15 and wm_gain["lo"] > 0.15 and rl120["grpo"]["eval_success_sampled_gain"]["mean"] > 0.15  # fmt: skip
