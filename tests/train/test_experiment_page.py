@@ -711,7 +711,7 @@ def test_the_world_model_probe_table_and_prose_are_its_jsonl():
     rises = [obs[b]["heldout_ce"] - obs[a]["heldout_ce"] for a, b in pairwise(sorted(obs)[1:])]
     lowest = min(obs.values(), key=lambda r: r["heldout_ce"])
     _says(
-        f"about {gpu['seconds'] / gpu['step']:.2f} s):",
+        f"about {gpu['seconds'] / gpu['step']:.2f} s). Each row is one run (seed 0)",
         f"ended at {_f(old[0]['heldout_ce'], 3)} and {_f(old[1]['heldout_ce'], 3)}.",
         f"{_span(at_1000[:4], 2)} nats per word after 1,000 steps of direct supervision, "
         f"{_span(ends, 2)} after 1,750–3,000, still {_span([e / floor for e in ends], 1)}× the floor",
@@ -1244,6 +1244,14 @@ def test_the_remaining_result_sentences_are_the_rows():
     ind = {r["step"]: r for r in _jsonl("world_model_probe_induction3000_h64_l2.jsonl") if "step" in r}  # fmt: skip
     within = min(s for s in ind if all(ind[t]["heldout_ce"] <= 2 * 0.1941 for t in ind if t >= s))
     _says(f"about {within:,} steps of supervision", f"random walks in about {within:,} steps")
+    lacking = ["", "copy-1000", "calibrated-start", "short-calibrated-start", "controls/mirrorgrid-noise", "controls/mirrorgrid-shown"]  # fmt: skip
+    falls = {f: paired_ci(_ce_changes(f, "echo-0.05")) for f in lacking}
+    assert all(c["mean"] < 0 for c in falls.values())  # "lowers it" in every such setting
+    shown = falls.pop("controls/mirrorgrid-shown")
+    assert all(c["hi"] < 0 for c in falls.values()) and shown["hi"] > 0
+    _says(
+        f"below 0 in {len(falls)} of the {len(lacking)} such settings; in the `mirrorgrid-shown` control {_cif(shown)}"
+    )
     raised = sum(x > 0 for x in up)  # λ = 0.01 from the short calibrated start
     _says(
         f"short calibrated start ({raised} of {len(up)} seeds)",
