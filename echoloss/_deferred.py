@@ -164,7 +164,9 @@ class DeferredChecks:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.deferred = on_device_path(device)
-        self._numbers: list[torch.Tensor] = []  # 0-dim tensors, in check order
+        self._numbers: list[torch.Tensor] = []  # 0-dim tensors not packed yet, in check order
+        self._blocks: list[torch.Tensor] = []  # packed numbers: [k] float64 each
+        self._position: list[int] = []  # number i (in check order) -> its place in the blocks
         self._layout: list[tuple[int, int, Message]] = []
 
     def add(self, numbers: Sequence[torch.Tensor | float], message: Message) -> None:
@@ -180,32 +182,43 @@ class DeferredChecks:
             if err is not None:
                 raise err
             return
-        start = len(self._numbers)
+        start = len(self._position) + len(self._numbers)
         self._numbers += values
-        self._layout.append((start, len(self._numbers), message))
+        self._layout.append((start, start + len(values), message))
 
-    def submit(self) -> None:
-        """Send the queued numbers to the host (non-blocking) and queue them for reading.
-
-        The numbers are grouped by dtype (one ``stack`` and one cast per dtype, one ``cat``), so
-        a call's checks cost a handful of launches and one copy, whatever their number.
-        """
+    def pack(self) -> None:
+        """Gather the numbers queued so far into one ``[k]`` float64 block (one ``stack`` and one
+        cast per dtype, one ``cat``). Called inside the compiled loss algebra, so that packing is
+        part of the compiled region and only the copy remains outside."""
         if not self._numbers:
             return
         groups: dict[torch.dtype, list[int]] = {}
         for i, n in enumerate(self._numbers):
             groups.setdefault(n.dtype, []).append(i)
         parts = [torch.stack([self._numbers[i] for i in idx]).double() for idx in groups.values()]
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-        # position of number i in ``flat``
-        where = [0] * len(self._numbers)
+        offset = sum(b.numel() for b in self._blocks)
+        where = [0] * len(self._numbers)  # position of pending number i in this block
         k = 0
         for idx in groups.values():
             for i in idx:
                 where[i] = k
                 k += 1
+        self._blocks.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+        self._position += [offset + w for w in where]
+        self._numbers = []
+
+    def submit(self) -> None:
+        """Send the queued numbers to the host (non-blocking) and queue them for reading.
+
+        The numbers are packed by dtype (`pack`), so a call's checks cost a handful of launches
+        and one copy, whatever their number.
+        """
+        self.pack()
+        if not self._blocks:
+            return
+        flat = torch.cat(self._blocks) if len(self._blocks) > 1 else self._blocks[0]
         layout = [
-            (message, [where[i] for i in range(start, stop)])
+            (message, [self._position[i] for i in range(start, stop)])
             for start, stop, message in self._layout
         ]
         event = None
@@ -217,7 +230,7 @@ class DeferredChecks:
         else:
             host = flat
         _queue().append(_Pending(host, event, layout))
-        self._numbers, self._layout = [], []
+        self._blocks, self._position, self._layout = [], [], []
 
 
 def host_to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:

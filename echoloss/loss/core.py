@@ -827,6 +827,7 @@ def _algebra(
     metrics = _metrics(
         x, rl, ent, cfg, -lp_echo.detach(), {"loss_rl": rl_term, "loss_echo": echo_term}
     )
+    checks.pack()  # inside the compiled region (when on): only the copy to the host is left
     return loss, metrics
 
 

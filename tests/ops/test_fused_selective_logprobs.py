@@ -405,3 +405,40 @@ def test_launch_variants_match_reference(dtype, variant, monkeypatch):
     torch.testing.assert_close(ent_f, ent_r, atol=atol, rtol=rtol)
     assert_grad_close(g_f, g_r, coef_scale=6.0)
     assert bool((g_f[~mask] == 0).all()) and bool((lp_f[~mask] == 0).all())
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["entropy-unused", "entropy-used"])
+def test_device_path_rows_with_zero_coefficients_are_exact_zeros(entropy_grad):
+    """Phase 2 decides in the kernel which rows are live (in the mask, a nonzero coefficient):
+    a masked row whose coefficients are zero is written with exact zeros, the others match the
+    reference; an entropy output that no loss reads gets no coefficient at all (autograd passes
+    None, not zeros). Every tiled loop runs more than once (conftest)."""
+    from echoloss._deferred import device_code_path, raise_deferred_errors
+
+    n = 19
+    logits, labels, temps, mask = _inputs(n, torch.float32, seed=5)
+    g = torch.Generator().manual_seed(7)
+    coef_a = torch.randn(n, generator=g)
+    coef_b = torch.randn(n, generator=g) if entropy_grad else torch.zeros(n)
+    zero_rows = torch.arange(n) % 3 == 0
+    coef_a[zero_rows] = 0.0
+    coef_b[zero_rows] = 0.0
+    coef_a[1] = 0.0  # a zero logprob coefficient, a nonzero entropy one: live when used
+
+    def grad(backend):
+        x = logits.detach().clone().requires_grad_()
+        lp, ent = selective_logprobs(
+            x, labels, temperature=temps, return_entropy=True, mask=mask, backend=backend
+        )
+        loss = (lp * coef_a).sum() + ((ent * coef_b).sum() if entropy_grad else 0.0)
+        (d,) = torch.autograd.grad(loss, x)
+        return d
+
+    with device_code_path():
+        g_f = grad("triton")
+        raise_deferred_errors()
+    g_r = grad("reference")
+    dead = ~mask | (zero_rows if entropy_grad else zero_rows | (coef_a == 0))
+    assert bool((g_f[dead] == 0).all())
+    assert_grad_close(g_f, g_r, coef_scale=6.0)
+    assert bool((g_f[mask & ~dead] != 0).any())

@@ -172,7 +172,8 @@ def _logprobs_bwd_kernel(
     DLOGITS,  # [B, T, V] out, every row written (zeros where SLOT < 0)
     LOGITS,  # [B, T, V] (may be DLOGITS itself: each element is read before it is written)
     LABELS,  # [N] int64
-    SLOT,  # [N] int32: index into the per-live-row arrays, -1 = write zeros
+    SLOT,  # [N] int32: index into the per-live-row arrays, -1 = write zeros; or, with
+    # SLOT_IS_MASK, [N] bool live rows whose per-row arrays are [N] (slot = row)
     LSE,  # [n, 2] fp32 (row max of z, log Σ exp((z - max) / T))
     GRAD_LP,  # [n] fp32 coefficient a
     GRAD_ENT,  # [n] fp32 coefficient b (unused unless HAS_ENT)
@@ -193,6 +194,8 @@ def _logprobs_bwd_kernel(
     ROUND_BF16_BY_BITS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     TILE_V: tl.constexpr,
+    SLOT_IS_MASK: tl.constexpr = False,
+    SKIP_ZERO: tl.constexpr = False,
 ):
     # 2-D grid: axis 0 = rows (up to 2^31 - 1), axis 1 = tiles of TILE_V columns (V / TILE_V is
     # far below axis 1's 65,535). Every element depends only on its row's statistics, so tiles
@@ -203,7 +206,18 @@ def _logprobs_bwd_kernel(
     t_idx = row % rows_per_batch
     out = DLOGITS + b_idx * out_stride_b + t_idx * out_stride_t
     cols = tl.arange(0, BLOCK_V)
-    k = tl.load(SLOT + row).to(tl.int64)
+    if SLOT_IS_MASK:
+        # The live rows decided here, not by three small launches before this one: in the
+        # mask and, with SKIP_ZERO, with a nonzero coefficient (a zero one gives exact zeros).
+        live = tl.load(SLOT + row) != 0
+        if SKIP_ZERO:
+            nonzero = tl.load(GRAD_LP + row) != 0
+            if HAS_ENT:
+                nonzero = nonzero | (tl.load(GRAD_ENT + row) != 0)
+            live = live & nonzero
+        k = tl.where(live, row, -1)
+    else:
+        k = tl.load(SLOT + row).to(tl.int64)
     if k < 0:
         zero = tl.full([BLOCK_V], 0, dtype=DLOGITS.dtype.element_ty)
         for start in range(0, TILE_V, BLOCK_V):
@@ -414,6 +428,7 @@ def backward(
     chunk_size: int,
     out: torch.Tensor | None = None,
     live: torch.Tensor | None = None,
+    skip_zero_rows: bool = False,
 ) -> torch.Tensor:
     """Phase 2 with the Triton kernel; same arguments and result as ``reference.backward``.
 
@@ -437,6 +452,9 @@ def backward(
         live: instead of ``rows``: ``[N]`` bool rows with a gradient; ``lse``,
             ``grad_logprobs``, ``grad_entropy`` and ``entropy`` are then ``[N]`` (one entry per
             row, read on live rows only). Nothing is read back to the host.
+        skip_zero_rows: with ``live``: a live row whose coefficients (``grad_logprobs``, and
+            ``grad_entropy`` when given) are all zero is written with exact zeros too, decided
+            in the kernel (no launch to combine the mask with the coefficients).
 
     Returns:
         ``dlogits`` with the shape and dtype of ``logits`` (``out`` when given).
@@ -455,6 +473,7 @@ def backward(
                 chunk_size=chunk_size,
                 out=out,
                 live=live,
+                skip_zero_rows=skip_zero_rows,
             )
         assert rows is not None, "rows or live is required"
         if out is not None:
@@ -503,10 +522,8 @@ def backward(
     if n_all == 0:
         return out
     if live is not None:
-        # Row i's statistics and coefficients are at slot i; dead rows get -1 (write zeros).
-        slot = torch.where(
-            live.reshape(-1), torch.arange(n_all, dtype=torch.int32, device=dev), -1
-        ).to(torch.int32)
+        # Row i's statistics and coefficients are at slot i; the kernel reads the mask itself.
+        slot = live.reshape(-1).contiguous()
     else:
         assert rows is not None, "rows or live is required"
         n = int(rows.numel())
@@ -552,6 +569,8 @@ def backward(
             ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and interpreter_active(),
             BLOCK_V=bwd_block,
             TILE_V=tile,
+            SLOT_IS_MASK=live is not None,
+            SKIP_ZERO=live is not None and skip_zero_rows,
             num_warps=LAUNCH["bwd_warps"],
             enable_fp_fusion=True,
         )

@@ -122,6 +122,7 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
         ctx.inv_t_float = inv_t if not isinstance(inv_t, torch.Tensor) else None
         ctx.need_entropy = need_entropy
         ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)
         ctx.impl = impl
         return lp, ent
 
@@ -132,29 +133,35 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return (None, *nones)
         inv_t = ctx.inv_t_float if inv_t_t is None else inv_t_t
+        # Gradients are not materialised (``set_materialize_grads(False)``): an unused output
+        # (the entropy of a metric) gets None, not a zero tensor that phase 2 would multiply.
+        use_ent = ctx.need_entropy and grad_ent is not None and grad_ent.numel() > 0
+        if grad_lp is None:
+            if not use_ent:
+                return (None, *nones)
+            grad_lp = torch.zeros(labels.numel(), dtype=lse.dtype, device=labels.device)
         if mask is not None:
-            # Device path: every row keeps its slot; rows with zero coefficients are dead
-            # (exact zeros), decided on the device.
-            a = grad_lp
-            b = grad_ent if ctx.need_entropy and grad_ent.numel() else None
-            live = mask & ((a != 0) if b is None else (a != 0) | (b != 0))
+            # Device path: every row keeps its slot; rows outside the mask or with zero
+            # coefficients are dead (exact zeros), decided by phase 2 on the device.
+            b = grad_ent if use_ent else None
             grad = ctx.impl.backward(
                 logits,
                 labels,
                 rows=None,
                 inv_temperature=inv_t,
                 lse=lse,
-                grad_logprobs=a,
+                grad_logprobs=grad_lp,
                 grad_entropy=b,
                 entropy=ent_c if b is not None else None,
                 chunk_size=ctx.chunk_size,
-                live=live,
+                live=mask,
+                skip_zero_rows=True,
             )
             return (grad, *nones)
         if rows is None:
             rows = torch.arange(labels.numel(), device=labels.device)
         a = grad_lp.index_select(0, rows)
-        b = grad_ent.index_select(0, rows) if ctx.need_entropy and grad_ent.numel() else None
+        b = grad_ent.index_select(0, rows) if use_ent else None
         ent = ent_c
         # Rows whose coefficients are all zero have an exactly zero gradient: skip them.
         live = a != 0 if b is None else (a != 0) | (b != 0)
@@ -210,7 +217,8 @@ def labels_checked_on_device(
     kernel ever reads out of bounds.
     """
     flat_mask = torch.ones_like(labels, dtype=torch.bool) if mask is None else mask.reshape(-1)
-    bad = flat_mask & ((labels < 0) | (labels >= v))  # [N]
+    ok = flat_mask & (labels.clamp(0, v - 1) == labels)  # [N] participating, in range
+    bad = flat_mask ^ ok  # [N] participating, out of range (ok ⊆ flat_mask)
     if labels.numel():
         row = first_true(bad)
 
@@ -229,7 +237,7 @@ def labels_checked_on_device(
         checks = DeferredChecks(labels.device)
         checks.add([bad.any(), row, labels.index_select(0, row.view(1))], message)
         checks.submit()
-    return flat_mask, torch.where(flat_mask & ~bad, labels, 0)
+    return flat_mask, torch.where(ok, labels, 0)
 
 
 @compiler_disable

@@ -214,6 +214,7 @@ def backward(
     chunk_size: int,
     out: torch.Tensor | None = None,
     live: torch.Tensor | None = None,
+    skip_zero_rows: bool = False,
 ) -> torch.Tensor:
     """Phase 2: ``dlogits`` of the given rows from per-row coefficients; other rows exact zeros.
 
@@ -236,6 +237,8 @@ def backward(
         live: instead of ``rows``: ``[N]`` bool rows with a gradient, every per-row argument
             ``[N]``; every row is computed and the dead ones written with exact zeros (no host
             read of the live count).
+        skip_zero_rows: with ``live``: a live row whose coefficients (``grad_logprobs``, and
+            ``grad_entropy`` when given) are all zero is written with exact zeros too.
 
     Returns:
         ``dlogits`` with the shape and dtype of ``logits``.
@@ -246,6 +249,11 @@ def backward(
         n_all = logits.numel() // max(logits.shape[-1], 1)
         rows = torch.arange(n_all, device=logits.device)
         dead = ~live.reshape(-1)
+        if skip_zero_rows:
+            zero = grad_logprobs.reshape(-1) == 0
+            if grad_entropy is not None:
+                zero = zero & (grad_entropy.reshape(-1) == 0)
+            dead = dead | zero
     assert rows is not None, "rows or live is required"
     n = int(rows.numel())
     if out is None:

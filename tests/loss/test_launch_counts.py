@@ -1,0 +1,188 @@
+"""Kernel launches of one ``echo_loss`` forward+backward besides the two vocabulary phases.
+
+Counted on CPU on the CUDA code path (``device_code_path()``), the phases run by the PyTorch
+reference and not counted (on CUDA they are two Triton launches):
+
+- **eager**: every aten op that runs a kernel (``benchmarks/counting.py``), forward and backward;
+- **compiled** (``compile_loss_algebra()``): the aten ops that run *outside* the compiled
+  regions, counted with the profiler (a dispatch mode makes dynamo fall back to eager, so it
+  cannot count this path), and the number of compiled regions run (forward and backward of the
+  ``[N]`` algebra). The compiler here passes the traced graphs through unchanged (no inductor:
+  about a minute of compile per configuration on 2 CPU cores); on CUDA inductor turns each
+  region into a few fused kernels, a number only a GPU run measures
+  (``python -m benchmarks.launch_count``).
+
+The numbers are ceilings: a change that adds launches fails here. On this record (N = 48,
+V = 37, per-row temperatures, sequence ids, env names) eager issues 149-267 launches depending
+on the configuration; the compiled algebra runs 2 regions and leaves 37-38 launches outside
+them: the op's deferred checks of the labels and the per-row temperatures before phase 1 and
+their packing (about 25), the row mask, echo rows' temperature and its reciprocal, the copy of
+the check numbers and autograd's seed gradient (sft: one more, the check that no echo
+row is given). The target of at most 10 launches besides the
+two phases is not reached by either path: the checks before phase 1 alone exceed it.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.counting import NO_LAUNCH_OPS, count_ops, paused  # noqa: E402
+from echoloss._deferred import device_code_path, raise_deferred_errors  # noqa: E402
+from echoloss.loss import echo_loss  # noqa: E402
+from echoloss.loss.core import compile_loss_algebra  # noqa: E402
+from echoloss.ops.selective_logprobs import reference  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_host_syncs import CONFIGS, N, V, _record  # noqa: E402
+
+PHASE = "vocabulary-phase"
+REGION = "compiled-region"
+
+#: Ops that launch nothing (views, metadata, allocations) as the profiler names them.
+_NO_KERNEL = NO_LAUNCH_OPS | {
+    "aten::view", "aten::as_strided", "aten::reshape", "aten::select", "aten::slice",
+    "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::t", "aten::transpose",
+    "aten::permute", "aten::alias", "aten::_reshape_alias", "aten::unbind", "aten::split",
+    "aten::narrow", "aten::resolve_conj", "aten::resolve_neg", "aten::result_type",
+    "aten::promote_types", "aten::_unsafe_view", "aten::expand_as", "aten::view_as",
+    "aten::flatten", "aten::contiguous", "aten::to",
+}  # fmt: skip
+
+
+@pytest.fixture
+def phases_uncounted(monkeypatch):
+    """The phases run the reference, paused for the counter and marked for the profiler."""
+
+    def fwd(*a, **k):
+        with paused(), torch.profiler.record_function(PHASE):
+            return reference.forward(*a, **k)
+
+    def bwd(*a, **k):
+        with paused(), torch.profiler.record_function(PHASE):
+            return reference.backward(*a, **k)
+
+    fake = types.SimpleNamespace(forward=fwd, backward=bwd)
+    op = importlib.import_module("echoloss.ops.selective_logprobs.op")
+    monkeypatch.setattr(op, "resolve_backend", lambda b, d: fake)
+
+
+def _inputs(name):
+    cfg = CONFIGS[name]
+    x = _record(cfg)
+    logits = torch.randn(N, V, dtype=torch.bfloat16, requires_grad=True)
+    return cfg, x, logits
+
+
+def _step(cfg, x, logits):
+    logits.grad = None  # the first gradient of a step is assigned, not accumulated
+    echo_loss(logits, x, config=cfg).loss.backward()
+
+
+def eager_launches(name: str) -> int:
+    cfg, x, logits = _inputs(name)
+    with device_code_path():
+        with count_ops() as c:
+            _step(cfg, x, logits)
+        raise_deferred_errors()
+    assert c.num_syncs == 0
+    return c.num_launches
+
+
+def _kernels(event) -> int:
+    """Launches of one profiled aten op: its aten children's, else 1 unless it launches none."""
+    kids = sum(_kernels(c) for c in event.cpu_children if c.name.startswith("aten::"))
+    if kids:
+        return kids
+    return 0 if event.name in _NO_KERNEL else 1
+
+
+def compiled_launches(name: str) -> tuple[int, collections.Counter[str], dict[str, int]]:
+    """``(launches outside the compiled regions, by op, regions run by kind)``."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    regions: collections.Counter[str] = collections.Counter()
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            run_graph = make_boxed_func(gm)
+
+            def run(args):
+                regions[kind] += 1
+                with torch.profiler.record_function(REGION):
+                    return run_graph(args)
+
+            run._boxed_call = True  # type: ignore[attr-defined]
+            return run
+
+        return compile_graph
+
+    cfg, x, logits = _inputs(name)
+    torch._dynamo.reset()
+    compile_loss_algebra(backend=aot_autograd(fw_compiler=compiler("forward"),
+                                              bw_compiler=compiler("backward")))  # fmt: skip
+    try:
+        with device_code_path():
+            _step(cfg, x, logits)  # compiles
+            raise_deferred_errors()
+            regions.clear()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+                _step(cfg, x, logits)
+            raise_deferred_errors()
+    finally:
+        compile_loss_algebra(False)
+        torch._dynamo.reset()
+    outside: collections.Counter[str] = collections.Counter()
+
+    def walk(event):
+        if event.name in (PHASE, REGION):
+            return
+        if event.name.startswith("aten::"):
+            k = _kernels(event)
+            if k:
+                outside[event.name] += k
+            return
+        for child in event.cpu_children:
+            walk(child)
+
+    for event in p.profiler.function_events:
+        if event.cpu_parent is None:
+            walk(event)
+    return sum(outside.values()), outside, dict(regions)
+
+
+#: Eager launches per forward+backward (phases excluded), measured on this record.
+EAGER_CEILING = {
+    "cispo-batch-mean": 193,
+    "dppo": 226,
+    "gspo-sequence-means": 267,
+    "ppo-kl-entropy": 255,
+    "reinforce-token-mismatch": 185,
+    "sft": 149,
+}
+#: Launches outside the compiled regions per forward+backward (phases excluded).
+COMPILED_OUTSIDE_CEILING = dict.fromkeys(EAGER_CEILING, 37) | {"sft": 38}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_eager_launches_do_not_grow(name, phases_uncounted):
+    n = eager_launches(name)
+    assert n <= EAGER_CEILING[name], n
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_compiled_algebra_leaves_few_launches_outside(name, phases_uncounted):
+    n, by_op, regions = compiled_launches(name)
+    assert regions == {"forward": 1, "backward": 1}, regions
+    assert n <= COMPILED_OUTSIDE_CEILING[name], (n, dict(by_op))
