@@ -464,6 +464,8 @@ def _success_figure(
     ax.axvline(0, color="0.4", lw=1)
     for x in (-100 * GAIN, 100 * GAIN):
         ax.axvline(x, color="0.6", lw=1, ls=":")
+    lo, hi = ax.get_xlim()  # a difference of two success rates lies in [−100, +100] points
+    ax.set_xlim(max(lo, -100.0), min(hi, 100.0))
     ax.set_yticks(range(len(others)), others)
     ax.set_xlabel("held-out sampled success at RL step 60, arm − GRPO (percentage points)")
     ax.set_title(
@@ -502,15 +504,17 @@ def _curve_figure(
     figure: tuple[str, str, str, str, str, list[tuple[float, str]]],
 ) -> Path:
     """``out/name``: ``key`` against the RL step for every arm of ``level``: each seed faint,
-    the mean over seeds bold with its 95 % t interval over seeds shaded (from two seeds on),
-    and horizontal reference ``lines`` ``(y, label)``."""
+    the mean over seeds bold with its 95 % t interval over seeds as a bar at each evaluation
+    (from two seeds on; the arms' bars side by side), and horizontal reference ``lines``
+    ``(y, label)``."""
     import matplotlib.pyplot as plt
 
     from echoloss.train.experiment import paired_ci
 
     level, key, ylabel, title, name, lines = figure
     fig, ax = plt.subplots(figsize=(7.5, 4.4), constrained_layout=True)
-    for arm in [a for a in colors if a.startswith(level)]:
+    arms = [a for a in colors if a.startswith(level)]
+    for i, arm in enumerate(arms):
         steps, curves = _curves(rows, arm, key)
         for c in curves:
             xs = sorted(c)
@@ -520,16 +524,24 @@ def _curve_figure(
         cis = [paired_ci([c[s] for c in curves]) for s in steps]
         ax.plot(steps, [ci["mean"] for ci in cis], color=colors[arm], lw=2.2, marker="o", ms=3,
                 label=f"{arm} (n={len(curves)})")  # fmt: skip
-        if len(curves) > 1:
-            ax.fill_between(steps, [ci["lo"] for ci in cis], [ci["hi"] for ci in cis],
-                            color=colors[arm], alpha=0.15, lw=0)  # fmt: skip
+        if len(curves) > 1:  # bars side by side per evaluation, cut at the quantity's range
+            top = 1.0 if "success" in key else math.inf
+            lo = [ci["mean"] - max(ci["lo"], 0.0) for ci in cis]
+            hi = [min(ci["hi"], top) - ci["mean"] for ci in cis]
+            dodged = [x + 0.9 * (i - (len(arms) - 1) / 2) for x in steps]
+            ax.errorbar(dodged, [ci["mean"] for ci in cis], yerr=[lo, hi], fmt="none",
+                        ecolor=colors[arm], elinewidth=1.2, capsize=2, alpha=0.8)  # fmt: skip
     for y, label in lines:
         ax.axhline(y, color="0.4", lw=1, ls="--" if y else ":", label=label)
+    if "success" in key:
+        ax.set_ylim(0.0, 1.02)
+    else:  # the seeds' curves decide the range; a band wider than them is cut at the frame
+        ax.set_ylim(0.0, 1.1 * max([y for r in rows if r.get("level") == level for c in r.get("curve", []) if (y := c.get(key)) is not None] + [LOG2]))  # fmt: skip
     ax.set_xlabel("RL step")
     ax.set_ylabel(ylabel)
     ax.set_title(
         f"{title} ({_seed_note(summary)})\n"
-        "bold: mean over seeds, shaded: 95 % t CI (from 2 seeds); faint: seeds",
+        "bold: mean over seeds, bars: 95 % t CI (from 2 seeds); faint: seeds",
         fontsize=10,
     )
     ax.grid(alpha=0.3)
