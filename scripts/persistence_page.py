@@ -10,7 +10,8 @@ page test (tests/train/test_experiment_page.py) recomputes both from
 2. runs ``echoloss-train experiment --mode persistence --summarize-only`` on them (in a
    temporary directory, so ``RUN_DIR`` is not written), which writes ``results.json``,
    ``summary.json``, ``summary.md`` and the four figures;
-3. copies those into ``docs/experiment/persistence/`` and writes the two generated blocks of
+3. copies the rows, the summary and the figures into ``docs/experiment/persistence/`` (the
+   markdown goes into the page, not beside it) and writes the two generated blocks of
    ``docs/experiment.md``; nothing else of the page changes.
 
 ::
@@ -37,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FILES = (
     "results.json",
     "summary.json",
-    "summary.md",
     "success.png",
     "speed.png",
     "world_model.png",

@@ -24,6 +24,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from echoloss.train.stats import paired_ci
+
 __all__ = [
     "PRE_REGISTERED_SEEDS",
     "arm_label",
@@ -508,8 +510,6 @@ def _curve_figure(
     (from two seeds on; the arms' bars side by side), and horizontal reference ``lines``
     ``(y, label)``."""
     import matplotlib.pyplot as plt
-
-    from echoloss.train.experiment import paired_ci
 
     level, key, ylabel, title, name, lines = figure
     fig, ax = plt.subplots(figsize=(7.5, 4.4), constrained_layout=True)

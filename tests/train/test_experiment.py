@@ -210,7 +210,7 @@ def test_t_quantiles_exact_to_30_and_never_narrower_beyond():
     """The interval half-width uses t_{0.975, n-1}: the tabulated quantile's CDF is 0.975 (to the
     3-decimal rounding) up to df 30, and never below 0.975 after: an anti-conservative 1.96 for
     df 31-119 was a bug."""
-    from echoloss.train.experiment import _t975
+    from echoloss.train.stats import _t975
 
     assert _t_cdf(1.959964, 10_000) == pytest.approx(0.975, abs=2e-5)  # the helper itself
     for df in range(1, 31):

@@ -283,7 +283,6 @@ def test_the_persistence_section_is_generated_from_the_committed_rows():
     summary = _persistence_summary(rows)
     committed = json.loads((ROWS / PERSISTENCE / "summary.json").read_text())
     assert json.loads(json.dumps(summary)) == committed
-    assert (ROWS / PERSISTENCE / "summary.md").read_text() == persistence.markdown(summary)
     page = PAGE.read_text()
     assert persistence.update_page(page, summary) == page, (
         "docs/experiment.md does not print the report of docs/experiment/persistence/results.json;"
