@@ -1116,6 +1116,7 @@ SETTINGS: tuple[str, ...] = (
     r"in \d+ of them|\d+ of \d+ intervals",
     r"\bthe \d+ pre-registered|all \d+ are",
     r"mean of the per-step ratios",
+    r"measured \d{4}-\d{2}-\d{2}|SmolLM2-135M-Instruct|\d+ steps \(",
     r"\d+ \(start, goal\) pairs|\d+ random walks|\d+ RL arms|\d+× GRPO's|log [35] \([\d.]+\)",
     r"\d+ at \d+ × \d+|\d+-point target|all 0\b",
     r"every \d+\b|after \d+ and \d+ RL|\d+ instead of [\d,]+|instead of \d+|over \d+\.|the default \d+",
@@ -1148,15 +1149,15 @@ _PROSE_NUMBER = re.compile(r"(?<![\w.])[+\-−]?\d+(?:,\d{3})*(?:\.\d+)?(?:e-\d+
 
 
 def _prose() -> str:
-    """The page's prose, whitespace normalised: no generated block (recomputed verbatim above),
-    no code block, table, figure line or heading."""
+    """The page's prose and headings, whitespace normalised: no generated block (recomputed
+    verbatim above), no code block, table or figure line."""
     from echoloss.train import persistence
 
     text = PAGE.read_text()
     for begin, end in (persistence.HEADLINE_MARKERS, persistence.RESULT_MARKERS):
         text = text.split(begin)[0] + text.split(end)[1]
     text = re.sub(r"```.*?```", " ", text, flags=re.S)
-    lines = [x for x in text.splitlines() if not x.startswith(("|", "![", "#"))]
+    lines = [x for x in text.splitlines() if not x.startswith(("|", "!["))]
     return " ".join(" ".join(lines).split())
 
 
