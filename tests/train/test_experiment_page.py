@@ -454,6 +454,16 @@ def test_prose_claims():
                 "controls/mirrorgrid-noise", "controls/mirrorgrid-shown"]  # fmt: skip
     cis = [paired_ci(_ce_changes(f, "grpo")) for f in settings]
     assert all(c["mean"] > 0 for c in cis) and sum(c["lo"] > 0 for c in cis) == 7
+    for folder in settings:  # "echo's ends below GRPO's in every one"
+        arms = summarize(_rows(folder))["arms"]
+        grpo_end = arms["grpo"]["heldout_obs_ce_end"]["mean"]
+        assert all(e["heldout_obs_ce_end"]["mean"] < grpo_end for a, e in arms.items() if a.startswith("echo")), folder  # fmt: skip
+    # the three intervals that include 0: the main run's and the two controls'
+    assert [f for f, c in zip(settings, cis, strict=True) if c["lo"] <= 0] == [
+        "",
+        "controls/mirrorgrid-noise",
+        "controls/mirrorgrid-shown",
+    ]
     main = cis[0]
     says(f"+{main['mean']:.3f} [−{-main['lo']:.3f}, +{main['hi']:.3f}]")
     says("rises in all 10 settings run, with an interval above 0 in 7 of them")
