@@ -1098,7 +1098,7 @@ def test_the_summary_at_the_top_is_the_rows():
 SETTINGS: tuple[str, ...] = (
     r"λ (?:=|≤|up to|above) [\d.]+(?:(?:,| and| /| or) [\d.]+)*",
     r"(?:echo|placebo)[- ][\d.]+|\*\*echo-[\d.]+\*\*|λ = 0\b",
-    r"at (?:0\.\d+|λ = [\d.]+)\b",
+    r"at (?:0\.005|0\.01|0\.05|0\.2|0\.25|λ = [\d.]+)(?![\d.])",  # at a λ
     r"lr [\d.e-]+|weight [\d.]+|probability [\d.]+|temperature 1|\bT = \d+|clipping threshold [\d.]+",
     r"\b\d[\d,]* (?:RL |warm-up |SFT |copy-task |log-reading |exploring warm-up |training )?steps?\b",
     r"\bsteps? \d(?:[\d,]*\d)?(?:(?:,| and| →) \d(?:[\d,]*\d)?)*",
@@ -1107,14 +1107,16 @@ SETTINGS: tuple[str, ...] = (
     r"\b\d+ (?:paired |complete |new |pre-registered )?seeds?\b|seeds? \d+(?:–\d+)?(?: \d+)*|\(\d+–\d+|then \d+–\d+|seed-\d+",
     r"\d+ of (?:its |the )?12 pre-registered seeds",
     r"from \d+ to \d+",
-    r"\d+ (?:prompts|rollouts|walks|demonstrations|runs|warm-starts|arms|cores|workers|threads?|invocations)\b",
-    r"\d+ (?:held-out )?(?:pairs|tasks|episodes|conversations|moves|mirrorings|evaluations)\b|\(\d+\)",
+    r"\d+ (?:prompts|rollouts|walks|demonstrations|warm-starts|arms|cores|workers|threads?|invocations)\b",
+    r"\d+ runs(?= in|,|\)| \()",
+    r"(?:4|60|64|180|240|960) (?:held-out )?(?:pairs|tasks|episodes|conversations|mirrorings)\b",
+    r"task \(240\)|\(960\)|the 9 evaluations",
     r"\d+ (?:sampled|greedy) episodes?|\d+ per task|\d+ per-episode|\d[\d,]*-episode|\(\d+\): [\d,]+ episodes",
     r"\d+ × \d+|\d+×\d+|× \d+|\d+ ×|\b\d+ to \d+ moves",
     r"hidden \d+|\d+ layers|\d+-core|--jobs \d+|-n \d+|\b\d+ random token ids",
     r"\d+ % (?:random|of the time)|\d+ % (?:greedy|t|interval|intervals|CI)\b|\(\d+ % random",
     r"80 %|0\.8 greedy|≥ 0\.8|below 0\.80|95 %|\+0\.03|−0\.03|-0\.03|−3[- ]points?|\+3 points|margin",
-    r"≥ 15[- ]points?|\+15 points|\+15 missed|15 points|\b\d+× (?:more|of the floor)|within 2×|2× of",
+    r"≥ 15[- ]points?|\+15 points|\+15 missed|15 points|3× more|within 2×|2× of the floor",
     r"±\d+(?:\.\d+)?[- ]points?",
     r"log \d+(?: = [\d.]+)?|`log 2` = [\d.]+|\(log 3\)|\((?:log 5 )?\([\d.]+\)\)",
     r"floor (?:is )?\*?\*?0\b\*?\*?|floor 0\b|, 0 after|below 0\b|above 0\b|reaches [01]\b|includes 0|below 1\b|above\)|"
