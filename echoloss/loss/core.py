@@ -26,6 +26,7 @@ field, so a new field of the record is a new keyword of every entry point.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -69,10 +70,12 @@ __all__ = [
     "NonFiniteLossError",
     "check_final_loss",
     "check_scored_rows",
+    "chunk_additive",
     "compile_loss_algebra",
     "echo_loss",
     "echo_loss_from_logprobs",
     "loss_from_logprobs",
+    "row_coefficients",
     "row_temperature_and_entropy",
 ]
 
@@ -747,6 +750,107 @@ def loss_from_logprobs(
     )
     checks.submit()
     return LossOutput(loss, metrics)
+
+
+# ---------------------------------------------------------------- chunk-additive losses
+
+#: Built-in policies whose per-token loss depends on that token alone.
+_ROW_SEPARABLE_POLICIES = frozenset({"dppo", "ppo_clip", "cispo", "reinforce"})
+
+
+def chunk_additive(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:
+    """Whether the loss is a sum of per-row terms over denominators known before any logprob.
+
+    True for the per-token built-in policies (``dppo``, ``ppo_clip``, ``cispo``,
+    ``reinforce``) and ``mode="sft"``, with a token-level mismatch correction or none, RL
+    normalisation ``token_mean`` or ``token_sum_constant`` and echo normalisation
+    ``token_mean``, ``sum`` or ``batch_token_mean``: the denominators are then given
+    (``normalizers``, constants) or counted from the masks alone, so each row's derivative
+    ``d loss / d logprob`` can be formed from that row as soon as its logprob exists. False for
+    sequence-level policies and normalisers (``gspo``, ``sequence_*``), a sequence-level
+    mismatch correction and custom policies.
+
+    Examples:
+        >>> chunk_additive(LossConfig(), None), chunk_additive(LossConfig(policy="gspo"), None)
+        (True, False)
+    """
+    if policy_fn is not None or (cfg.mode != "sft" and cfg.policy not in _ROW_SEPARABLE_POLICIES):
+        return False
+    if cfg.mismatch is not None and not cfg.mismatch.startswith("token"):
+        return False
+    return cfg.rl_normalization in ("token_mean", "token_sum_constant") and (
+        cfg.echo_normalization in ("token_mean", "sum", "batch_token_mean")
+    )
+
+
+def _rows_of(x: LossInputs, idx: torch.Tensor) -> LossInputs:
+    """The record's per-token fields on rows ``idx``, without validating them again (they
+    were validated in ``x``); sequence ids, env names and the temperature are left out (a
+    chunk-additive loss reads none of them)."""
+    sub = object.__new__(LossInputs)
+    for f in dataclasses.fields(LossInputs):
+        value = getattr(x, f.name)
+        if f.name in ("sequence_ids", "env_names"):
+            value = None
+        elif f.name == "temperature":
+            value = 1.0
+        elif f.name == "_versions":
+            value = ()
+        elif isinstance(value, torch.Tensor):
+            value = value.reshape(-1).index_select(0, idx)
+        object.__setattr__(sub, f.name, value)
+    return sub
+
+
+def row_coefficients(
+    x: LossInputs, cfg: LossConfig, spec: PolicySpec, normalizers: Normalizers | None
+) -> Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
+]:
+    """For a `chunk_additive` loss: ``fn(rows, logprobs [c], entropy [c] or None) -> (a, b)``,
+    the derivatives ``d loss / d logprob`` and ``d loss / d entropy`` (None when the entropy is
+    not trained) of rows ``rows``, from those rows alone.
+
+    The rows' loss is the loss algebra itself (`_rl_per_token`, `_rl_term`, `_echo_term`) on
+    the rows' fields with the call's denominators (counted on all rows here), differentiated
+    by autograd: the same operations per row as the whole loss, so the same derivatives. Value
+    checks are left to the whole loss, which runs them once.
+    """
+    n_echo = x.echo.sum()  # 0-dim, as `row_counts` counts
+    counts = _Counts(
+        rl_tokens=x.rl.sum(),
+        echo_tokens=n_echo,
+        echo_batches=(n_echo > 0).long(),
+        rl_sequences=0,
+        echo_sequences=0,
+    )
+    discard = DeferredChecks(x.device)
+    discard.deferred = True  # never submitted: the whole loss runs (and reports) the checks
+    norms = _resolve_normalizers(normalizers, counts, cfg, discard)
+    fn = spec.fn
+    assert fn is not None  # chunk_additive: a built-in policy (or sft)
+
+    def coefficients(
+        rows: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        sub = _rows_of(x, rows)
+        seqs = LocalSequences(rows.numel() + 1, None, None, None, 0, 0, 0)
+        lp_leaf = lp.detach().requires_grad_()
+        ent_leaf = None if ent is None else ent.detach()
+        if ent_leaf is not None and cfg.entropy_coef != 0:
+            ent_leaf.requires_grad_()
+        rl = _rl_per_token(lp_leaf, ent_leaf, sub, seqs, cfg, spec, None, discard)
+        rl_term = _rl_term(rl.per_token, sub.rl, cfg, norms, seqs)
+        lp_echo = torch.where(sub.echo, lp_leaf, 0.0)
+        w_echo = _on_rows(sub.echo, sub.echo_weights, lp_echo)
+        echo_term = _echo_term(w_echo * -lp_echo, sub, cfg, norms, n_echo, seqs)
+        wrt = [lp_leaf] + ([ent_leaf] if ent_leaf is not None and ent_leaf.requires_grad else [])
+        grads = torch.autograd.grad(rl_term + echo_term, wrt, allow_unused=True)
+        a = torch.zeros_like(lp) if grads[0] is None else grads[0]
+        b = None if len(grads) < 2 else grads[1]
+        return a, (torch.zeros_like(lp) if b is None and len(grads) == 2 else b)
+
+    return coefficients
 
 
 class _CompileState:

@@ -16,11 +16,22 @@ from echoloss._deferred import DeferredChecks, raise_deferred_errors
 from echoloss._validate import check_chunk_size
 from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
 from echoloss.loss.config import LossConfig
-from echoloss.loss.core import LossOutput, loss_from_logprobs, row_temperature_and_entropy
+from echoloss.loss.core import (
+    LossOutput,
+    chunk_additive,
+    loss_from_logprobs,
+    row_coefficients,
+    row_temperature_and_entropy,
+)
 from echoloss.loss.inputs import LossInputs
 from echoloss.loss.normalization import Normalizers
 from echoloss.loss.policy import PolicyFn
-from echoloss.ops.fused_linear.op import check_linear_inputs, linear_logprobs_rows
+from echoloss.ops.fused_linear.op import (
+    attach_gradients,
+    check_linear_inputs,
+    linear_logprobs_rows,
+    linear_logprobs_with_gradients,
+)
 
 __all__ = ["echo_loss_from_hidden"]
 
@@ -44,11 +55,20 @@ def echo_loss_from_hidden(
     the rounding of a different summation order): the rows that take part in neither term
     are dropped before the matmul, the others go through the LM head ``chunk_size`` rows at a
     time ([`echoloss.ops.fused_linear.linear_selective_logprobs`][echoloss.ops.fused_linear.linear_selective_logprobs]), and the loss algebra is
-    [`echoloss.loss.echo_loss_from_logprobs`][echoloss.loss.echo_loss_from_logprobs]. Backward recomputes each chunk's logits and
-    accumulates ``hidden.grad`` and ``weight.grad`` chunk by chunk (``weight.grad`` in fp32 for a
-    bf16/fp16 weight, cast once at the end). Rows outside ``rl_mask | echo_weights > 0`` get
-    exactly zero ``hidden.grad``. Arguments other than ``rl_mask`` and ``echo_weights`` are
-    validated after the forward matmul.
+    [`echoloss.loss.echo_loss_from_logprobs`][echoloss.loss.echo_loss_from_logprobs]. ``hidden.grad`` and ``weight.grad`` are
+    accumulated chunk by chunk (``weight.grad`` in fp32 for a bf16/fp16 weight, cast once at the
+    end). Rows outside ``rl_mask | echo_weights > 0`` get exactly zero ``hidden.grad``.
+    Arguments other than ``rl_mask`` and ``echo_weights`` are validated after the forward
+    matmul.
+
+    When the loss is chunk-additive (`echoloss.loss.core.chunk_additive`: per-token policies
+    and token-level normalisers, whose denominators are known before any logprob) and a
+    gradient is recorded, the gradients are formed in the forward pass, chunk by chunk, while
+    each chunk's logits are in memory: one LM-head GEMM per chunk instead of two (backward
+    only scales them by the incoming gradient); the ``[V, H]`` weight gradient (fp32 for a
+    bf16/fp16 weight) is then held from forward to backward, and the loss supports one
+    backward. Otherwise (sequence-level policies or normalisers, custom policies) backward
+    recomputes each chunk's logits. Both give the same gradients (tested).
 
     Args:
         hidden: ``[N, H]`` final hidden states (the LM head's input), bf16/fp16/fp32/fp64.
@@ -105,12 +125,27 @@ def echo_loss_from_hidden(
     temp, need_ent = row_temperature_and_entropy(
         x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
     )
-    lp, ent_all = linear_logprobs_rows(
-        hidden, weight, x.labels, temp, x.rl | x.echo, need_ent, chunk_size, backend
-    )  # [N], [N] or [0]
+    mask = x.rl | x.echo
+    grads = None
+    if (
+        torch.is_grad_enabled()
+        and (hidden.requires_grad or weight.requires_grad)
+        and chunk_additive(cfg, policy_fn)
+    ):
+        coefficients = row_coefficients(x, cfg, spec, normalizers)
+        lp, ent_all, *grads = linear_logprobs_with_gradients(
+            hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend, coefficients
+        )  # [N] and [N] or [0], detached; d hidden, d weight
+    else:
+        lp, ent_all = linear_logprobs_rows(
+            hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend
+        )  # [N], [N] or [0]
     ent: torch.Tensor | None = None
     if need_ent:
         ent = ent_all if cfg.entropy_coef != 0 else ent_all.detach()
-    return loss_from_logprobs(
+    out = loss_from_logprobs(
         lp, ent, x, cfg, normalizers, policy_fn, source="hidden", spec=spec, checks=checks
     )
+    if grads is None:
+        return out
+    return LossOutput(attach_gradients(out.loss, hidden, weight, *grads), out.metrics)

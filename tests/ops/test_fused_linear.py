@@ -324,3 +324,156 @@ def test_errors_name_the_argument_and_the_fix(change, exc, match):
     hidden, weight, labels = args.pop("hidden"), args.pop("weight"), args.pop("labels")
     with pytest.raises(exc, match=match):
         echo_loss_from_hidden(hidden, weight, labels, **args)
+
+
+# ------------------------------------------------------------ gradients formed in the forward
+
+FORWARD_GRADIENT_CONFIGS = {
+    "dppo": LossConfig(),
+    "ppo-kl-entropy-bonus": LossConfig(
+        policy="ppo_clip", kl_coef=0.1, entropy_coef=0.05, compute_entropy=True
+    ),
+    "cispo-batch-token-mean": LossConfig(policy="cispo", echo_normalization="batch_token_mean"),
+    "reinforce-token-mismatch": LossConfig(policy="reinforce", mismatch="token_truncate"),
+    "dppo-constant-sum": LossConfig(
+        rl_normalization="token_sum_constant",
+        rl_normalization_constant=7.0,
+        echo_normalization="sum",
+    ),
+    "sft": LossConfig(mode="sft"),
+}
+
+
+def _recompute_only(monkeypatch):
+    import echoloss.loss.hidden as hidden_module
+
+    monkeypatch.setattr(hidden_module, "chunk_additive", lambda cfg, policy_fn: False)
+
+
+def _gemm_counter(monkeypatch):
+    calls = {"n": 0}
+    original = op._logits_chunk
+
+    def counted(h, w):
+        calls["n"] += 1
+        return original(h, w)
+
+    monkeypatch.setattr(op, "_logits_chunk", counted)
+    return calls
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(FORWARD_GRADIENT_CONFIGS))
+def test_gradients_in_forward_equal_the_recompute_path(name, backend, dtype, device_path,
+                                                       monkeypatch):  # fmt: skip
+    """A chunk-additive loss forms its gradients in the forward pass (one LM-head GEMM per chunk,
+    counted) and gets the loss, metrics and gradients of the recompute path bit for bit: the
+    same GEMMs on the same rows, and each row's coefficient is the loss algebra's own
+    derivative (the same operations per row). 5 chunks of at most 4 rows (the chunk loop runs
+    more than once), given normalisers for half of the configurations."""
+    from contextlib import nullcontext
+
+    from echoloss import Normalizers
+    from echoloss._deferred import device_code_path, raise_deferred_errors
+
+    cfg = FORWARD_GRADIENT_CONFIGS[name]
+    batch = _batch([9, 6, 5], seed=4)
+    if cfg.mode == "sft":
+        batch["echo_weights"] = torch.zeros_like(batch["echo_weights"])
+    n = batch["labels"].numel()
+    if cfg.kl_coef:
+        g = torch.Generator().manual_seed(9)
+        batch["ref_logprobs"] = -torch.rand(n, generator=g).to(DEVICE)
+    norms = None
+    if name in ("dppo", "cispo-batch-token-mean", "reinforce-token-mismatch"):
+        norms = Normalizers(rl_tokens=40, echo_tokens=30, echo_batches=2)
+    results = []
+    for recompute in (False, True):
+        if recompute:
+            _recompute_only(monkeypatch)
+        gemms = _gemm_counter(monkeypatch)
+        h = _hidden(n, dtype).requires_grad_()
+        w = _weights(dtype).requires_grad_()
+        kw = {k: v for k, v in batch.items() if k != "labels"}
+        with device_code_path() if device_path else nullcontext():
+            out = echo_loss_from_hidden(h, w, batch["labels"], config=cfg, normalizers=norms,
+                                        backend=backend, chunk_size=4, **kw)  # fmt: skip
+            forward_gemms = gemms["n"]
+            out.loss.backward()
+            raise_deferred_errors()
+        results.append((out, h.grad, w.grad, forward_gemms, gemms["n"]))
+    (fwd, gh, gw, f_gemms, all_gemms), (rec, gh2, gw2, rf_gemms, rall_gemms) = results
+    rows = n if device_path else int((batch["rl_mask"] | (batch["echo_weights"] > 0)).sum())
+    chunks = -(-rows // 4)
+    assert chunks > 1
+    assert (f_gemms, all_gemms) == (chunks, chunks)  # no logits recomputed in backward
+    assert (rf_gemms, rall_gemms) == (chunks, 2 * chunks)
+    assert torch.equal(fwd.loss, rec.loss)
+    for k in rec.metrics:
+        assert torch.equal(fwd.metrics[k], rec.metrics[k]), k
+    assert gh.dtype == dtype and gw.dtype == dtype
+    assert torch.equal(gh, gh2) and torch.equal(gw, gw2)
+    assert float(gw.abs().max()) > 0
+
+
+@pytest.mark.parametrize("name", ["gspo", "sequence-mean-echo", "custom"])
+def test_other_losses_recompute_in_backward(name, monkeypatch):
+    """Sequence-level policies and normalisers, and custom policies, are not chunk-additive:
+    backward recomputes the logits (a second GEMM per chunk with a live row)."""
+    from echoloss import PolicyOutput
+
+    cfg = {
+        "gspo": LossConfig(policy="gspo", rl_normalization="sequence_mean_token_mean"),
+        "sequence-mean-echo": LossConfig(echo_normalization="sequence_mean"),
+        "custom": LossConfig(policy="custom", allow_echo_with_custom_policy=True),
+    }[name]
+
+    def custom(inputs, config):
+        return PolicyOutput(-inputs.advantages * inputs.logprobs, {})
+
+    policy_fn = custom if name == "custom" else None
+    batch = _batch([9, 6, 5], seed=4)
+    n = batch["labels"].numel()
+    gemms = _gemm_counter(monkeypatch)
+    h = _hidden(n, torch.float32).requires_grad_()
+    w = _weights(torch.float32).requires_grad_()
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    out = echo_loss_from_hidden(h, w, batch["labels"], config=cfg, backend="reference",
+                                chunk_size=4, policy_fn=policy_fn, **kw)  # fmt: skip
+    chunks = gemms["n"]
+    out.loss.backward()
+    assert chunks > 1 and gemms["n"] > chunks  # (rows with zero coefficients are skipped)
+
+
+def test_gradients_formed_in_forward_scale_with_the_incoming_gradient():
+    batch = _batch([9, 6], seed=2)
+    n = batch["labels"].numel()
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    grads = []
+    for scale in (1.0, -2.5):
+        h = _hidden(n, torch.float32).requires_grad_()
+        w = _weights(torch.float32).requires_grad_()
+        out = echo_loss_from_hidden(h, w, batch["labels"], backend="reference", chunk_size=4,
+                                    **kw)  # fmt: skip
+        (scale * out.loss).backward(retain_graph=True)
+        grads.append((h.grad, w.grad))
+        with pytest.raises(RuntimeError, match="a second time"):
+            out.loss.backward()
+    torch.testing.assert_close(grads[1][0], -2.5 * grads[0][0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(grads[1][1], -2.5 * grads[0][1], rtol=1e-6, atol=0)
+
+
+def test_frozen_hidden_forms_only_the_weight_gradient():
+    batch = _batch([9, 6], seed=2)
+    n = batch["labels"].numel()
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    h = _hidden(n, torch.float32)
+    w = _weights(torch.float32).requires_grad_()
+    out = echo_loss_from_hidden(h, w, batch["labels"], backend="reference", chunk_size=4, **kw)
+    out.loss.backward()
+    assert h.grad is None and w.grad is not None and float(w.grad.abs().max()) > 0
+    with torch.no_grad():
+        out = echo_loss_from_hidden(h, w, batch["labels"], backend="reference", **kw)
+    assert out.loss.grad_fn is None

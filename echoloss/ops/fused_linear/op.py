@@ -7,10 +7,17 @@ the participating rows are gathered first, then processed ``chunk_size`` at a ti
 each chunk's logits (the loss between the phases needs every row's logprob first, so the
 gradient cannot be formed in the forward pass), writes ``dlogits`` in place over them, and
 accumulates ``d hidden`` and ``d weight`` chunk by chunk.
+
+When the caller can give each row's loss coefficients from that row alone (a chunk-additive
+loss: `linear_logprobs_with_gradients`), the forward pass forms the gradients itself, chunk by
+chunk, while the chunk's logits are still there: phase 2 runs right after phase 1 and nothing is
+recomputed (one LM-head GEMM per chunk instead of two); `attach_gradients` hands them to
+autograd, scaled by the incoming gradient.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -32,10 +39,13 @@ from echoloss.ops.selective_logprobs.op import labels_checked_on_device
 
 __all__ = [
     "DEFAULT_LINEAR_CHUNK_ELEMENTS",
+    "RowCoefficients",
+    "attach_gradients",
     "auto_linear_chunk_size",
     "check_linear_inputs",
     "default_linear_chunk_size",
     "linear_logprobs_rows",
+    "linear_logprobs_with_gradients",
     "linear_selective_logprobs",
 ]
 
@@ -237,6 +247,199 @@ class _LinearLogprobsFn(torch.autograd.Function):
         if grad_w is not None and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
         return (grad_h, grad_w, *nones)
+
+
+#: ``coefficients(rows [c] int64, logprobs [c], entropy [c] or None) -> (a [c], b [c] or None)``:
+#: the derivatives of the loss with respect to the logprobs and the entropy of rows ``rows``,
+#: computed from those rows alone (a chunk-additive loss).
+RowCoefficients = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
+]
+
+
+def _chunk_gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    rows: torch.Tensor,
+    inv_t: float | torch.Tensor,
+    need_entropy: bool,
+    chunk_size: int,
+    impl: ModuleType,
+    mask: torch.Tensor | None,
+    coefficients: RowCoefficients,
+    need: tuple[bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One pass over the chunks: logits, phase 1, the rows' coefficients, phase 2 in place
+    over the logits, ``d hidden`` rows and the ``d weight`` accumulation (as
+    ``_LinearLogprobsFn.backward``, with coefficients known at once)."""
+    n_all = hidden.shape[0]
+    v = weight.shape[0]
+    cdtype = reference.compute_dtype(hidden.dtype)
+    dev = hidden.device
+    n = int(rows.numel())
+    lp = torch.zeros(n_all, dtype=cdtype, device=dev)
+    ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
+    grad_h = torch.zeros_like(hidden) if need[0] else None
+    grad_w = None
+    if need[1]:
+        grad_w = torch.zeros(weight.shape, dtype=reference.compute_dtype(weight.dtype), device=dev)
+    inner = reference.default_chunk_size(v)
+    for start in range(0, n, chunk_size):
+        stop = min(n, start + chunk_size)
+        idx = rows[start:stop]
+        h = hidden.index_select(0, idx)
+        z = _logits_chunk(h, weight)
+        it = inv_t if isinstance(inv_t, float) else inv_t.index_select(0, idx)
+        lab = labels.index_select(0, idx)
+        chunk_mask = None if mask is None else mask[start:stop]
+        lp_k, lse_k, ent_k = impl.forward(
+            z,
+            lab,
+            rows=None,
+            inv_temperature=it,
+            need_entropy=need_entropy,
+            chunk_size=inner,
+            **({} if chunk_mask is None else {"mask": chunk_mask}),
+        )
+        lp_k, ent_k = lp_k.to(cdtype), None if ent_k is None else ent_k.to(cdtype)
+        lp.index_copy_(0, idx, lp_k)
+        if ent_k is not None:
+            ent.index_copy_(0, idx, ent_k)
+        a, b = coefficients(idx, lp_k, ent_k)
+        c = stop - start
+        # Phase 2 over the chunk's logits, in place: rows outside the mask or with zero
+        # coefficients get exact zeros (decided on the device), like the recompute path.
+        live = torch.ones(c, dtype=torch.bool, device=dev) if chunk_mask is None else chunk_mask
+        dz = impl.backward(
+            z,
+            lab,
+            rows=None,
+            live=live,
+            skip_zero_rows=True,
+            inv_temperature=it,
+            lse=lse_k,
+            grad_logprobs=a,
+            grad_entropy=b,
+            entropy=ent_k if b is not None else None,
+            chunk_size=inner,
+            out=z,
+        )
+        if grad_h is not None:
+            grad_h.index_copy_(0, idx, torch.mm(dz, weight))
+        if grad_w is not None:
+            _accumulate_grad_weight(grad_w, dz, h)
+        del z, dz, h
+    return lp, ent, grad_h, grad_w
+
+
+def linear_logprobs_with_gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    mask: torch.Tensor,
+    need_entropy: bool,
+    chunk_size: int | None,
+    backend: str,
+    coefficients: RowCoefficients,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(logprobs [N], entropy [N] or [0], d hidden, d weight)`` in one pass over the chunks.
+
+    For a loss whose derivative with respect to a row's logprob (and entropy) depends on that
+    row alone: ``coefficients`` gives them per chunk, right after phase 1, and phase 2 runs on
+    the chunk's logits while they are still in memory, so the backward pass recomputes nothing.
+    The logprobs and entropy are returned detached; `attach_gradients` connects the loss to
+    ``hidden`` and ``weight`` with the gradients formed here. ``d weight`` is accumulated in
+    fp32 for a bf16/fp16 weight (in the weight's dtype when returned) and held until backward:
+    one ``[V, H]`` buffer more between forward and backward than the recompute path.
+    """
+    flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
+    impl = resolve_backend(backend, hidden.device)
+    cs = chunk_size if chunk_size is not None else auto_linear_chunk_size(weight)
+    with torch.no_grad():
+        lp, ent, grad_h, grad_w = _chunk_gradients(
+            hidden,
+            weight,
+            flat_labels,
+            rows,
+            inv_t,
+            need_entropy,
+            cs,
+            impl,
+            flat_mask,
+            _no_grad_coefficients(coefficients),
+            (hidden.requires_grad, weight.requires_grad),
+        )
+    if grad_w is not None and grad_w.dtype != weight.dtype:
+        grad_w = grad_w.to(weight.dtype)
+    return lp, ent, grad_h, grad_w
+
+
+def _no_grad_coefficients(fn: RowCoefficients) -> RowCoefficients:
+    def run(
+        idx: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with torch.enable_grad():  # the caller differentiates its per-row loss
+            a, b = fn(idx, lp, ent)
+        return a.detach(), None if b is None else b.detach()
+
+    return run
+
+
+class _AttachGradientsFn(torch.autograd.Function):
+    """``loss`` unchanged; backward: the gradients formed in forward, times the incoming one."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        loss: torch.Tensor,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        grad_h: torch.Tensor | None,
+        grad_w: torch.Tensor | None,
+    ) -> torch.Tensor:
+        ctx.grads = (grad_h, grad_w)
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.grads is None:
+            raise RuntimeError(
+                "echo_loss_from_hidden: backward through this loss a second time: its "
+                "gradients were formed in the forward pass and are freed after one backward "
+                "(as a graph's buffers are); compute the loss again for another backward"
+            )
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None  # freed after one backward, as saved tensors are
+        scale = grad.to(torch.float32)
+        out_h = None if grad_h is None else (grad_h * scale).to(grad_h.dtype)
+        out_w = None if grad_w is None else (grad_w * scale).to(grad_w.dtype)
+        return None, out_h, out_w, None, None
+
+
+def attach_gradients(
+    loss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> torch.Tensor:
+    """``loss`` (0-dim, its value unchanged) whose backward gives ``hidden`` and ``weight`` the
+    gradients `linear_logprobs_with_gradients` formed, times the incoming gradient (exactly
+    them for ``loss.backward()``). A second backward through it is an error, as for any graph
+    whose buffers are freed.
+
+    Examples:
+        >>> h, w = torch.ones(2, 3, requires_grad=True), torch.ones(4, 3, requires_grad=True)
+        >>> loss = attach_gradients(torch.tensor(1.5), h, w, torch.full((2, 3), 2.0), None)
+        >>> (3 * loss).backward(); h.grad[0].tolist(), w.grad
+        ([6.0, 6.0, 6.0], None)
+    """
+    out: torch.Tensor = _AttachGradientsFn.apply(  # type: ignore[no-untyped-call]
+        loss, hidden, weight, grad_hidden, grad_weight
+    )
+    return out
 
 
 def check_linear_inputs(hidden: Any, weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
