@@ -5,7 +5,7 @@ paired over seeds, evaluated on held-out tasks.
 
     echoloss-train experiment --mode quick --output-dir runs/echo-quick     # minutes on 2 cores
     echoloss-train experiment --mode full --output-dir runs/echo-full       # the committed result
-    echoloss-train experiment --summarize-only --output-dir runs/echo-full  # tables + plots again
+    echoloss-train experiment --summarize-only --output-dir runs/echo-full  # tables + figures again
 
 For every seed, two warm-starts are trained once and shared:
 
@@ -25,8 +25,9 @@ RL only, and each arm evaluates its own RL start (the same numbers across the ar
 A finished run's row is appended to ``results.jsonl`` at once, so a cut-off experiment keeps
 what it measured. At the end (or with ``--summarize-only``) it writes
 ``results.json`` (one object per run), ``summary.json`` / ``summary.md`` (means and 95 %
-confidence intervals over seeds of the paired differences against ``grpo``) and
-``comparison.png``.
+confidence intervals over seeds of the paired differences against ``grpo``) and one figure per
+question (`echoloss.train.figures`: ``success.png``, ``observation_ce.png``,
+``invalid_replies.png``).
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from echoloss.train.figures import write_figures
 from echoloss.train.persistence import arm_label, reference_label
 from echoloss.train.stats import paired_ci
 
 __all__ = [
     "MODES",
     "arm_label",
+    "complete_rows",
     "main",
     "paired_ci",
     "reference_label",
@@ -670,54 +673,6 @@ def _markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """``comparison.png``: held-out success (sampled, greedy), the held-out CE of the
-    hidden-dependent observation tokens (with its floor), and the imagined-observation and
-    invalid-reply rates against the RL step; mean over seeds per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        ("eval_success_sampled", "held-out success (sampled, T = 1)"),
-        ("eval_success_greedy", "held-out success (greedy)"),
-        ("heldout_hidden_ce", "held-out CE, hidden-dependent tokens (nats/token)"),
-        ("eval_imagined_rate", "imagined observations (per reply, sampled)"),
-        ("eval_invalid_rate", "invalid replies (per reply, sampled)"),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(25, 4.4), constrained_layout=True)
-    arms = sorted({arm_label(r) for r in rows}, key=_arm_order)
-    cmap = plt.get_cmap("tab10")
-    for i, arm in enumerate(arms):
-        runs = [r for r in rows if arm_label(r) == arm]
-        for ax, (key, _) in zip(axes, panels, strict=True):
-            curves = [
-                {c["rl_step"]: c[key] for c in r["curve"] if c.get(key) is not None} for r in runs
-            ]
-            steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-            for c in curves:
-                xs = sorted(c)
-                ax.plot(xs, [c[x] for x in xs], color=cmap(i), alpha=0.15, lw=0.8)
-            if steps:
-                mean = [sum(c[s] for c in curves) / len(curves) for s in steps]
-                ax.plot(steps, mean, color=cmap(i), lw=2.2, marker="o", ms=3,
-                        label=f"{arm} (n={len(curves)})")  # fmt: skip
-    floors = [r["obs_ce_floor"] for r in rows if r.get("obs_ce_floor")]
-    if floors:
-        axes[2].axhline(floors[0], color="k", ls="--", lw=1, label=f"floor {floors[0]:.3f}")
-        axes[2].set_yscale("log")
-    for ax, (_, title) in zip(axes, panels, strict=True):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-    axes[1].axhline(THRESHOLD, color="0.5", ls=":", lw=1)
-    axes[0].legend(fontsize=8)
-    axes[2].legend(fontsize=8)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def non_finite_keys(value: Any, path: str = "") -> list[str]:
     """The key paths of every NaN or infinite number inside ``value`` (dicts and lists walked).
 
@@ -752,6 +707,22 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
+def complete_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
+    """``(rows, seeds)``: the rows of the seeds that have every arm, and those seeds; a cut-off
+    experiment's other seeds would unpair its comparisons.
+
+    Examples:
+        >>> rows = [{"arm": "grpo", "seed": 0}, {"arm": "echo-0.01", "seed": 0},
+        ...         {"arm": "grpo", "seed": 1}]
+        >>> complete_rows(rows)
+        ([{'arm': 'grpo', 'seed': 0}, {'arm': 'echo-0.01', 'seed': 0}], [0])
+    """
+    arms = {arm_label(r) for r in rows}
+    seeds = sorted({r["seed"] for r in rows})
+    complete = [s for s in seeds if {arm_label(r) for r in rows if r["seed"] == s} == arms]
+    return [r for r in rows if r["seed"] in complete], complete
+
+
 def _write_summary(out: Path) -> int:
     rows = runs_table(_read_jsonl(out / "results.jsonl"))
     if not rows:
@@ -774,14 +745,12 @@ def _write_summary(out: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    arms = {arm_label(r) for r in rows}
+    paired, complete = complete_rows(rows)
     seeds = sorted({r["seed"] for r in rows})
-    complete = [s for s in seeds if {arm_label(r) for r in rows if r["seed"] == s} == arms]
     if complete != seeds:  # a cut-off experiment: compare arms on the same seeds only
         partial = sorted(set(seeds) - set(complete))
-        print(f"summary and plot over the complete seeds {complete}; seeds {partial} have only "
-              "some arms (their rows stay in results.json)")  # fmt: skip
-    paired = [r for r in rows if r["seed"] in complete]
+        print(f"summary and figures over the complete seeds {complete}; seeds {partial} have "
+              "only some arms (their rows stay in results.json)")  # fmt: skip
     summary = _finite(summarize(paired))  # an interval of one seed is undefined: null
     summary["complete_seeds"] = complete
     (out / "results.json").write_text(
@@ -804,9 +773,10 @@ def _write_summary(out: Path) -> int:
         return 0
     md = _markdown(summary)
     (out / "summary.md").write_text(md)
-    plot(paired, out / "comparison.png")
+    figures = write_figures(paired, out)
     print(md)
-    print(f"wrote {out}/results.json, summary.json, summary.md, comparison.png")
+    print(f"wrote {out}/results.json, summary.json, summary.md, "
+          f"{', '.join(f.name for f in figures)}")  # fmt: skip
     return 0
 
 
@@ -834,7 +804,7 @@ def _parser() -> argparse.ArgumentParser:
         help="start every seed's arms from this model directory (e.g. a longer warm-up's "
         "final-model) instead of a warm-start per seed; needs --no-actobs",
     )
-    p.add_argument("--summarize-only", action="store_true", help="only rebuild tables and plots")
+    p.add_argument("--summarize-only", action="store_true", help="only rebuild tables and figures")
     p.add_argument(
         "--resume",
         action="store_true",
@@ -927,7 +897,7 @@ def _run_experiment(args: argparse.Namespace, mode: dict[str, Any], out: Path) -
 
 def main(argv: list[str] | None = None) -> int:
     """``echoloss-train experiment``: check the arguments, then run the experiment (or with
-    ``--summarize-only`` only rebuild its tables and plots). Returns the exit code."""
+    ``--summarize-only`` only rebuild its tables and figures). Returns the exit code."""
     args = _parser().parse_args(argv)
     mode = MODES[args.mode]
     args.seeds = args.seeds if args.seeds is not None else mode["seeds"]
