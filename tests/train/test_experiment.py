@@ -340,3 +340,32 @@ def test_persistence_verdicts_follow_the_preregistered_criteria(tmp_path):
         "per_episode.png",
     ]
     assert all(p.stat().st_size > 10_000 for p in written)
+
+
+def test_the_embedded_default_uses_the_setting_the_rows_support():
+    """The demo's λ and env are those of docs/experiment.md's measured rows: its echo arm over 24
+    paired seeds is not worse than GRPO at the margin (and shows no gain), the larger λ of the
+    main run is not (its interval crosses the margin, with more invalid replies), and the rows
+    ran the default's env, level, words and RL length."""
+    import json
+    from pathlib import Path
+
+    from echoloss.train.config import load_config
+    from echoloss.train.experiment import MARGIN
+
+    cfg = load_config(None)
+    docs = Path(__file__).resolve().parents[2] / "docs" / "experiment"
+    arm = f"echo-{cfg.echo.alpha:g}"
+    rows24 = json.loads((docs / "default-24-seeds" / "results.json").read_text())
+    d24 = summarize([dict(r) for r in rows24])["arms"][arm]["eval_success_sampled_end"]
+    assert d24["diff_vs_grpo"]["n"] == 24 and d24["diff_vs_grpo"]["lo"] > MARGIN  # not worse
+    assert d24["diff_vs_grpo"]["lo"] < 0  # and no measured gain: the comments claim none
+    main = summarize([dict(r) for r in json.loads((docs / "results.json").read_text())])["arms"]
+    for larger in [a for a in main if a.startswith("echo-") and float(a[5:]) > cfg.echo.alpha]:
+        assert main[larger]["eval_success_sampled_end"]["diff_vs_grpo"]["lo"] < MARGIN, larger
+        assert (main[larger]["invalid_reply_rate_end"]["mean"]
+                > main[arm]["invalid_reply_rate_end"]["mean"])  # fmt: skip
+    for r in rows24:
+        assert (r["env"], r["rl_steps"]) == (cfg.env.name, cfg.train.max_steps)
+        assert "level" not in r  # the rows before the persistence design: per episode, keys
+    assert (cfg.env.level, cfg.env.words) == ("per-episode", "keys")
