@@ -1,4 +1,7 @@
-"""PNG plots of a run's ``metrics.jsonl`` (matplotlib, no display needed)."""
+"""PNG plots of a run's ``metrics.jsonl`` (matplotlib, no display needed): one figure per
+question a run answers (`QUESTIONS`: does the policy learn the held-out tasks, what happens to
+the held-out observation CE, do the replies stay moves), and ``training.png``, every training
+diagnostic of `PANELS` side by side for a look at the whole run."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PANELS", "plot_run", "read_metrics"]
+__all__ = ["PANELS", "QUESTIONS", "plot_run", "read_metrics"]
 
 # (title, metric keys) per panel of the run plot.
 PANELS: list[tuple[str, list[str]]] = [
@@ -25,6 +28,26 @@ PANELS: list[tuple[str, list[str]]] = [
     ("mismatch KL (trainer vs sampler)", ["mismatch_kl"]),
     ("echo weight λ", ["echo_alpha"]),
 ]
+
+
+# One figure per question: (file, title, y-axis label with units, y scale factor, log scale,
+# [(metric key, legend label, colour)]). A floor is drawn dashed in the colour of its CE.
+QUESTIONS: list[tuple[str, str, str, float, bool, list[tuple[str, str, str]]]] = [
+    ("success.png", "Does the policy learn the held-out tasks?",
+     "held-out success (% of held-out episodes)", 100.0, False,
+     [("eval_success_greedy", "greedy (one episode per task)", "C0"),
+      ("eval_success_sampled", "sampled (T = 1; RL start and end)", "C1")]),
+    ("observation_ce.png", "What happens to the held-out observation CE?",
+     "held-out observation CE (nats/token, log scale)", 1.0, True,
+     [("heldout_hidden_ce", "hidden-dependent tokens", "C0"),
+      ("hidden_ce_floor", "their exact floor", "C0"),
+      ("heldout_obs_ce", "every observation-body token", "C1"),
+      ("obs_ce_floor", "its exact floor", "C1")]),
+    ("replies.png", "Do the replies stay moves?",
+     "held-out sampled replies (% of replies)", 100.0, False,
+     [("eval_invalid_rate", "invalid (neither a move nor done)", "C3"),
+      ("eval_imagined_rate", "imagined observation text", "C4")]),
+]  # fmt: skip
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -51,8 +74,49 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return xs, ys
 
 
+def _question_figure(
+    rows: list[dict[str, Any]],
+    warm_end: int,
+    out: Path,
+    question: tuple[str, str, str, float, bool, list[tuple[str, str, str]]],
+) -> Path:
+    """``out/<file>`` of one `QUESTIONS` entry: its metrics against the optimiser step, the
+    warm-up shaded; one run, so no interval (the experiment's figures have them)."""
+    import matplotlib.pyplot as plt
+
+    name, title, ylabel, scale, log, series = question
+    fig, ax = plt.subplots(figsize=(7.5, 4.4), layout="constrained")
+    drawn = False
+    for key, label, color in series:
+        xs, ys = _series(rows, key)
+        floor = key.endswith("_floor")
+        if xs:
+            ax.plot(xs, [scale * y for y in ys], ls="--" if floor else "-", color=color,
+                    marker=None if floor else "o", ms=4, label=label)  # fmt: skip
+            drawn = drawn or not floor
+    if log and drawn:
+        ax.set_yscale("log")  # a floor is far below the start
+    if warm_end:
+        ax.axvspan(0, warm_end, color="0.9", zorder=0, label="warm-up")
+    if not drawn:
+        ax.text(0.5, 0.5, "not measured in this run (no held-out evaluation)",
+                transform=ax.transAxes, ha="center", va="center")  # fmt: skip
+    ax.set_xlabel("optimiser step (warm-up shaded, then RL)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title} (one run)", fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    path = out / name
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_run(metrics: str | Path, out_dir: str | Path) -> list[Path]:
-    """Write ``training.png`` (every panel of `PANELS`) to ``out_dir``; returns the files."""
+    """Write one figure per `QUESTIONS` entry (``success.png``, ``observation_ce.png``,
+    ``replies.png``), then ``training.png`` (every panel of `PANELS`), to ``out_dir``; returns
+    the files in that order."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,6 +126,7 @@ def plot_run(metrics: str | Path, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     warm_end = max((r["step"] for r in rows if r.get("phase") == "warmup"), default=0)
+    written = [_question_figure(rows, warm_end, out, q) for q in QUESTIONS]
     fig, axes = plt.subplots(2, 5, figsize=(22, 7.5), constrained_layout=True)
     for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
         for key in keys:
@@ -85,4 +150,4 @@ def plot_run(metrics: str | Path, out_dir: str | Path) -> list[Path]:
     path = out / "training.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
-    return [path]
+    return [*written, path]

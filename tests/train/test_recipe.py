@@ -105,7 +105,8 @@ def test_two_step_run_trains_every_parameter_and_writes_everything(tmp_path):
     assert set(before) <= set(after)
     unchanged = [k for k in before if torch.equal(before[k], after[k])]
     assert not unchanged, unchanged
-    assert (out / "plots" / "training.png").stat().st_size > 10_000
+    for name in ("success.png", "observation_ce.png", "replies.png", "training.png"):
+        assert (out / "plots" / name).stat().st_size > 10_000
     assert (out / "final-model" / "config.json").is_file()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000002"
     # The token export and the saved rollouts are valid, readable files.
