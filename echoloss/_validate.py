@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from echoloss._deferred import DeferredChecks, first_true
+from echoloss._deferred import DeferredChecks, first_true, not_finite
 
 __all__ = [
     "bool_list",
@@ -248,8 +248,6 @@ def check_mask(name: str, t: Any, fix: str = "", *, checks: Any = None) -> torch
         )
 
     if checks is not None and bad.numel():
-        from echoloss._deferred import first_true
-
         row = first_true(bad)  # 0-dim
         first = tensor.reshape(-1).index_select(0, row.view(1))
         checks.add(
@@ -370,7 +368,7 @@ def check_finite(
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return
-    bad = ~torch.isfinite(flat)  # [N]
+    bad = not_finite(flat)  # [N]
     if where is not None:
         bad = bad & where.reshape(-1)
     row = first_true(bad)
@@ -397,7 +395,7 @@ def _check_temperature_values(flat: torch.Tensor) -> None:
     error deferred; see ``echoloss/_deferred.py``)."""
     if flat.numel() == 0:
         return
-    bad = ~(torch.isfinite(flat) & (flat > 0))
+    bad = ~((flat > 0) & (flat < math.inf))  # NaN fails both
     i = first_true(bad)
 
     def message(v: Sequence[float]) -> Exception | None:

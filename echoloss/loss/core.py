@@ -38,6 +38,7 @@ from echoloss._deferred import (
     DeferredChecks,
     first_true,
     host_to_device,
+    not_finite,
     on_device_path,
     raise_deferred_errors,
 )
@@ -139,7 +140,7 @@ def check_scored_rows(
     own = checks is None
     checks = DeferredChecks(lp.device) if checks is None else checks
     part = rl | echo  # [N] bool
-    bad = part & ~torch.isfinite(lp)  # [N] bool
+    bad = part & not_finite(lp)  # [N] bool
     if source == "logprobs":
         bad = bad | (part & (lp > LOGPROB_TOLERANCE))  # [N] bool
     row = first_true(bad)  # 0-dim
@@ -200,7 +201,7 @@ def _check_finite_rows(
         return
     _defer_first_bad_row(
         checks,
-        rows & ~torch.isfinite(values),  # [N]
+        rows & not_finite(values),  # [N]
         values,
         lambda row, value: ValueError(
             problem(
@@ -352,7 +353,8 @@ def _policy_on_rows(
     seqs: LocalSequences,
     cfg: LossConfig,
 ) -> PolicyOutput:
-    """The policy's per-token loss and flags as ``[N]`` tensors, 0 / False outside RL rows.
+    """The policy's per-token loss and flags as ``[N]`` tensors: the loss 0 outside RL rows,
+    the flags as the policy set them there (the metrics count flags on RL rows only).
 
     A policy declared ``all_rows`` (every built-in one) runs on every row at once: rows that
     are not RL carry log ratio 0, advantage 0 and the padding sequence (``inputs.rows`` holds
@@ -366,7 +368,7 @@ def _policy_on_rows(
     if spec.all_rows or (spec.fn is None and getattr(fn, "all_rows", False) is True):
         rows = RecordRows(x, torch.arange(rl.numel(), device=rl.device))
         out = check_policy_output(fn(inputs._replace(rows=rows), cfg), inputs.logprobs, cfg.policy)
-        flags = {k: f & rl for k, f in out.flags.items()}
+        flags = dict(out.flags)  # rows that are not RL are masked by the metrics
         return PolicyOutput(torch.where(rl, out.loss, 0.0), flags)
     idx = rl.nonzero().squeeze(1)  # [n_rl]
     sidx = None if inputs.sequence_index is None else inputs.sequence_index.index_select(0, idx)
@@ -435,7 +437,7 @@ def _rl_per_token(
             log_ratio_clamp=clamp,
         )  # [N], flags
         per_tok = per_tok * w  # [N]
-        flags.update({k: f & rl for k, f in wf.items()})
+        flags.update(wf)  # rows that are not RL are masked by the metrics
         means["is_weight"] = w
     kl_tau = cfg.resolved_kl_tau
     if kl_tau != 0:
@@ -648,12 +650,12 @@ def _check_final_loss(
     runs only when the error is raised."""
 
     def message(v: Sequence[float]) -> Exception | None:
-        if v[0]:
+        if not v[0]:
             return None
         rl_idx, echo_idx = x.rl.nonzero().squeeze(1), x.echo.nonzero().squeeze(1)
         return _final_loss_error(v[1], v[2], v[3], _Suspects(x, rl_idx, echo_idx, ent, cfg))
 
-    checks.add([torch.isfinite(loss), loss, rl_term, echo_term], message)
+    checks.add([not_finite(loss), loss, rl_term, echo_term], message)
 
 
 # ---------------------------------------------------------------- 7. metrics
@@ -853,6 +855,23 @@ def row_coefficients(
     return coefficients
 
 
+def _reads_sequences(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:
+    """Whether the loss reads the local sequences: a policy other than the per-token built-in
+    ones (``gspo``, registered and per-call functions, which may read ``sequence_index``), a
+    ``sequence_*`` normaliser or a sequence-level mismatch correction."""
+    return (
+        policy_fn is not None
+        or (cfg.mode != "sft" and cfg.policy not in _ROW_SEPARABLE_POLICIES)
+        or cfg.rl_normalization.startswith("sequence")
+        or cfg.echo_normalization == "sequence_mean"
+        or (cfg.mismatch is not None and cfg.mismatch.startswith("sequence"))
+    )
+
+
+def _no_sequences(x: LossInputs) -> LocalSequences:
+    return LocalSequences(x.rl.numel() + 1, None, None, None, 0, 0, 0)
+
+
 class _CompileState:
     options: dict[str, Any] | None = None  # torch.compile options; None = eager
     fn: Any = None
@@ -903,7 +922,9 @@ def _algebra(
     """The body of `loss_from_logprobs`: ``(loss, metrics)`` from the ``[N]`` logprobs."""
     if cfg.check_finite:
         check_scored_rows(lp, x.rl, x.echo, source, checks)
-    seqs = local_sequences(x)
+    # Local sequences only where a sequence-level quantity reads them (a sort and a dozen small
+    # launches otherwise spent for nothing); their counts are then 0 and never used.
+    seqs = local_sequences(x) if _reads_sequences(cfg, policy_fn) else _no_sequences(x)
     counts = row_counts(x, seqs)  # 0-dim device counts, as count_normalizers counts
     n_echo = counts.echo_tokens
     local = _Counts(
@@ -1033,7 +1054,7 @@ def _check_entropy(ent: torch.Tensor, rl: torch.Tensor, checks: DeferredChecks) 
         return
     _defer_first_bad_row(
         checks,
-        rl & ~(torch.isfinite(ent) & (ent >= -ENTROPY_TOLERANCE)),  # [N]
+        rl & ~((ent >= -ENTROPY_TOLERANCE) & (ent < math.inf)),  # [N] NaN fails both
         ent,
         lambda row, value: ValueError(
             problem(
@@ -1185,15 +1206,16 @@ def echo_loss(
     temp, need_ent = row_temperature_and_entropy(
         x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
     )
-    res = selective_logprobs(
-        logits,
-        x.labels,
-        temperature=temp,
-        return_entropy=need_ent,
-        chunk_size=chunk_size,
-        mask=(x.rl | x.echo).view(lead),
-        backend=backend,
-    )
+    with checks.collecting():  # the op's checks of labels and temperatures join the call's
+        res = selective_logprobs(
+            logits,
+            x.labels,
+            temperature=temp,
+            return_entropy=need_ent,
+            chunk_size=chunk_size,
+            mask=(x.rl | x.echo).view(lead),
+            backend=backend,
+        )
     lp, ent = res if isinstance(res, tuple) else (res, None)
     lp = lp.reshape(-1)  # [N]
     ent = None if ent is None else ent.reshape(-1)  # [N]

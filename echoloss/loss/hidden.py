@@ -126,20 +126,11 @@ def echo_loss_from_hidden(
         x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
     )
     mask = x.rl | x.echo
-    grads = None
-    if (
-        torch.is_grad_enabled()
-        and (hidden.requires_grad or weight.requires_grad)
-        and chunk_additive(cfg, policy_fn)
-    ):
-        coefficients = row_coefficients(x, cfg, spec, normalizers)
-        lp, ent_all, *grads = linear_logprobs_with_gradients(
-            hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend, coefficients
-        )  # [N] and [N] or [0], detached; d hidden, d weight
-    else:
-        lp, ent_all = linear_logprobs_rows(
-            hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend
-        )  # [N], [N] or [0]
+    with checks.collecting():  # the op's checks of labels and temperatures join the call's
+        lp, ent_all, grads = _logprobs(
+            hidden, weight, x, cfg, spec, normalizers, policy_fn, temp, mask, need_ent,
+            chunk_size, backend,
+        )  # fmt: skip
     ent: torch.Tensor | None = None
     if need_ent:
         ent = ent_all if cfg.entropy_coef != 0 else ent_all.detach()
@@ -149,3 +140,36 @@ def echo_loss_from_hidden(
     if grads is None:
         return out
     return LossOutput(attach_gradients(out.loss, hidden, weight, *grads), out.metrics)
+
+
+def _logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    x: LossInputs,
+    cfg: LossConfig,
+    spec: Any,
+    normalizers: Normalizers | None,
+    policy_fn: PolicyFn | None,
+    temp: Any,
+    mask: torch.Tensor,
+    need_ent: bool,
+    chunk_size: int | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None] | None]:
+    """``(logprobs [N], entropy [N] or [0], [d hidden, d weight] or None)``: the gradients
+    formed in the forward pass for a chunk-additive loss (see `echo_loss_from_hidden`)."""
+    assert x.labels is not None  # echo_loss_from_hidden
+    if (
+        torch.is_grad_enabled()
+        and (hidden.requires_grad or weight.requires_grad)
+        and chunk_additive(cfg, policy_fn)
+    ):
+        coefficients = row_coefficients(x, cfg, spec, normalizers)
+        lp, ent_all, *grads = linear_logprobs_with_gradients(
+            hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend, coefficients
+        )  # [N] and [N] or [0], detached; d hidden, d weight
+        return lp, ent_all, grads
+    lp, ent_all = linear_logprobs_rows(
+        hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend
+    )  # [N], [N] or [0]
+    return lp, ent_all, None

@@ -11,6 +11,7 @@ input is one more field here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -152,7 +153,7 @@ class LossInputs:
             _check_rows(
                 "echo_weights",
                 ew,
-                ~torch.isfinite(ew) | (ew < 0),
+                ~((ew >= 0) & (ew < math.inf)),  # NaN fails both
                 "a finite weight ≥ 0 (0 = not echoed)",
                 "echo weights come from EchoConfig (λ or α per row)",
                 show=lambda v: repr(v),

@@ -320,19 +320,19 @@ class EchoGRPOLoss(nn.Module):
             old = lp.detach()
         else:
             old = check_tensor("old_per_token_logps", old_per_token_logps).float()
-        checks.submit()  # before the record's own checks: errors come in call order
-        record = _record(
-            source,
-            rl_mask=rl,
-            echo_weights=echo_w,
-            advantages=adv,
-            inference_logprobs=inference_logprobs,
-            old_logprobs=old,
-            ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
-            sequence_ids=torch.arange(b, device=lp.device).unsqueeze(1).expand(b, t),
-            observation_mask=obs,
-            env_names=None if env_names is None else tuple(env_names),
-        )
+        with checks.collecting():  # the record's checks join the call's, in call order
+            record = _record(
+                source,
+                rl_mask=rl,
+                echo_weights=echo_w,
+                advantages=adv,
+                inference_logprobs=inference_logprobs,
+                old_logprobs=old,
+                ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
+                sequence_ids=torch.arange(b, device=lp.device).unsqueeze(1).expand(b, t),
+                observation_mask=obs,
+                env_names=None if env_names is None else tuple(env_names),
+            )
         return logprobs_loss(
             lp,
             record,
@@ -451,16 +451,16 @@ class EchoGRPOLoss(nn.Module):
         raise_deferred_errors(block=False)  # errors of earlier calls whose work is done
         checks = DeferredChecks(logits.device)
         rl, echo, w = self._rows(attention_mask, echo_weights, checks)
-        checks.submit()  # queued before the op's own checks: errors come in call order
         temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
-        lp, ent = selective_logprobs(
-            logits,
-            selected_token_ids,
-            temperature=temp,
-            return_entropy=True,
-            mask=rl | echo,
-            chunk_size=self.row_chunk_size,
-        )
+        with checks.collecting():  # the op's checks join the call's, in call order
+            lp, ent = selective_logprobs(
+                logits,
+                selected_token_ids,
+                temperature=temp,
+                return_entropy=True,
+                mask=rl | echo,
+                chunk_size=self.row_chunk_size,
+            )
         return self._loss(
             lp,
             ent,
@@ -562,7 +562,6 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
         raise_deferred_errors(block=False)  # errors of earlier calls whose work is done
         checks = DeferredChecks(_input.device)
         rl, echo, w = self._rows(attention_mask, echo_weights, checks)
-        checks.submit()  # queued before the op's own checks: errors come in call order
         hidden = _input.reshape(b * t, h)
         weight = lin_weight.to(_input.dtype)
         if bias is not None:
@@ -573,15 +572,16 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             hidden = torch.cat([hidden, hidden.new_ones(b * t, 1)], dim=1)
             weight = torch.cat([weight, bias.to(_input.dtype).unsqueeze(1)], dim=1)
         temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
-        lp, ent = linear_selective_logprobs(
-            hidden,
-            weight,
-            selected_token_ids.reshape(-1),
-            temperature=temp.reshape(-1),
-            return_entropy=True,
-            mask=(rl | echo).reshape(-1),
-            chunk_size=self.row_chunk_size,
-        )
+        with checks.collecting():  # the op's checks join the call's, in call order
+            lp, ent = linear_selective_logprobs(
+                hidden,
+                weight,
+                selected_token_ids.reshape(-1),
+                temperature=temp.reshape(-1),
+                return_entropy=True,
+                mask=(rl | echo).reshape(-1),
+                chunk_size=self.row_chunk_size,
+            )
         return self._loss(
             lp.view(b, t),
             ent.view(b, t),

@@ -126,6 +126,8 @@ def _bwd_types(dt):
         "ROUND_BF16_BY_BITS": "constexpr",
         "BLOCK_V": "constexpr",
         "TILE_V": "constexpr",
+        "SLOT_IS_MASK": "constexpr",
+        "SKIP_ZERO": "constexpr",
     }
 
 
@@ -163,15 +165,20 @@ def test_every_variant_compiles_for_sm90(dt):
             fwd, _fwd_types(dt), {**consts, "stride_v": 1, "BLOCK_V": 4096}, div16=_DIV[:3]
         )
         assert k.asm.get("cubin")
-    for per_t, ent, wide in itertools.product([False, True], repeat=3):
+    for per_t, ent, wide, slot_mode in itertools.product(
+        [False, True], [False, True], [False, True], ["slots", "mask", "mask-skip-zero"]
+    ):
         consts = {
             "HAS_ENT": ent,
             "PER_ROW_T": per_t,
             "WIDE_COLS": wide,
             "ROUND_BF16_BY_BITS": False,
+            "SLOT_IS_MASK": slot_mode != "slots",
+            "SKIP_ZERO": slot_mode == "mask-skip-zero",
         }
         consts.update(stride_v=1, out_stride_v=1, BLOCK_V=4096, TILE_V=16384)
-        k = _compile(bwd, _bwd_types(dt), consts, div16=_DIV)
+        types_ = _bwd_types(dt) | ({} if slot_mode == "slots" else {"SLOT": "*u8"})
+        k = _compile(bwd, types_, consts, div16=_DIV)
         assert k.asm.get("cubin")
     # The one-warp-per-row phase 1 of the launch table (V ≥ one_warp_from_v).
     for mask, ent in itertools.product([False, True], repeat=2):
@@ -215,6 +222,8 @@ def test_contiguous_rows_vectorise_without_spills(arch, tmp_path):
         warps=DEFAULT_LAUNCH["fwd_warps"],
     )
     consts = {"HAS_ENT": True, "PER_ROW_T": True, "WIDE_COLS": False, "ROUND_BF16_BY_BITS": False}
+    # The device path's launch: the row mask as slots, zero-coefficient rows skipped.
+    consts.update(SLOT_IS_MASK=True, SKIP_ZERO=True)
     consts.update(
         stride_v=1,
         out_stride_v=1,
@@ -222,7 +231,12 @@ def test_contiguous_rows_vectorise_without_spills(arch, tmp_path):
         TILE_V=DEFAULT_LAUNCH["bwd_tile"],
     )
     kb = _compile(
-        bwd, _bwd_types("bf16"), consts, div16=_DIV, arch=arch, warps=DEFAULT_LAUNCH["bwd_warps"]
+        bwd,
+        _bwd_types("bf16") | {"SLOT": "*u8"},
+        consts,
+        div16=_DIV,
+        arch=arch,
+        warps=DEFAULT_LAUNCH["bwd_warps"],
     )
     # The one-warp-per-row entry of the launch table (fused.forward_launch at large V).
     kw = _compile(

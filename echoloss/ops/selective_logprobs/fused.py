@@ -173,7 +173,7 @@ def _logprobs_bwd_kernel(
     LOGITS,  # [B, T, V] (may be DLOGITS itself: each element is read before it is written)
     LABELS,  # [N] int64
     SLOT,  # [N] int32: index into the per-live-row arrays, -1 = write zeros; or, with
-    # SLOT_IS_MASK, [N] bool live rows whose per-row arrays are [N] (slot = row)
+    # SLOT_IS_MASK, [N] uint8 live rows (0 = write zeros) whose per-row arrays are [N]
     LSE,  # [n, 2] fp32 (row max of z, log Σ exp((z - max) / T))
     GRAD_LP,  # [n] fp32 coefficient a
     GRAD_ENT,  # [n] fp32 coefficient b (unused unless HAS_ENT)
@@ -523,7 +523,7 @@ def backward(
         return out
     if live is not None:
         # Row i's statistics and coefficients are at slot i; the kernel reads the mask itself.
-        slot = live.reshape(-1).contiguous()
+        slot = live.reshape(-1).contiguous().view(torch.uint8)
     else:
         assert rows is not None, "rows or live is required"
         n = int(rows.numel())
