@@ -253,7 +253,9 @@ def floor_bytes(wl: Workload, mode: str) -> int | None:
 
 def model_flops(wl: Workload, mode: str) -> int | None:
     """LM-head GEMM FLOPs of the linear op: ``2·N·H·V`` forward, ``6·N·H·V`` with backward
-    (``dX`` and ``dW``; a fused-linear backward also recomputes the logits, not counted)."""
+    (``dX`` and ``dW``; a fused-linear backward of a loss that is not chunk-additive also
+    recomputes the logits, not counted; a chunk-additive one does ``dX`` and ``dW`` in its
+    forward pass)."""
     if wl.hidden is None:
         return None
     return (6 if mode == "forward+backward" else 2) * wl.n * int(wl.h or 0) * wl.v

@@ -166,66 +166,93 @@ def raise_deferred_errors(*, block: bool = True) -> None:
             raise err
 
 
+#: The numbers of one check (0-dim or one-element tensors, or Python numbers).
+Numbers = Sequence["torch.Tensor | float"]
+
+
 class DeferredChecks:
     """The value checks of one call: evaluated at once on the host path, deferred on the device path.
 
     ``add(numbers, message)`` takes the numbers a check needs (0-dim or one-element tensors,
     flag first by convention) and a function that builds the error from their host values as
-    floats (None = passed).
+    floats (None = passed); ``add_lazy(compute, message)`` takes a function that computes them,
+    run when the checks are packed (inside the compiled loss algebra when it is on, so the
+    check's own launches are part of the compiled region).
     `submit` sends every number of the call to the host in one asynchronous copy.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.deferred = on_device_path(device)
-        self._numbers: list[torch.Tensor] = []  # 0-dim tensors not packed yet, in check order
+        # Checks not packed yet, in call order: their numbers, or a function computing them.
+        self._entries: list[tuple[Numbers | Callable[[], Numbers], Message]] = []
         self._blocks: list[torch.Tensor] = []  # packed numbers: [k] float64 each
-        self._position: list[int] = []  # number i (in check order) -> its place in the blocks
-        self._layout: list[tuple[int, int, Message]] = []
+        self._layout: list[tuple[Message, list[int]]] = []  # positions in the blocks
 
-    def add(self, numbers: Sequence[torch.Tensor | float], message: Message) -> None:
-        """Queue one check; on the host path evaluate it now and raise its error."""
-        values = [
+    def _values(self, numbers: Numbers) -> list[torch.Tensor]:
+        return [
             n.detach().reshape(())
             if isinstance(n, torch.Tensor)
             else torch.full((), float(n), dtype=torch.float64, device=self.device)
             for n in numbers
         ]
+
+    def add(self, numbers: Numbers, message: Message) -> None:
+        """Queue one check; on the host path evaluate it now and raise its error."""
         if not self.deferred:
-            err = message([float(v) for v in values])
+            err = message([float(v) for v in self._values(numbers)])
             if err is not None:
                 raise err
             return
-        start = len(self._position) + len(self._numbers)
-        self._numbers += values
-        self._layout.append((start, start + len(values), message))
+        # Detached now: a reference to a differentiable tensor kept here would make it an
+        # output of the compiled region that backward has to give a (zero) gradient.
+        self._entries.append(
+            ([n.detach() if isinstance(n, torch.Tensor) else n for n in numbers], message)
+        )
+
+    def add_lazy(self, compute: Callable[[], Numbers], message: Message) -> None:
+        """`add` with the numbers computed by ``compute()`` when the checks are packed (at once
+        on the host path)."""
+        if not self.deferred:
+            self.add(compute(), message)
+            return
+        self._entries.append((compute, message))
 
     def pack(self) -> None:
-        """Gather the numbers queued so far into one ``[k]`` float64 block (one ``stack`` and one
-        cast per dtype, one ``cat``). Called inside the compiled loss algebra, so that packing is
-        part of the compiled region and only the copy remains outside."""
-        if not self._numbers:
+        """Gather the checks queued so far into one ``[k]`` float64 block (one ``stack`` and one
+        cast per dtype, one ``cat``). Called inside the compiled loss algebra, so that computing
+        the lazy checks' numbers and packing them is part of the compiled region and only the
+        copy remains outside."""
+        if not self._entries:
+            return
+        numbers: list[torch.Tensor] = []
+        spans: list[tuple[int, int, Message]] = []
+        for entry, message in self._entries:
+            values = self._values(entry() if callable(entry) else entry)
+            spans.append((len(numbers), len(numbers) + len(values), message))
+            numbers += values
+        self._entries = []
+        if not numbers:
             return
         groups: dict[torch.dtype, list[int]] = {}
-        for i, n in enumerate(self._numbers):
+        for i, n in enumerate(numbers):
             groups.setdefault(n.dtype, []).append(i)
-        parts = [torch.stack([self._numbers[i] for i in idx]).double() for idx in groups.values()]
+        parts = [torch.stack([numbers[i] for i in idx]).double() for idx in groups.values()]
         offset = sum(b.numel() for b in self._blocks)
-        where = [0] * len(self._numbers)  # position of pending number i in this block
+        where = [0] * len(numbers)  # position of number i in this block
         k = 0
         for idx in groups.values():
             for i in idx:
-                where[i] = k
+                where[i] = offset + k
                 k += 1
         self._blocks.append(torch.cat(parts) if len(parts) > 1 else parts[0])
-        self._position += [offset + w for w in where]
-        self._numbers = []
+        self._layout += [(m, [where[i] for i in range(a, b)]) for a, b, m in spans]
 
     def submit(self) -> None:
         """Send the queued numbers to the host (non-blocking) and queue them for reading.
 
         The numbers are packed by dtype (`pack`), so a call's checks cost a handful of launches
-        and one copy, whatever their number. Inside `collect_checks` they join the collector
+        and one copy, whatever their number. Inside `collecting` they join the collector
         instead (one pack and one copy for every check of the block).
         """
         collector = _collector()
@@ -236,10 +263,7 @@ class DeferredChecks:
         if not self._blocks:
             return
         flat = torch.cat(self._blocks) if len(self._blocks) > 1 else self._blocks[0]
-        layout = [
-            (message, [self._position[i] for i in range(start, stop)])
-            for start, stop, message in self._layout
-        ]
+        layout = self._layout
         event = None
         if flat.device.type == "cuda":
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -249,7 +273,7 @@ class DeferredChecks:
         else:
             host = flat
         _queue().append(_Pending(host, event, layout))
-        self._blocks, self._position, self._layout = [], [], []
+        self._blocks, self._layout = [], []
 
     @contextmanager
     def collecting(self) -> Iterator[DeferredChecks]:
@@ -276,18 +300,15 @@ class DeferredChecks:
 
     def absorb(self, other: DeferredChecks) -> None:
         """Take ``other``'s checks, after this one's, in their order (``other`` is left empty)."""
-        if other._blocks:  # keep the order: what ``other`` packed stays one block
+        if other._blocks:  # what ``other`` packed stays packed: pack both, then join the blocks
             other.pack()
-        base = len(self._position) + len(self._numbers)
-        if other._blocks:
             self.pack()
             offset = sum(b.numel() for b in self._blocks)
             self._blocks += other._blocks
-            self._position += [offset + p for p in other._position]
+            self._layout += [(m, [offset + p for p in pos]) for m, pos in other._layout]
         else:
-            self._numbers += other._numbers
-        self._layout += [(base + a, base + b, m) for a, b, m in other._layout]
-        other._numbers, other._blocks, other._position, other._layout = [], [], [], []
+            self._entries += other._entries
+        other._entries, other._blocks, other._layout = [], [], []
 
 
 def _collector() -> DeferredChecks | None:

@@ -395,8 +395,11 @@ def _check_temperature_values(flat: torch.Tensor) -> None:
     error deferred; see ``echoloss/_deferred.py``)."""
     if flat.numel() == 0:
         return
-    bad = ~((flat > 0) & (flat < math.inf))  # NaN fails both
-    i = first_true(bad)
+
+    def numbers() -> list[torch.Tensor]:
+        bad = ~((flat > 0) & (flat < math.inf))  # NaN fails both
+        i = first_true(bad)
+        return [bad.any(), i, flat.index_select(0, i.view(1))]
 
     def message(v: Sequence[float]) -> Exception | None:
         if not v[0]:
@@ -411,7 +414,7 @@ def _check_temperature_values(flat: torch.Tensor) -> None:
         )
 
     checks = DeferredChecks(flat.device)
-    checks.add([bad.any(), i, flat.index_select(0, i.view(1))], message)
+    checks.add_lazy(numbers, message)  # inside a loss call: computed with the loss's checks
     checks.submit()
 
 

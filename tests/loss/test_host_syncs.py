@@ -279,6 +279,8 @@ def test_loss_algebra_compiles_without_graph_breaks(name):
     compile_loss_algebra(backend="eager")
     try:
         with device_code_path():
+            _run("logits", cfg, x)[0].loss.backward()  # a second call reuses the graph
+            raise_deferred_errors()
             dev, dev_leaves = _run("logits", cfg, x)
             dev.loss.backward()
             # the op's label and temperature checks join the call's, packed inside the region:

@@ -13,14 +13,16 @@ reference and not counted (on CUDA they are two Triton launches):
   (``python -m benchmarks.launch_count``).
 
 The numbers are ceilings: a change that adds launches fails here. On this record (N = 48,
-V = 37, per-row temperatures, sequence ids, env names) eager issues 94-240 launches depending on
+V = 37, per-row temperatures, sequence ids, env names) eager issues 92-238 launches depending on
 the configuration (226 for the default ``dppo`` before the local sequences were skipped where
-nothing reads them, the checks took two-launch finiteness tests and one submission per call);
-the compiled algebra runs 2 regions and leaves 22-23 launches outside them: the op's deferred
-checks of the labels and the per-row temperatures before phase 1 (17), the row mask, echo rows'
-temperature and its reciprocal, and autograd's seed gradient (sft: one more). On CUDA the copy
-of the check numbers to the host adds one. The target of at most 10 launches besides the two
-phases is not reached by either path: the checks before phase 1 alone exceed it.
+nothing reads them, the checks took two-launch finiteness tests, one submission per call, and
+the ops' checks were computed lazily); the compiled algebra runs 2 regions and leaves 5
+launches outside them: the row mask, the echo rows' temperature of 1 (a copy and a fill) and
+the reciprocal of the temperatures before phase 1, and autograd's seed gradient (sft: one more,
+its check that no row is echoed). On CUDA the copy of the check numbers to the host adds one, and
+each region is as many kernels as inductor makes of it there: the target of at most 10
+launches besides the two phases holds on a GPU only if the two regions take at most 4 kernels
+together, which only a GPU run can say (``python -m benchmarks.launch_count``).
 """
 
 from __future__ import annotations
@@ -165,15 +167,15 @@ def compiled_launches(name: str) -> tuple[int, collections.Counter[str], dict[st
 
 #: Eager launches per forward+backward (phases excluded), measured on this record.
 EAGER_CEILING = {
-    "cispo-batch-mean": 132,
-    "dppo": 165,
-    "gspo-sequence-means": 240,
-    "ppo-kl-entropy": 191,
-    "reinforce-token-mismatch": 126,
-    "sft": 94,
+    "cispo-batch-mean": 130,
+    "dppo": 163,
+    "gspo-sequence-means": 238,
+    "ppo-kl-entropy": 189,
+    "reinforce-token-mismatch": 124,
+    "sft": 92,
 }
 #: Launches outside the compiled regions per forward+backward (phases excluded).
-COMPILED_OUTSIDE_CEILING = dict.fromkeys(EAGER_CEILING, 22) | {"sft": 23}
+COMPILED_OUTSIDE_CEILING = dict.fromkeys(EAGER_CEILING, 5) | {"sft": 6}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -442,3 +442,31 @@ def test_device_path_rows_with_zero_coefficients_are_exact_zeros(entropy_grad):
     assert bool((g_f[dead] == 0).all())
     assert_grad_close(g_f, g_r, coef_scale=6.0)
     assert bool((g_f[mask & ~dead] != 0).any())
+
+
+def test_device_path_out_of_range_labels_read_as_zero_and_are_reported():
+    """On the device path the op no longer rewrites the labels before phase 1: both kernels and
+    the reference read a participating label outside ``[0, V)`` as 0 (no read out of bounds),
+    agree with each other, and the deferred error names the first bad row."""
+    from echoloss._deferred import device_code_path, raise_deferred_errors
+
+    n = 17
+    logits, labels, temps, mask = _inputs(n, torch.float32, seed=8)
+    mask[3] = mask[9] = True
+    labels = labels.clone()
+    labels[3], labels[9] = logits.shape[-1] + 4, -7
+    results = []
+    for backend in ("triton", "reference"):
+        with device_code_path():
+            results.append(_run(logits, labels, backend, temperature=temps, mask=mask))
+            with pytest.raises(ValueError, match=r"^labels\[3\] must be in \[0, V="):
+                raise_deferred_errors()
+    (lp_f, ent_f, g_f), (lp_r, ent_r, g_r) = results
+    assert bool(torch.isfinite(ent_f).all()) and bool(torch.isfinite(ent_r).all())
+    as_zero = torch.where(mask & ((labels < 0) | (labels >= logits.shape[-1])), 0, labels)
+    lp_0, _, g_0 = _run(logits, as_zero, "reference", temperature=temps, mask=mask)
+    atol, rtol = STAT_TOL
+    torch.testing.assert_close(lp_f, lp_r, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lp_r, lp_0, atol=0, rtol=0)
+    assert_grad_close(g_f, g_r, coef_scale=6.0)
+    torch.testing.assert_close(g_r, g_0, atol=0, rtol=0)

@@ -119,6 +119,9 @@ def _logprobs_fwd_kernel(
     inv_t = tl.load(INV_T + row).to(tl.float32) if PER_ROW_T else inv_t_scalar
     base = LOGITS + (row // rows_per_batch) * stride_b + (row % rows_per_batch) * stride_t
     label = tl.load(LABELS + row).to(tl.int64)
+    # A label outside [0, V) (its error is deferred to the host) reads as 0: no read out of
+    # bounds, as the reference.
+    label = tl.where((label >= 0) & (label < n_cols), label, 0)
     cols = tl.arange(0, BLOCK_V)
 
     # Online log-sum-exp over d = (z - m) / T, with m the running max of the *raw* logits z:
@@ -228,6 +231,7 @@ def _logprobs_bwd_kernel(
         base = LOGITS + b_idx * stride_b + t_idx * stride_t
         inv_t = tl.load(INV_T + row).to(tl.float32) if PER_ROW_T else inv_t_scalar
         label = tl.load(LABELS + row).to(tl.int64)
+        label = tl.where((label >= 0) & (label < n_cols), label, 0)  # as phase 1
         m = tl.load(LSE + 2 * k)
         log_acc = tl.load(LSE + 2 * k + 1)
         a = tl.load(GRAD_LP + k)
@@ -346,7 +350,8 @@ def forward(
     Args:
         logits: ``[N, V]`` or ``[B, T, V]``, bf16/fp16/fp32 (fp64 runs the reference), any
             strides (a unit stride over ``V`` gets vectorised loads). Never modified.
-        labels: ``[N]`` int64, in ``[0, V)`` on every computed row.
+        labels: ``[N]`` int64, in ``[0, V)`` on every computed row (with ``mask``, a label
+            outside reads as 0: its error is the caller's, deferred).
         rows: ``[n]`` int64 flat indices of the rows to compute, or None for all ``N`` rows.
         inv_temperature: ``1/T``, a Python float or a ``[N]`` float tensor.
         need_entropy: also return the entropy.

@@ -210,17 +210,21 @@ def _check_labels_now(labels: torch.Tensor, rows: torch.Tensor | None, v: int) -
 def labels_checked_on_device(
     labels: torch.Tensor, mask: torch.Tensor | None, v: int, fix: str = _LABEL_FIX
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device path: ``(mask [N] bool, labels [N] safe to read)``, the range check deferred.
+    """Device path: ``(mask [N] bool, labels [N])``, the range check deferred.
 
     A participating label outside ``[0, V)`` is reported later (``echoloss/_deferred.py``) with
-    the host path's message; meanwhile it reads as 0, like every row outside the mask, so no
-    kernel ever reads out of bounds.
+    the host path's message; meanwhile both phases read it as 0 (the kernels and the
+    reference check the range per row), so nothing reads out of bounds. The check is queued
+    lazily: inside a loss call its launches run with the loss's packing of the checks (in the
+    compiled region when `compile_loss_algebra` is on), none before phase 1.
     """
     flat_mask = torch.ones_like(labels, dtype=torch.bool) if mask is None else mask.reshape(-1)
-    ok = flat_mask & (labels.clamp(0, v - 1) == labels)  # [N] participating, in range
-    bad = flat_mask ^ ok  # [N] participating, out of range (ok ⊆ flat_mask)
     if labels.numel():
-        row = first_true(bad)
+
+        def numbers() -> list[torch.Tensor]:
+            bad = flat_mask & (labels.clamp(0, v - 1) != labels)  # [N] participating, outside
+            row = first_true(bad)
+            return [bad.any(), row, labels.index_select(0, row.view(1))]
 
         def message(x: Sequence[float]) -> Exception | None:
             if not x[0]:
@@ -235,9 +239,9 @@ def labels_checked_on_device(
             )
 
         checks = DeferredChecks(labels.device)
-        checks.add([bad.any(), row, labels.index_select(0, row.view(1))], message)
+        checks.add_lazy(numbers, message)
         checks.submit()
-    return flat_mask, torch.where(ok, labels, 0)
+    return flat_mask, labels
 
 
 @compiler_disable

@@ -138,6 +138,12 @@ def _num_rows(logits: torch.Tensor, rows: torch.Tensor | None) -> int:
     return int(logits.numel() // logits.shape[-1]) if logits.shape[-1] else 0
 
 
+def _labels_in_range(labels: torch.Tensor, v: int) -> torch.Tensor:
+    """Labels outside ``[0, V)`` read as 0 (device path: the range check is deferred, the
+    phases must not read out of bounds meanwhile; the kernels do the same per row)."""
+    return torch.where((labels >= 0) & (labels < v), labels, 0)
+
+
 def forward(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -158,8 +164,8 @@ def forward(
         need_entropy: also return the entropy.
         chunk_size: rows per chunk (≥ 1).
         mask: with ``rows`` None, ``[N]`` bool: rows outside it read exactly 0 in every output
-            (they are computed and discarded here, without reading the row count on the host;
-            their labels must still be in range).
+            (they are computed and discarded here, without reading the row count on the host).
+            Labels outside ``[0, V)`` then read as 0 (the caller reports them; as the kernels).
 
     Returns:
         ``(logprobs [n], lse [n, 2], entropy [n] or None)`` in the compute dtype, one entry per
@@ -171,6 +177,8 @@ def forward(
     n = _num_rows(logits, rows)
     cdtype = compute_dtype(logits.dtype)
     dev = logits.device
+    if mask is not None and rows is None:
+        labels = _labels_in_range(labels, logits.shape[-1])
     out_lp = torch.empty(n, dtype=cdtype, device=dev)
     out_lse = torch.empty(n, 2, dtype=cdtype, device=dev)
     out_ent = torch.empty(n, dtype=cdtype, device=dev) if need_entropy else None
@@ -246,6 +254,7 @@ def backward(
     cdtype = compute_dtype(logits.dtype)
     dead = None
     if live is not None:
+        labels = _labels_in_range(labels, logits.shape[-1])
         n_all = logits.numel() // max(logits.shape[-1], 1)
         rows = torch.arange(n_all, device=logits.device)
         dead = ~live.reshape(-1)
