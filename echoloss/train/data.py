@@ -28,6 +28,7 @@ __all__ = [
     "evaluate_policy",
     "generate_rollouts",
     "heldout_conversations",
+    "heldout_episodes",
     "hidden_token_positions",
     "read_rollout_groups",
     "rollout_record",
@@ -133,17 +134,21 @@ def _prompt_attributions(
     messages: list[dict[str, Any]],
     prompts: list[list[int]],
     tools: list[dict[str, Any]] | None = None,
+    *,
+    start: int = 0,
 ) -> list[echoloss.TokenAttribution]:
     """The attribution of every model call's prompt, from one attributed rendering of the whole
     conversation (cheaper than attributing each prompt on its own).
 
-    Prompt ``j`` was rendered from the messages before the ``j``-th assistant message ``k``, plus
+    Prompt ``j`` was rendered from the messages before the ``j``-th assistant message ``k`` at or
+    after ``start`` (the episode's first ``start`` messages are its prompt, in-context example
+    turns included: the model wrote none of them), plus
     the generation prompt. With a prefix-stable template it is a prefix of the whole rendering;
     its generation prompt (the start of message ``k`` there) becomes scaffold of no message
     (``-1``). A template that rewrites history falls back to attributing that prompt by itself.
     """
     full = render_attributed(messages, tokenizer, tools=tools)
-    assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= start]
     att = full.attribution
     out = []
     for k, prompt in zip(assistant, prompts, strict=True):
@@ -315,6 +320,7 @@ def generate_rollouts(
     a live conversation, because FSDP gathers parameters inside every forward.
     """
     episodes = [(gid, env.start(task)) for gid, task in tasks for _ in range(group_size)]
+    starts = [len(ep.messages) for _, ep in episodes]  # the prompt: every message before play
     calls = _play(
         model,
         tokenizer,
@@ -326,9 +332,9 @@ def generate_rollouts(
         world_size=world_size,
     )
     rollouts = []
-    for (gid, ep), turns in zip(episodes, calls, strict=True):
+    for (gid, ep), turns, start in zip(episodes, calls, starts, strict=True):
         atts = _prompt_attributions(
-            tokenizer, ep.messages, [p for p, _, _ in turns], tool_schemas(env)
+            tokenizer, ep.messages, [p for p, _, _ in turns], tool_schemas(env), start=start
         )
         steps = [
             echoloss.Step(
@@ -351,18 +357,30 @@ class _NoPlaceholderWarning(logging.Filter):
 
 
 def scripted_steps(
-    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]],
+    tokenizer: Any,
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    prompt_messages: int = 0,
 ) -> list[echoloss.Step]:
-    """Steps of a scripted conversation. Nothing sampled them, so their logprobs are ``0.0``
-    placeholders; they are only used by the SFT warm-start and the held-out evaluation, which
-    never read them, so the adapter's warning about placeholders is silenced here."""
+    """Steps of a scripted conversation: one per assistant message after the first
+    ``prompt_messages`` (the episode's start, ``len(env.start(task).messages)``: a system
+    prompt, in-context example turns, the question). Example turns are prompt: they get no
+    step, so nothing trains them, and the first step's prompt holds them (echo never reads a
+    trajectory's initial prompt, so their tool results are not echoed).
+
+    Nothing sampled the steps, so their logprobs are ``0.0`` placeholders; they are only used by
+    the SFT warm-start and the held-out evaluation, which never read them, so the adapter's
+    warning about placeholders is silenced here."""
     log = logging.getLogger("echoloss")
     quiet = _NoPlaceholderWarning()
     log.addFilter(quiet)
     try:
-        return steps_from_messages(messages, tokenizer, tools=tools)
+        steps = steps_from_messages(messages, tokenizer, tools=tools)
     finally:
         log.removeFilter(quiet)
+    examples = sum(m["role"] == "assistant" for m in messages[:prompt_messages])
+    return steps[examples:]
 
 
 def demo_rollouts(
@@ -372,9 +390,10 @@ def demo_rollouts(
     out = []
     for gid, task in tasks:
         messages = env.demonstration(task, random.Random(f"demo/{seed}/{gid}"))
+        start = len(env.start(task).messages)
         out.append(
             Rollout(
-                steps=scripted_steps(messages, tokenizer, tool_schemas(env)),
+                steps=scripted_steps(messages, tokenizer, tool_schemas(env), prompt_messages=start),
                 reward=1.0,
                 group_id=gid,
                 env_name=env.name,
@@ -389,12 +408,19 @@ def heldout_conversations(env: Any, *, count: int) -> list[list[dict[str, Any]]]
     on the env's held-out tasks, the same for every seed and arm. Random, not scripted or
     on-policy, so the metric measures the world model and not whether the policy's own moves are
     predictable."""
+    return [messages for messages, _ in heldout_episodes(env, count=count)]
+
+
+def heldout_episodes(env: Any, *, count: int) -> list[tuple[list[dict[str, Any]], int]]:
+    """`heldout_conversations`, each with its prompt length (the messages of its start, for
+    `scripted_steps`'s ``prompt_messages``)."""
     out = []
     for i in range(count):
         rng = random.Random(f"heldout/{i}")
         task = env.heldout_task(index=i)
         longest = max(env.turn_limit - 1, 1)  # the last turn is left for 'done'
-        out.append(env.random_walk(task, rng, turns=rng.randint(min(2, longest), longest)))
+        walk = env.random_walk(task, rng, turns=rng.randint(min(2, longest), longest))
+        out.append((walk, len(env.start(task).messages)))
     return out
 
 

@@ -30,7 +30,7 @@ from echoloss.train.config import TrainConfig
 from echoloss.train.data import (
     EvalResult,
     evaluate_policy,
-    heldout_conversations,
+    heldout_episodes,
     hidden_token_positions,
     scripted_steps,
 )
@@ -83,9 +83,10 @@ def heldout_set(cfg: TrainConfig, env: Env[Any, Any], tok: Any, device: torch.de
     samples = []
     out = Heldout()
     nats = hidden_nats = 0.0
-    for messages in heldout_conversations(env, count=cfg.data.heldout_size):
+    for messages, start in heldout_episodes(env, count=cfg.data.heldout_size):
         nats += env.observation_nats(messages)
-        for s in echoloss.interleave(scripted_steps(messages, tok, tool_schemas(env)), echo=probe):
+        steps = scripted_steps(messages, tok, tool_schemas(env), prompt_messages=start)
+        for s in echoloss.interleave(steps, echo=probe):
             s.advantage = 0.0
             samples.append(s)
         if isinstance(env, HiddenObservations):

@@ -40,17 +40,18 @@ def calculator_completion(tok, env, task, *, right: bool):
     messages = env.demonstration(task, random.Random(0))
     if not right:
         messages[-1] = {"role": "assistant", "content": f"The answer is {task.answer + 1}."}
-    prompt = _render(tok, messages[:2], gen=True)
+    start = len(env.start(task).messages)  # the system prompt, the worked examples, the question
+    prompt = _render(tok, messages[:start], gen=True)
     full = _render(tok, messages)
     end = len(full) - full[::-1].index(tok.eos_token_id)  # the answer's end-of-turn token
     completion = full[len(prompt) : end]
     call_end = completion.index(tok.eos_token_id) + 1  # the call turn's end-of-turn token
-    answer_start = len(_render(tok, messages[:4], gen=True)) - len(prompt)
+    answer_start = len(_render(tok, messages[: start + 2], gen=True)) - len(prompt)
     mask = (
         [1] * call_end + [0] * (answer_start - call_end) + [1] * (end - len(prompt) - answer_start)
     )
     reward = 1.0 if right else 0.0
-    return prompt, completion, mask, messages[2:], reward
+    return prompt, completion, mask, messages[start:], reward
 
 
 @torch.no_grad()

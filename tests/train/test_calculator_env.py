@@ -10,6 +10,7 @@ from _pretrained import smollm2_tokenizer
 from echoloss.train.envs import make_env
 from echoloss.train.envs.base import ToolSchemas, tool_schemas
 from echoloss.train.envs.calculator import (
+    EXAMPLES,
     TOOLS,
     CalcTask,
     evaluate,
@@ -77,7 +78,8 @@ def test_smollm2_attributes_the_calculator_result_exactly():
     every message's body tokens decode to its content; the tool result is echoed and nothing
     else of the tool turn is."""
     import echoloss
-    from echoloss.adapters.chat import render_attributed, steps_from_messages
+    from echoloss.adapters.chat import render_attributed
+    from echoloss.train.data import scripted_steps
 
     tok = smollm2_tokenizer()
     env = make_env("calculator")
@@ -95,9 +97,36 @@ def test_smollm2_attributes_the_calculator_result_exactly():
             if att.message_indices[t] == k and att.is_content[t]
         ]
         assert tok.decode(body) == m["content"], k
-    steps = steps_from_messages(messages, tok, tools=TOOLS)
+    # The worked examples are prompt: one step per turn the policy takes (the call, the
+    # answer), and only this episode's result is echoed, not the examples' results.
+    start = len(env.start(task).messages)
+    assert start == len(EXAMPLES) + 2
+    steps = scripted_steps(messages, tok, TOOLS, prompt_messages=start)
+    assert [tok.decode(s.completion_ids) for s in steps] == [
+        tool_call(task.expression) + "<|im_end|>",
+        f"The answer is {task.answer}.<|im_end|>",
+    ]
     cfg = echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=0.05))
     [sample] = echoloss.interleave(steps, echo=cfg)
     weights = sample.token_echo_weights()
     echoed = [t for t, w in zip(sample.token_ids, weights, strict=True) if w > 0]
     assert tok.decode(echoed) == str(task.answer)
+    trained = [t for t, m in zip(sample.token_ids, sample.rl_mask(), strict=True) if m]
+    assert tok.decode(trained) == (
+        f"{tool_call(task.expression)}<|im_end|>The answer is {task.answer}.<|im_end|>"
+    )
+
+
+def test_the_worked_examples_are_right_and_in_every_prompt():
+    env = make_env("calculator")
+    ep = env.start(env.task(seed=0, index=0))
+    assert ep.messages[1 : 1 + len(EXAMPLES)] == list(EXAMPLES)
+    roles = [m["role"] for m in EXAMPLES]
+    assert roles == ["user", "assistant", "tool", "assistant"] * 3
+    for k in range(0, len(EXAMPLES), 4):
+        [call] = parse_tool_calls(EXAMPLES[k + 1]["content"]) or []
+        result = evaluate(call["arguments"]["expression"])
+        assert EXAMPLES[k + 2]["content"] == str(result)
+        assert EXAMPLES[k + 3]["content"] == f"The answer is {result}."
+    ep.messages[1]["content"] = "changed"  # an episode's messages are its own
+    assert env.start(env.task(seed=0, index=0)).messages[1] == EXAMPLES[0]

@@ -5,9 +5,11 @@ what the tool is and how to call it; the user asks a question the model cannot r
 in its head; the model calls the tool in the format it was trained on (SmolLM2's: a JSON list
 inside ``<tool_call>`` tags, written in the assistant's content, which is what a ChatML template
 renders); the tool's answer comes back as a ``tool`` message (the echo term's observation); then
-the model answers::
+the model answers. Three solved episodes come first, as real turns of the template (a small
+instruct model follows examples in its own format far more than instructions)::
 
-    system     You are a helpful assistant with a calculator. ... <tools>[{...}]</tools> ...
+    system     You are a calculator assistant. ... <tools>[{...}]</tools>
+    user, assistant, tool, assistant (three times)   <- `EXAMPLES` (prompt)
     user       A shop sells 37 boxes of 48 pens and 12 loose pens. How many pens is that?
     assistant  <tool_call>[{"name": "calculator", "arguments": {"expression": "37 * 48 + 12"}}]</tool_call>
     tool       1788                              <- the calculator (echoed)
@@ -48,6 +50,7 @@ from typing import Any
 from echoloss.train.envs.base import Message
 
 __all__ = [
+    "EXAMPLES",
     "TOOLS",
     "CalcEpisode",
     "CalcTask",
@@ -256,19 +259,43 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
 
 def _system_prompt() -> str:
     return (
-        "You are a helpful assistant with a calculator tool. For any arithmetic, call the "
-        "calculator instead of computing in your head, then answer with the number it returns.\n"
-        f"You have access to the following tools:\n<tools>{json.dumps(TOOLS)}</tools>\n"
-        "To call a tool, reply with only the call, in this format:\n"
-        '<tool_call>[{"name": "calculator", "arguments": {"expression": "12 * 34 + 5"}}]'
-        "</tool_call>\n"
-        "The result comes back in the next message. Then reply with a short sentence that "
-        "ends with the final number.\n"
-        "Example. Question: What is 23 * 41 + 7?\n"
-        f"You: {tool_call('23 * 41 + 7')}\n"
-        "Tool: 950\n"
-        "You: The answer is 950."
+        "You are a calculator assistant. You never do arithmetic yourself: for every question "
+        "you first reply with only a call of the calculator tool, like\n"
+        f"{tool_call('12 * 34 + 5')}\n"
+        "The tool's result comes back in the next message; then you answer with a short "
+        "sentence ending with that number.\n"
+        f"Tools: <tools>{json.dumps(TOOLS)}</tools>"
     )
+
+
+def _worked_example(question: str, expression: str) -> list[Message]:
+    """A solved episode as chat turns: the question, the call, the result, the answer."""
+    answer = evaluate(expression)
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": tool_call(expression)},
+        {"role": "tool", "name": TOOL_NAME, "content": str(answer)},
+        {"role": "assistant", "content": f"The answer is {answer}."},
+    ]
+
+
+#: Three solved episodes, one per kind of question, shown before every question as real turns
+#: of the model's own chat template (in-context examples). Measured on SmolLM2-135M-Instruct
+#: with this system prompt, as the probability (teacher-forced, mean over 8 questions) that the
+#: reply opens with ``<tool_call>``: 0.000 with the instructions alone (0.000 too with an example
+#: written out in the system prompt), 0.24 with the first example as turns, 0.74 with two; on
+#: the first 8 RL questions, two examples 0.67 and three 0.84, and the probability of the whole
+#: right call (the exact expression) 0.031 with two and 0.115 with three (the third teaches
+#: copying parentheses). They are prompt, not the policy's turns: the trainer trains neither
+#: them nor their results (`echoloss.train.data.scripted_steps`, ``prompt_messages``).
+EXAMPLES: tuple[Message, ...] = (
+    *_worked_example("What is 23 * 41 + 7?", "23 * 41 + 7"),
+    *_worked_example(
+        "A farm has 14 pens of 26 sheep; 9 sheep are sold. How many sheep are left?",
+        "14 * 26 - 9",
+    ),
+    *_worked_example("What is (18 + 7) * 12?", "(18 + 7) * 12"),
+)
 
 
 @dataclass(frozen=True)
@@ -328,10 +355,11 @@ class Calculator:
         return [self._draw(random.Random(f"calculator/eval/{i}")) for i in range(8)]
 
     def start(self, task: CalcTask) -> CalcEpisode:
-        """A new episode: the system prompt (the tool, its call format and one worked example)
-        and the question."""
+        """A new episode: the system prompt (the tool and its call format), the three worked
+        examples of `EXAMPLES` as turns, and the question."""
         messages: list[Message] = [
             {"role": "system", "content": _system_prompt()},
+            *(dict(m) for m in EXAMPLES),
             {"role": "user", "content": task.question},
         ]
         return CalcEpisode(task=task, messages=messages)
