@@ -20,8 +20,8 @@ def rl_table(metrics: list[dict[str, float]], group_size: int) -> list[str]:
     lines = [
         "| RL step | rollout (`gen_time`) | update and the rest | tool calls per rollout "
         "| invalid replies per rollout | `echo_tokens` | `rl_tokens` | reward (mean ± std) "
-        "| groups with mixed rewards |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| groups with mixed rewards | `advantage_abs` |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in metrics:
         assert m["phase"] == "rl"
@@ -31,7 +31,7 @@ def rl_table(metrics: list[dict[str, float]], group_size: int) -> list[str]:
             f"| {m['rl_step']} | {m['gen_time']:.0f} s | {m['step_time'] - m['gen_time']:.0f} s "
             f"| {m['env/calculator/tool_calls']:.3f} | {m['env/calculator/invalid']:.3f} "
             f"| {m['echo_tokens']} | {m['rl_tokens']} | {m['reward']:.3f} ± "
-            f"{m['reward_std']:.3f} | {mixed} of {groups} |"
+            f"{m['reward_std']:.3f} | {mixed} of {groups} | {m['advantage_abs']:.3f} |"
         )
     return lines
 
