@@ -129,7 +129,8 @@ def run(argv: list[str]) -> int:
         if not final_model_complete(out / "final-model"):  # never "done" without the model
             print(f"echoloss-train: no complete model in {out}/final-model/", file=sys.stderr)
             return 1
-        print(f"done: {out}/metrics.jsonl, {out}/plots/, {out}/final-model/")
+        plots = [f"{out}/plots/"] if (out / "plots").is_dir() else []  # train.plots = false: none
+        print("done: " + ", ".join([f"{out}/metrics.jsonl", *plots, f"{out}/final-model/"]))
     return 0
 
 
