@@ -45,7 +45,7 @@ from echoloss._deferred import (
 from echoloss._validate import check_per_token, check_tensor, describe, problem
 from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
 from echoloss.loss.config import LossConfig
-from echoloss.loss.inputs import LOGPROB_TOLERANCE, LossInputs
+from echoloss.loss.inputs import LOGPROB_TOLERANCE, LossInputs, split_rows
 from echoloss.loss.metrics import loss_metrics
 from echoloss.loss.normalization import (
     LocalSequences,
@@ -549,6 +549,7 @@ class _Suspects(NamedTuple):
     echo_idx: torch.Tensor
     ent: torch.Tensor | None
     cfg: LossConfig
+    rl_constant: torch.Tensor | None = None  # the device-side RL divisor, read only here
 
 
 def _largest(name: str, values: torch.Tensor | None, rows: torch.Tensor) -> tuple[float, str]:
@@ -575,7 +576,12 @@ def _rl_suspects(s: _Suspects) -> list[tuple[float, str]]:
     if cfg.entropy_coef:
         big, _ = _largest("entropy", s.ent, s.rl_idx)
         out.append((abs(cfg.entropy_coef) * max(big, 1.0), f"entropy_coef={cfg.entropy_coef:g}"))
-    if cfg.rl_normalization == "token_sum_constant":
+    if cfg.rl_normalization == "token_sum_constant" and s.rl_constant is not None:
+        # The divisor the call used (a device tensor; read on the host only to build this error).
+        d = float(s.rl_constant)
+        what = "token_sum_constant's divisor of this call: the batch's RL tokens per process"
+        out.append((1.0 / d, f"the RL divisor {d:g} ({what})"))
+    elif cfg.rl_normalization == "token_sum_constant":
         c = cfg.rl_normalization_constant
         assert c is not None  # LossConfig
         out.append((1.0 / c, f"rl_normalization_constant={c:g} (the divisor)"))
@@ -645,15 +651,17 @@ def _check_final_loss(
     ent: torch.Tensor | None,
     cfg: LossConfig,
     checks: DeferredChecks,
+    rl_constant: torch.Tensor | None = None,
 ) -> None:
-    """`check_final_loss` through ``checks``: the diagnosis (which reads the suspects' values)
-    runs only when the error is raised."""
+    """`check_final_loss` through ``checks``: the diagnosis (which reads the suspects' values,
+    ``rl_constant`` included) runs only when the error is raised."""
 
     def message(v: Sequence[float]) -> Exception | None:
         if not v[0]:
             return None
         rl_idx, echo_idx = x.rl.nonzero().squeeze(1), x.echo.nonzero().squeeze(1)
-        return _final_loss_error(v[1], v[2], v[3], _Suspects(x, rl_idx, echo_idx, ent, cfg))
+        suspects = _Suspects(x, rl_idx, echo_idx, ent, cfg, rl_constant)
+        return _final_loss_error(v[1], v[2], v[3], suspects)
 
     checks.add([not_finite(loss), loss, rl_term, echo_term], message)
 
@@ -804,8 +812,41 @@ def _rows_of(x: LossInputs, idx: torch.Tensor) -> LossInputs:
     return sub
 
 
+def unchecked_inputs(**fields: Any) -> LossInputs:
+    """A `LossInputs` of ``fields`` without validation, for `row_coefficients` when the
+    validated record can only be built after the logprobs (``echoloss.nn``'s on-policy
+    ``old_logprobs``); the same fields are validated when that record is built.
+
+    Examples:
+        >>> x = unchecked_inputs(rl_mask=torch.tensor([True, True]),
+        ...                      echo_weights=torch.tensor([0.0, 0.5]))
+        >>> x.rl.tolist(), x.echo.tolist()
+        ([True, False], [False, True])
+    """
+    names = {f.name for f in dataclasses.fields(LossInputs) if f.init}
+    if set(fields) - names:
+        raise TypeError(f"unchecked_inputs: unknown fields {sorted(set(fields) - names)}")
+    x = object.__new__(LossInputs)
+    for f in dataclasses.fields(LossInputs):
+        if f.init:
+            value = fields.get(f.name, f.default)
+            object.__setattr__(x, f.name, value)
+    ew = x.echo_weights
+    rl, echo = split_rows(x.rl_mask.reshape(-1), None if ew is None else ew.reshape(-1))
+    object.__setattr__(x, "rl", rl)
+    object.__setattr__(x, "echo", echo)
+    object.__setattr__(x, "_versions", ())
+    return x
+
+
 def row_coefficients(
-    x: LossInputs, cfg: LossConfig, spec: PolicySpec, normalizers: Normalizers | None
+    x: LossInputs,
+    cfg: LossConfig,
+    spec: PolicySpec,
+    normalizers: Normalizers | None,
+    *,
+    rl_constant: torch.Tensor | None = None,
+    own_old_logprobs: bool = False,
 ) -> Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
 ]:
@@ -814,9 +855,12 @@ def row_coefficients(
     not trained) of rows ``rows``, from those rows alone.
 
     The rows' loss is the loss algebra itself (`_rl_per_token`, `_rl_term`, `_echo_term`) on
-    the rows' fields with the call's denominators (counted on all rows here), differentiated
-    by autograd: the same operations per row as the whole loss, so the same derivatives. Value
-    checks are left to the whole loss, which runs them once.
+    the rows' fields with the call's denominators (counted on all rows here;
+    ``rl_constant`` as in `loss_from_logprobs`), differentiated by autograd: the same
+    operations per row as the whole loss, so the same derivatives. Value checks are left to
+    the whole loss, which runs them once. ``own_old_logprobs``: the ratio's denominator of each
+    row is its own logprob, detached (on-policy, as ``echoloss.nn`` without old logprobs, whose
+    whole loss reads ``old_logprobs = logprobs.detach()``); ``x.old_logprobs`` is then unread.
     """
     n_echo = x.echo.sum()  # 0-dim, as `row_counts` counts
     counts = _Counts(
@@ -836,13 +880,15 @@ def row_coefficients(
         rows: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         sub = _rows_of(x, rows)
+        if own_old_logprobs:
+            object.__setattr__(sub, "old_logprobs", lp.detach())
         seqs = LocalSequences(rows.numel() + 1, None, None, None, 0, 0, 0)
         lp_leaf = lp.detach().requires_grad_()
         ent_leaf = None if ent is None else ent.detach()
         if ent_leaf is not None and cfg.entropy_coef != 0:
             ent_leaf.requires_grad_()
         rl = _rl_per_token(lp_leaf, ent_leaf, sub, seqs, cfg, spec, None, discard)
-        rl_term = _rl_term(rl.per_token, sub.rl, cfg, norms, seqs)
+        rl_term = _rl_term(rl.per_token, sub.rl, cfg, norms, seqs, rl_constant)
         lp_echo = torch.where(sub.echo, lp_leaf, 0.0)
         w_echo = _on_rows(sub.echo, sub.echo_weights, lp_echo)
         echo_term = _echo_term(w_echo * -lp_echo, sub, cfg, norms, n_echo, seqs)
@@ -948,7 +994,7 @@ def _algebra(
     # zero gradients): distributed backward must not hang.
     loss = rl_term + echo_term  # 0-dim
     if cfg.check_finite:
-        _check_final_loss(loss, rl_term, echo_term, x, ent, cfg, checks)
+        _check_final_loss(loss, rl_term, echo_term, x, ent, cfg, checks, rl_constant)
     metrics = _metrics(
         x, rl, ent, cfg, -lp_echo.detach(), {"loss_rl": rl_term, "loss_echo": echo_term}
     )

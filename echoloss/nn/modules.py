@@ -17,7 +17,7 @@ echoloss loss (then the RL and echo terms are normalised by the config over this
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from echoloss import (
 from echoloss._deferred import DeferredChecks, raise_deferred_errors
 from echoloss._logging import warn_once
 from echoloss._validate import (
+    check_chunk_size,
     check_count,
     check_mask,
     check_tensor,
@@ -40,7 +41,14 @@ from echoloss._validate import (
     finite_float,
     problem,
 )
-from echoloss.loss.core import check_scored_rows, logprobs_loss
+from echoloss.loss.core import (
+    check_scored_rows,
+    chunk_additive,
+    logprobs_loss,
+    row_coefficients,
+    unchecked_inputs,
+)
+from echoloss.loss.policy import get_policy
 from echoloss.nn.grpo import (
     ECHO_NORMALIZATIONS,
     ECHO_TEMPERATURES,
@@ -50,8 +58,25 @@ from echoloss.nn.grpo import (
     row_temperature,
     scale_echo_weights,
 )
+from echoloss.ops.fused_linear.op import (
+    RowCoefficients,
+    attach_gradients,
+    linear_logprobs_with_gradients,
+)
 
 __all__ = ["EchoFusedLinearGRPOLoss", "EchoGRPOLoss"]
+
+
+class _CallSetup(NamedTuple):
+    """What one call's loss needs before its logprobs (`EchoGRPOLoss._setup`)."""
+
+    config: LossConfig
+    normalizers: Normalizers | None
+    rl_constant: torch.Tensor | None  # dapo / cispo: the RL divisor, on the device
+    advantages: torch.Tensor  # [B, T] float
+    observation_mask: torch.Tensor  # [B, T] bool
+    echo_weights: torch.Tensor  # [B, T] float, scaled by the echo normaliser
+
 
 # Liger's constructor defaults (liger-kernel 0.8.5), used where an option is left as None.
 _LIGER_DEFAULTS: dict[str, Any] = {
@@ -258,26 +283,23 @@ class EchoGRPOLoss(nn.Module):
         echo = w > 0
         return valid & ~echo, echo, w
 
-    def _loss(
+    def _setup(
         self,
-        lp: torch.Tensor,
-        entropy: torch.Tensor,
         rl: torch.Tensor,
         echo: torch.Tensor,
         echo_w: torch.Tensor,
         advantages: torch.Tensor,
         *,
         ref_per_token_logps: torch.Tensor | None,
-        old_per_token_logps: torch.Tensor | None,
-        inference_logprobs: torch.Tensor | None,
         observation_mask: torch.Tensor | None,
         num_items_in_batch: float | torch.Tensor | None,
         num_echo_items_in_batch: float | torch.Tensor | None,
         normalizers: Normalizers | None,
-        env_names: Sequence[str] | None,
         checks: DeferredChecks,
-        source: str = "logits",
-    ) -> LossOutput:
+    ) -> _CallSetup:
+        """Everything of one call's loss that does not read the logprobs: the config, the
+        normalisers, the RL divisor and the ``[B, T]`` advantages, observation mask and scaled
+        echo weights (checked here)."""
         b, t = rl.shape
         adv = check_tensor("advantages", advantages)
         if adv.shape not in ((b,), (b, t)) or not adv.dtype.is_floating_point:
@@ -312,6 +334,26 @@ class EchoGRPOLoss(nn.Module):
                 f"ref_per_token_logps: required by beta={cfg.kl_coef} ([B, T] reference-model "
                 "logprobs); or set beta=0.0"
             )
+        return _CallSetup(cfg, norms, rl_constant, adv, obs, echo_w)
+
+    def _loss(
+        self,
+        lp: torch.Tensor,
+        entropy: torch.Tensor,
+        rl: torch.Tensor,
+        echo: torch.Tensor,
+        setup: _CallSetup,
+        *,
+        ref_per_token_logps: torch.Tensor | None,
+        old_per_token_logps: torch.Tensor | None,
+        inference_logprobs: torch.Tensor | None,
+        env_names: Sequence[str] | None,
+        checks: DeferredChecks,
+        source: str = "logits",
+    ) -> LossOutput:
+        """The loss of one call from its ``[B, T]`` logprobs and entropy and its `_setup`."""
+        b, t = rl.shape
+        cfg, norms, rl_constant, adv, obs, echo_w = setup
         if old_per_token_logps is None:
             # On-policy: the ratio's denominator is this pass's logprobs, so a non-finite one
             # is the model's output (named by its source), not an old logprob.
@@ -336,7 +378,7 @@ class EchoGRPOLoss(nn.Module):
         return logprobs_loss(
             lp,
             record,
-            entropy.detach(),
+            entropy if cfg.entropy_coef != 0 else entropy.detach(),  # trained only with a bonus
             cfg,
             norms,
             None if self.mapping is None else self.mapping.policy_fn,
@@ -461,20 +503,27 @@ class EchoGRPOLoss(nn.Module):
                 mask=rl | echo,
                 chunk_size=self.row_chunk_size,
             )
-        return self._loss(
-            lp,
-            ent,
+        setup = self._setup(
             rl,
             echo,
             w,
             advantages,
             ref_per_token_logps=ref_per_token_logps,
-            old_per_token_logps=old_per_token_logps,
-            inference_logprobs=inference_logprobs,
             observation_mask=observation_mask,
             num_items_in_batch=num_items_in_batch,
             num_echo_items_in_batch=num_echo_items_in_batch,
             normalizers=normalizers,
+            checks=checks,
+        )
+        return self._loss(
+            lp,
+            ent,
+            rl,
+            echo,
+            setup,
+            ref_per_token_logps=ref_per_token_logps,
+            old_per_token_logps=old_per_token_logps,
+            inference_logprobs=inference_logprobs,
             env_names=env_names,
             checks=checks,
         )
@@ -496,6 +545,17 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
     bias].T`` (one extra column), so the bias gets its exact gradient ``Σ_rows ∂L/∂logits``
     through the same fused op. It costs one copy of ``_input`` and one of the weight, each with
     one more column.
+
+    Gradients: for a chunk-additive loss (`echoloss.loss.core.chunk_additive`: ``loss_type``
+    ``dapo``, ``bnpo``, ``dr_grpo``, ``luspo`` and token-level ``cispo``, or a ``config=`` with
+    a per-token policy and token-level normalisers) with ``_input`` or ``lin_weight`` requiring
+    a gradient, ``d _input`` and ``d lin_weight`` (and ``d bias``) are formed in the forward
+    pass while each chunk's logits are in memory, as in
+    [`echoloss.echo_loss_from_hidden`][echoloss.loss.echo_loss_from_hidden]: one LM-head GEMM per
+    chunk instead of two, the ``[V, H]`` weight gradient held from forward to backward, one
+    backward per loss. ``grpo``, ``sapo`` and sequence-level ratios recompute each chunk's
+    logits in backward. Same loss, metrics and gradients either way
+    (``tests/nn/test_fused_module_gradients.py``).
 
     Examples:
         >>> import torch
@@ -572,31 +632,92 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             hidden = torch.cat([hidden, hidden.new_ones(b * t, 1)], dim=1)
             weight = torch.cat([weight, bias.to(_input.dtype).unsqueeze(1)], dim=1)
         temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
-        with checks.collecting():  # the op's checks join the call's, in call order
-            lp, ent = linear_selective_logprobs(
-                hidden,
-                weight,
-                selected_token_ids.reshape(-1),
-                temperature=temp.reshape(-1),
-                return_entropy=True,
-                mask=(rl | echo).reshape(-1),
-                chunk_size=self.row_chunk_size,
-            )
-        return self._loss(
-            lp.view(b, t),
-            ent.view(b, t),
+        setup = self._setup(
             rl,
             echo,
             w,
             advantages,
             ref_per_token_logps=ref_per_token_logps,
-            old_per_token_logps=old_per_token_logps,
-            inference_logprobs=inference_logprobs,
             observation_mask=observation_mask,
             num_items_in_batch=num_items_in_batch,
             num_echo_items_in_batch=num_echo_items_in_batch,
             normalizers=normalizers,
+            checks=checks,
+        )
+        policy_fn = None if self.mapping is None else self.mapping.policy_fn
+        labels = selected_token_ids.reshape(-1)
+        grads = None
+        with checks.collecting():  # the op's checks join the call's, in call order
+            if (
+                torch.is_grad_enabled()
+                and (hidden.requires_grad or weight.requires_grad)
+                and chunk_additive(setup.config, policy_fn)
+            ):
+                coefficients = self._row_coefficients(
+                    rl, setup, ref_per_token_logps, old_per_token_logps, inference_logprobs
+                )
+                lp, ent, *grads = linear_logprobs_with_gradients(
+                    hidden, weight, labels, temp.reshape(-1), (rl | echo).reshape(-1), True,
+                    check_chunk_size(self.row_chunk_size), "auto", coefficients,
+                )  # fmt: skip
+            else:
+                lp, ent = linear_selective_logprobs(
+                    hidden,
+                    weight,
+                    labels,
+                    temperature=temp.reshape(-1),
+                    return_entropy=True,
+                    mask=(rl | echo).reshape(-1),
+                    chunk_size=self.row_chunk_size,
+                )
+        out = self._loss(
+            lp.view(b, t),
+            ent.view(b, t),
+            rl,
+            echo,
+            setup,
+            ref_per_token_logps=ref_per_token_logps,
+            old_per_token_logps=old_per_token_logps,
+            inference_logprobs=inference_logprobs,
             env_names=env_names,
             checks=checks,
             source="hidden",
+        )
+        if grads is None:
+            return out
+        return LossOutput(attach_gradients(out.loss, hidden, weight, *grads), out.metrics)
+
+    def _row_coefficients(
+        self,
+        rl: torch.Tensor,
+        setup: _CallSetup,
+        ref_per_token_logps: torch.Tensor | None,
+        old_per_token_logps: torch.Tensor | None,
+        inference_logprobs: torch.Tensor | None,
+    ) -> RowCoefficients:
+        """Each row's ``d loss / d logprob`` from that row alone (`row_coefficients`) for a
+        chunk-additive loss, from the fields the record of `_loss` will hold (validated there);
+        on-policy (no ``old_per_token_logps``) the ratio's denominator is the row's own
+        logprob, as in `_loss`."""
+        cfg = setup.config
+        x = unchecked_inputs(
+            rl_mask=rl,
+            echo_weights=setup.echo_weights,
+            advantages=setup.advantages,
+            inference_logprobs=inference_logprobs,
+            old_logprobs=(
+                None
+                if old_per_token_logps is None
+                else check_tensor("old_per_token_logps", old_per_token_logps).float()
+            ),
+            ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
+            observation_mask=setup.observation_mask,
+        )
+        return row_coefficients(
+            x,
+            cfg,
+            get_policy(cfg.policy),
+            setup.normalizers,
+            rl_constant=setup.rl_constant,
+            own_old_logprobs=old_per_token_logps is None,
         )

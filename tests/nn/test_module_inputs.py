@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from echoloss import LossConfig
+from echoloss._deferred import device_code_path, raise_deferred_errors
 from echoloss.nn import EchoFusedLinearGRPOLoss, EchoGRPOLoss
 from echoloss.nn.grpo import grpo_loss_mapping, scale_echo_weights, with_fields
 
@@ -139,3 +140,36 @@ def test_module_final_loss_is_checked():
         EchoGRPOLoss(beta=0.0, loss_type="grpo", echo_normalization="sequence_mean")(
             logits, ids, mask, adv, echo_weights=echo
         )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
+@pytest.mark.parametrize("items", [None, 8, torch.tensor(8)], ids=["counted", "given", "tensor"])
+def test_non_finite_loss_names_the_real_rl_divisor(items, fused):
+    """dapo divides by the batch's RL tokens, a device tensor: the diagnosis reads it (only
+    when the error is built) and names it, not the config's placeholder constant 1."""
+    logits, ids, mask, _, _ = _batch()
+    adv = torch.tensor([3e38, 1.0])  # 3 tokens of -3e38 each: the RL sum overflows
+    fn = EchoFusedLinearGRPOLoss if fused else EchoGRPOLoss
+    loss_fn = fn(beta=0.0, loss_type="dapo")
+    args: tuple = (logits,)
+    if fused:  # hidden = the logits, identity LM head
+        args = (logits.detach().clone().requires_grad_(), torch.eye(V).requires_grad_())
+    divisor = 6 if items is None else 8  # 6 RL tokens in this call
+    expected = (
+        f"loss must be finite, got -inf (loss_rl (the RL term) = -inf, loss_echo (the echo "
+        f"term) = 0); the checked inputs were finite, so a product, the sum or its scaling "
+        f"overflowed; likely input: advantages (largest |value| 3e+38 at row 0); the RL divisor "
+        f"{divisor} (token_sum_constant's divisor of this call: the batch's RL tokens per "
+        f"process); bring that input to a realistic range (advantages and echo weights of order "
+        f"1, coefficients well below 1e30, normalisers ≥ 1), or set "
+        f"LossConfig(check_finite=False) to skip this check"
+    )
+    with pytest.raises(ValueError) as err:
+        loss_fn(*args, ids, mask, adv, num_items_in_batch=items)
+    assert str(err.value) == expected
+    with device_code_path():  # deferred: raised at the next host read, with the same text
+        out = loss_fn(*args, ids, mask, adv, num_items_in_batch=items)
+        out.loss.backward()
+        with pytest.raises(ValueError) as err:
+            raise_deferred_errors()
+    assert str(err.value) == expected

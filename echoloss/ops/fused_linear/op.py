@@ -406,7 +406,8 @@ class _AttachGradientsFn(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         if ctx.grads is None:
             raise RuntimeError(
-                "echo_loss_from_hidden: backward through this loss a second time: its "
+                "backward through a fused-linear loss (echo_loss_from_hidden, "
+                "EchoFusedLinearGRPOLoss) a second time: its "
                 "gradients were formed in the forward pass and are freed after one backward "
                 "(as a graph's buffers are); compute the loss again for another backward"
             )
