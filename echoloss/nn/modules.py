@@ -36,6 +36,7 @@ from echoloss._validate import (
     check_chunk_size,
     check_count,
     check_mask,
+    check_per_token,
     check_tensor,
     describe,
     finite_float,
@@ -291,6 +292,8 @@ class EchoGRPOLoss(nn.Module):
         advantages: torch.Tensor,
         *,
         ref_per_token_logps: torch.Tensor | None,
+        old_per_token_logps: torch.Tensor | None,
+        inference_logprobs: torch.Tensor | None,
         observation_mask: torch.Tensor | None,
         num_items_in_batch: float | torch.Tensor | None,
         num_echo_items_in_batch: float | torch.Tensor | None,
@@ -334,6 +337,15 @@ class EchoGRPOLoss(nn.Module):
                 f"ref_per_token_logps: required by beta={cfg.kl_coef} ([B, T] reference-model "
                 "logprobs); or set beta=0.0"
             )
+        # Kind, shape and device of the [B, T] logprob inputs, named as passed, before the
+        # forward reads them per chunk (their values are checked with the record).
+        for name, value in (
+            ("ref_per_token_logps", ref_per_token_logps if cfg.kl_coef > 0 else None),
+            ("old_per_token_logps", old_per_token_logps),
+            ("inference_logprobs", inference_logprobs),
+        ):
+            if value is not None:
+                check_per_token(name, value, rl.shape, rl.device, "float", what="[B, T]")
         return _CallSetup(cfg, norms, rl_constant, adv, obs, echo_w)
 
     def _loss(
@@ -509,6 +521,8 @@ class EchoGRPOLoss(nn.Module):
             w,
             advantages,
             ref_per_token_logps=ref_per_token_logps,
+            old_per_token_logps=old_per_token_logps,
+            inference_logprobs=inference_logprobs,
             observation_mask=observation_mask,
             num_items_in_batch=num_items_in_batch,
             num_echo_items_in_batch=num_echo_items_in_batch,
@@ -638,6 +652,8 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             w,
             advantages,
             ref_per_token_logps=ref_per_token_logps,
+            old_per_token_logps=old_per_token_logps,
+            inference_logprobs=inference_logprobs,
             observation_mask=observation_mask,
             num_items_in_batch=num_items_in_batch,
             num_echo_items_in_batch=num_echo_items_in_batch,
@@ -705,11 +721,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             echo_weights=setup.echo_weights,
             advantages=setup.advantages,
             inference_logprobs=inference_logprobs,
-            old_logprobs=(
-                None
-                if old_per_token_logps is None
-                else check_tensor("old_per_token_logps", old_per_token_logps).float()
-            ),
+            old_logprobs=None if old_per_token_logps is None else old_per_token_logps.float(),
             ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
             observation_mask=setup.observation_mask,
         )

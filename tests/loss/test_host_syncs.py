@@ -381,12 +381,25 @@ def _options(name: str) -> dict:
 
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
 @pytest.mark.parametrize("name", sorted(MODULE_CASES))
-def test_modules_issue_no_host_sync(name, fused, phases_uncounted):
+def test_modules_issue_no_host_sync(name, fused, phases_uncounted, monkeypatch):
     """``EchoGRPOLoss`` / ``EchoFusedLinearGRPOLoss``: 0 host syncs forward and backward (each
     issued 1 to 5 before the normalisers and counts stayed on the device: the 0/1 check of a
     float ``attention_mask``, the all-reduced RL and echo token counts read as floats, this
     call's counts checked against ``num_*items_in_batch``, and SAPO / sequence-level CISPO
-    given the RL rows compacted), with the same loss and gradients as the host path."""
+    given the RL rows compacted), with the same loss and gradients as the host path. The fused
+    module's chunk-additive cases take the path that forms the gradients in the forward."""
+    import echoloss.nn.modules as modules
+
+    formed = []
+    original = modules.linear_logprobs_with_gradients
+
+    def counted(*args):
+        formed.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(modules, "linear_logprobs_with_gradients", counted)
+    lt, level, _ = MODULE_CASES[name]
+    additive = lt in ("bnpo", "dr_grpo", "dapo", "luspo") or (lt == "cispo" and level == "token")
     batch = _module_batch()
     host, host_leaves = _run_module(fused, _options(name), batch)
     host.loss.backward()
@@ -398,6 +411,7 @@ def test_modules_issue_no_host_sync(name, fused, phases_uncounted):
         raise_deferred_errors()
     assert fwd.num_syncs == 0, dict(fwd.syncs)
     assert bwd.num_syncs == 0, dict(bwd.syncs)
+    assert len(formed) == (2 if fused and additive else 0)  # host run and device run
     torch.testing.assert_close(dev.loss, host.loss, rtol=1e-6, atol=1e-6)
     for a, b in zip(dev_leaves, host_leaves, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)

@@ -173,3 +173,32 @@ def test_non_finite_loss_names_the_real_rl_divisor(items, fused):
         with pytest.raises(ValueError) as err:
             raise_deferred_errors()
     assert str(err.value) == expected
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
+@pytest.mark.parametrize(
+    "name, value, error, match",
+    [
+        (
+            "ref_per_token_logps",
+            torch.zeros(B, T - 1),
+            ValueError,
+            r"of shape \[2, 3\] \(\[B, T\]\)",
+        ),
+        ("old_per_token_logps", torch.zeros(B + 1, T), ValueError, r"of shape \[2, 3\]"),
+        ("inference_logprobs", torch.zeros(B, T + 1), ValueError, r"of shape \[2, 3\]"),
+        ("ref_per_token_logps", [[0.0] * T] * B, TypeError, "must be a torch.Tensor"),
+        ("old_per_token_logps", torch.zeros(B, T, dtype=torch.long), TypeError, "floating"),
+    ],
+)
+def test_logprob_inputs_are_named_before_the_forward_reads_them(name, value, error, match, fused):
+    """The [B, T] logprob inputs are read per chunk by the gradients formed in the forward: a
+    wrong kind or shape is named as passed (not an index error from inside the chunk loop)."""
+    logits, ids, mask, adv, echo = _batch()
+    loss_fn = (EchoFusedLinearGRPOLoss if fused else EchoGRPOLoss)(loss_type="dapo")
+    args: tuple = (logits,)
+    if fused:
+        args = (logits.detach().clone().requires_grad_(), torch.eye(V).requires_grad_())
+    kw = {"ref_per_token_logps": torch.zeros(B, T), name: value}
+    with pytest.raises(error, match=f"^{name}.*{match}"):
+        loss_fn(*args, ids, mask, adv, echo_weights=echo, **kw)
