@@ -147,7 +147,7 @@ class _Job:
     args: list[str]
     needs: str | None = None  # the job whose final model this one starts from
     state: str = "todo"  # todo, running, done, failed
-    wall: float = 0.0
+    wall: float | None = None  # seconds; None for a job kept from before (--resume)
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -259,7 +259,7 @@ def _arm_row(out: Path, job: _Job, env: str) -> dict[str, Any]:
         "invalid_reply_rate_end": last.get("eval_invalid_rate"),
         "train_reward_last20": _mean("reward", tail),
         "curve": [{k: e.get(k) for k in _CURVE_KEYS} for e in everything],
-        "wall_s": round(job.wall, 1),
+        "wall_s": None if job.wall is None else round(job.wall, 1),  # None: not run here
     }
 
 
