@@ -15,25 +15,11 @@ Run from the repository root. The persistence design's folder has its own report
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from echoloss.train.experiment import complete_rows, runs_table
+from echoloss.train.experiment import complete_rows, read_rows, runs_table
 from echoloss.train.figures import write_figures
-
-
-def read_rows(run_dir: Path) -> list[dict]:
-    """The rows of ``run_dir``: its ``results.jsonl`` if present, else its ``results.json``."""
-    if (run_dir / "results.jsonl").is_file():
-        text = (run_dir / "results.jsonl").read_text()
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    if (run_dir / "results.json").is_file():
-        return json.loads((run_dir / "results.json").read_text())
-    raise SystemExit(
-        f"experiment_figures: {str(run_dir)!r} has neither results.jsonl nor results.json; pass "
-        "an `echoloss-train experiment` output directory or a folder of docs/experiment/"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     args = p.parse_args(argv)
     for run_dir in args.run_dirs:
-        rows = runs_table(read_rows(run_dir))
+        rows = runs_table(
+            read_rows(
+                run_dir,
+                prog="experiment_figures",
+                hint="pass an `echoloss-train experiment` output directory or a folder of docs/experiment/",
+            )
+        )
         if any(r.get("level") for r in rows):
             print(f"experiment_figures: {str(run_dir)!r} is the persistence design; use "
                   "scripts/persistence_page.py", file=sys.stderr)  # fmt: skip

@@ -45,19 +45,6 @@ FILES = (
 )
 
 
-def read_rows(run_dir: Path) -> list[dict]:
-    """The rows of ``run_dir``: its ``results.jsonl`` if present, else its ``results.json``."""
-    if (run_dir / "results.jsonl").is_file():
-        text = (run_dir / "results.jsonl").read_text()
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    if (run_dir / "results.json").is_file():
-        return json.loads((run_dir / "results.json").read_text())
-    raise SystemExit(
-        f"persistence_page: {str(run_dir)!r} has neither results.jsonl nor results.json; pass "
-        "the --output-dir of `echoloss-train experiment --mode persistence`"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     """Summarise ``RUN_DIR``'s rows into docs/experiment/persistence/ and docs/experiment.md."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -66,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--docs", type=Path, default=ROOT / "docs", help="the docs folder to write")
     args = p.parse_args(argv)
-    rows = read_rows(args.run_dir)
+    rows = experiment.read_rows(
+        args.run_dir,
+        prog="persistence_page",
+        hint="pass the --output-dir of `echoloss-train experiment --mode persistence`",
+    )
     if not rows or any(not r.get("level") for r in rows):
         raise SystemExit(
             f"persistence_page: {str(args.run_dir)!r} holds {len(rows)} rows, not all of the "

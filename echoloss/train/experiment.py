@@ -157,6 +157,18 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def read_rows(run_dir: Path, *, prog: str, hint: str) -> list[dict[str, Any]]:
+    """The rows of the experiment output ``run_dir``: its ``results.jsonl`` if present, else its
+    ``results.json`` (a committed folder). The error names ``prog`` and ends with ``hint``: what
+    to pass instead."""
+    if (run_dir / "results.jsonl").is_file():
+        return _read_jsonl(run_dir / "results.jsonl")
+    if (run_dir / "results.json").is_file():
+        rows: list[dict[str, Any]] = json.loads((run_dir / "results.json").read_text())
+        return rows
+    raise SystemExit(f"{prog}: {str(run_dir)!r} has neither results.jsonl nor results.json; {hint}")
+
+
 def _mean(key: str, rows: list[dict[str, Any]]) -> float | None:
     """The mean of ``key`` over the rows that have it (None: no row has it)."""
     vals = [r[key] for r in rows if key in r]
