@@ -52,6 +52,7 @@ __all__ = [
     "complete_rows",
     "main",
     "paired_ci",
+    "read_rows",
     "reference_label",
     "runs_table",
     "steps_to",
