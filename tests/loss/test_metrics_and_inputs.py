@@ -218,3 +218,59 @@ def test_small_log_ratio_kl_is_accurate_and_never_negative(rho):
     exact = (lp.detach().double() - lq.double()).expm1() - (lp.detach().double() - lq.double())
     assert float(out.metrics["mismatch_kl/all"]) == pytest.approx(float(exact.mean()), rel=1e-3)
     assert float(out.metrics["ref_kl/all"]) == pytest.approx(float(exact.mean()), rel=1e-3)
+
+
+def _metric_rows(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    rl = torch.rand(n, generator=g) < 0.6
+    echo = ~rl & (torch.rand(n, generator=g) < 0.7)
+    nll = torch.rand(n, generator=g) * 20.0  # [0, 20): NLLs of confident to very wrong tokens
+    entropy = torch.rand(n, generator=g) * 5.0
+    flag = torch.rand(n, generator=g) < 0.3
+    return rl, echo, nll, entropy, flag
+
+
+@pytest.mark.parametrize("n", [1, 7, 4099])
+def test_metrics_without_envs_reduce_like_the_per_env_path(n):
+    """Without envs the sums are one reduction over the rows (no atomics onto one slot); the
+    per-env path with every row in no env (``env_of_row = -1``) gives the same keys in the same
+    order. Counts are integers below 2^24, so exact; the sums only differ in fp32 summation
+    order: each is within ``(n-1)·2^-24·Σ|x|`` of the exact sum, so two of them within twice
+    that, i.e. ``2·n·2^-24`` of the mean of ``|x|`` after the (exact) count divides; maxima are
+    order-free, so exact."""
+    from echoloss.loss.metrics import loss_metrics
+
+    rl, echo, nll, entropy, flag = _metric_rows(n, seed=n)
+    common = dict(rl=rl, echo=echo, env_names=[], rl_means={"entropy": entropy},
+                  rl_flags={"masked": flag}, echo_nll=nll, totals={"loss": torch.tensor(1.5)})  # fmt: skip
+    fast = loss_metrics(env_of_row=None, **common)
+    slots = loss_metrics(env_of_row=torch.full((n,), -1), **common)
+    assert list(fast) == list(slots)
+    for key in ("rl_tokens/all", "echo_tokens/all", "echo_nll_max/all", "loss/all"):
+        assert torch.equal(fast[key], slots[key]), key
+    bound = 2 * n * 2.0**-24
+    for key, x, rows in (("echo_nll_mean/all", nll, echo), ("entropy/all", entropy, rl)):
+        gold = x.double()[rows].mean() if rows.any() else torch.tensor(0.0, dtype=F64)
+        tol = bound * float(gold.abs()) + 1e-30
+        assert abs(float(fast[key]) - float(slots[key])) <= tol, key
+        assert abs(float(fast[key]) - float(gold)) <= tol, key
+    assert float(fast["masked_frac/all"]) == pytest.approx(
+        float((flag & rl).sum()) / max(1, int(rl.sum())), rel=2.0**-23
+    )
+    for v in fast.values():
+        assert v.dim() == 0 and v.dtype == torch.float32
+
+
+def test_metrics_without_envs_on_no_rows_and_no_echo_rows():
+    from echoloss.loss.metrics import loss_metrics
+
+    empty = torch.zeros(0, dtype=torch.bool)
+    m = loss_metrics(rl=empty, echo=empty, env_of_row=None, env_names=[], rl_means={},
+                     rl_flags={}, echo_nll=torch.zeros(0), totals={})  # fmt: skip
+    assert {k: float(v) for k, v in m.items()} == dict.fromkeys(
+        ["rl_tokens/all", "echo_tokens/all", "echo_nll_mean/all", "echo_nll_max/all"], 0.0
+    )
+    rl = torch.tensor([True, True])
+    m = loss_metrics(rl=rl, echo=~rl, env_of_row=None, env_names=[], rl_means={}, rl_flags={},
+                     echo_nll=torch.tensor([3.0, 4.0]), totals={})  # fmt: skip
+    assert (float(m["echo_nll_max/all"]), float(m["rl_tokens/all"])) == (0.0, 2.0)
