@@ -218,6 +218,30 @@ class DeferredChecks:
             return
         self._entries.append((compute, message))
 
+    def add_packed(
+        self, numbers: torch.Tensor, checks: Sequence[tuple[Message, Sequence[int]]]
+    ) -> None:
+        """Queue checks whose numbers a kernel already wrote into one ``[k]`` float64 tensor:
+        ``checks`` lists ``(message, positions in numbers)`` in call order. No launch is added
+        (the block is sent as it is); on the host path evaluate them now and raise.
+
+        Examples:
+            >>> checks = DeferredChecks(torch.device("cpu"))
+            >>> checks.add_packed(torch.tensor([0.0, 7.0], dtype=torch.float64),
+            ...                   [(lambda v: ValueError(f"row {v[1]:g}") if v[0] else None, [0, 1])])
+        """
+        if not self.deferred:
+            values = numbers.detach().double().cpu().tolist()
+            for message, positions in checks:
+                err = message([values[i] for i in positions])
+                if err is not None:
+                    raise err
+            return
+        self.pack()  # the checks queued before these keep their place in the order
+        offset = sum(b.numel() for b in self._blocks)
+        self._blocks.append(numbers.detach().reshape(-1))
+        self._layout += [(m, [offset + i for i in positions]) for m, positions in checks]
+
     def pack(self) -> None:
         """Gather the checks queued so far into one ``[k]`` float64 block (one ``stack`` and one
         cast per dtype, one ``cat``). Called inside the compiled loss algebra, so that computing

@@ -75,6 +75,8 @@ __all__ = [
     "compile_loss_algebra",
     "echo_loss",
     "echo_loss_from_logprobs",
+    "fuse_loss_algebra",
+    "fused_algebra_applies",
     "loss_from_logprobs",
     "row_coefficients",
     "row_temperature_and_entropy",
@@ -111,6 +113,36 @@ _SOURCE_CAUSE = {
 }
 
 
+def _scored_rows_message(source: str) -> Callable[[Sequence[float]], Exception | None]:
+    """The error of `check_scored_rows` from its numbers ``(any bad, first bad row, bad rows,
+    that row's logprob, whether it is an RL row)``."""
+
+    def message(v: Sequence[float]) -> Exception | None:
+        if not v[0]:
+            return None
+        r, kind, value = int(v[1]), ("an RL" if v[4] else "an echo"), v[3]
+        if math.isfinite(value):  # a positive "logprob": a negative log-likelihood passed
+            return ValueError(
+                problem(
+                    f"{source}[{r}]",
+                    f"a log-probability ≤ 0 (up to {LOGPROB_TOLERANCE}) on {kind} row",
+                    repr(round(value, 6)),
+                    "pass log p, not the negative log-likelihood -log p",
+                )
+            )
+        return NonFiniteLossError(
+            problem(
+                f"{source} row {r}",
+                f"a finite log-probability on {kind} row",
+                f"{value} ({int(v[2])} bad row(s); cause: {_SOURCE_CAUSE[source]})",
+                "find where the model's output overflows (e.g. fp16 activations), or set "
+                "LossConfig(check_finite=False) to skip this check",
+            )
+        )
+
+    return message
+
+
 def check_scored_rows(
     lp: torch.Tensor,
     rl: torch.Tensor,
@@ -144,30 +176,7 @@ def check_scored_rows(
     if source == "logprobs":
         bad = bad | (part & (lp > LOGPROB_TOLERANCE))  # [N] bool
     row = first_true(bad)  # 0-dim
-
-    def message(v: Sequence[float]) -> Exception | None:
-        if not v[0]:
-            return None
-        r, kind, value = int(v[1]), ("an RL" if v[4] else "an echo"), v[3]
-        if math.isfinite(value):  # a positive "logprob": a negative log-likelihood passed
-            return ValueError(
-                problem(
-                    f"{source}[{r}]",
-                    f"a log-probability ≤ 0 (up to {LOGPROB_TOLERANCE}) on {kind} row",
-                    repr(round(value, 6)),
-                    "pass log p, not the negative log-likelihood -log p",
-                )
-            )
-        return NonFiniteLossError(
-            problem(
-                f"{source} row {r}",
-                f"a finite log-probability on {kind} row",
-                f"{value} ({int(v[2])} bad row(s); cause: {_SOURCE_CAUSE[source]})",
-                "find where the model's output overflows (e.g. fp16 activations), or set "
-                "LossConfig(check_finite=False) to skip this check",
-            )
-        )
-
+    message = _scored_rows_message(source)
     one = row.view(1)
     checks.add(
         [bad.any(), row, bad.sum(), lp.detach().index_select(0, one), rl.index_select(0, one)],
@@ -186,11 +195,19 @@ def _defer_first_bad_row(
     """Queue ``error(row, value)`` for the first True row of ``bad [N] bool`` (on the device:
     no host read until the checks are read)."""
     row = first_true(bad)
+    message = _first_bad_row_message(error)
+    checks.add([bad.any(), row, values.detach().index_select(0, row.view(1))], message)
+
+
+def _first_bad_row_message(
+    error: Callable[[int, float], Exception],
+) -> Callable[[Sequence[float]], Exception | None]:
+    """The message of `_defer_first_bad_row` from ``(any bad, first bad row, its value)``."""
 
     def message(v: Sequence[float]) -> Exception | None:
         return error(int(v[1]), v[2]) if v[0] else None
 
-    checks.add([bad.any(), row, values.detach().index_select(0, row.view(1))], message)
+    return message
 
 
 def _check_finite_rows(
@@ -199,18 +216,18 @@ def _check_finite_rows(
     """``values [N]`` finite on ``rows [N] bool`` (else name the first bad row)."""
     if values.numel() == 0:
         return
-    _defer_first_bad_row(
-        checks,
-        rows & not_finite(values),  # [N]
-        values,
-        lambda row, value: ValueError(
-            problem(
-                f"{name} at row {row}",
-                f"finite ({why})",
-                f"{value}",
-                "or set LossConfig(check_finite=False) to skip this check",
-            )
-        ),
+    _defer_first_bad_row(checks, rows & not_finite(values), values, _not_finite_error(name, why))
+
+
+def _not_finite_error(name: str, why: str) -> Callable[[int, float], Exception]:
+    """The error of `_check_finite_rows` for ``(row, value)``."""
+    return lambda row, value: ValueError(
+        problem(
+            f"{name} at row {row}",
+            f"finite ({why})",
+            f"{value}",
+            "or set LossConfig(check_finite=False) to skip this check",
+        )
     )
 
 
@@ -656,6 +673,15 @@ def _check_final_loss(
     """`check_final_loss` through ``checks``: the diagnosis (which reads the suspects' values,
     ``rl_constant`` included) runs only when the error is raised."""
 
+    message = _final_loss_message(x, ent, cfg, rl_constant)
+    checks.add([not_finite(loss), loss, rl_term, echo_term], message)
+
+
+def _final_loss_message(
+    x: LossInputs, ent: torch.Tensor | None, cfg: LossConfig, rl_constant: torch.Tensor | None
+) -> Callable[[Sequence[float]], Exception | None]:
+    """The error of `_check_final_loss` from ``(not finite, loss, rl_term, echo_term)``."""
+
     def message(v: Sequence[float]) -> Exception | None:
         if not v[0]:
             return None
@@ -663,7 +689,7 @@ def _check_final_loss(
         suspects = _Suspects(x, rl_idx, echo_idx, ent, cfg, rl_constant)
         return _final_loss_error(v[1], v[2], v[3], suspects)
 
-    checks.add([not_finite(loss), loss, rl_term, echo_term], message)
+    return message
 
 
 # ---------------------------------------------------------------- 7. metrics
@@ -752,14 +778,217 @@ def loss_from_logprobs(
     checks = DeferredChecks(lp.device) if checks is None else checks
     if spec is None:
         spec = check_requirements(x, cfg, policy_fn, checks)
-    algebra = _algebra
-    if _COMPILE.options is not None and on_device_path(lp.device):
-        algebra = _compiled_algebra()
-    loss, metrics = algebra(
-        lp, ent, x, cfg, normalizers, policy_fn, source, spec, checks, rl_constant
-    )
+    if _COMPILE.options is None and fused_algebra_applies(lp, ent, x, cfg, normalizers, policy_fn):
+        loss, metrics = _fused_algebra(lp, ent, x, cfg, normalizers, source, checks, rl_constant)
+    else:
+        algebra = _algebra
+        if _COMPILE.options is not None and on_device_path(lp.device):
+            algebra = _compiled_algebra()
+        loss, metrics = algebra(
+            lp, ent, x, cfg, normalizers, policy_fn, source, spec, checks, rl_constant
+        )
     checks.submit()
     return LossOutput(loss, metrics)
+
+
+# ---------------------------------------------------------------- the fused algebra
+
+#: Where the fused row algebra runs (`fuse_loss_algebra`).
+_FUSE_MODES = ("auto", "always", "never")
+_FUSE = {"mode": "auto"}
+
+
+def fuse_loss_algebra(mode: str = "auto") -> None:
+    """Choose where the ``[N]`` loss algebra runs as one fused Triton launch.
+
+    Between the two selective-logprob phases the loss is ``[N]``-sized algebra (policy,
+    normalisers, echo term, metrics, value checks). For the losses whose per-row derivative
+    comes from that row alone (`fused_algebra_applies`) it runs as one Triton program
+    (``echoloss.ops.row_algebra``) that writes the loss, the per-row derivatives, the metrics
+    and the check numbers at once; backward is one multiplication per input. Otherwise (and
+    for the compiled region of `compile_loss_algebra`) the PyTorch algebra runs.
+
+    Args:
+        mode: ``"auto"`` (the default): on CUDA when triton is importable; ``"always"``: also
+            on cpu tensors when the Triton interpreter is active (``TRITON_INTERPRET=1`` set
+            before echoloss is imported; for tests); ``"never"``: the PyTorch algebra only.
+
+    Examples:
+        >>> fuse_loss_algebra("auto")
+    """
+    if mode not in _FUSE_MODES:
+        raise ValueError(problem("mode", f"one of {_FUSE_MODES}", describe(mode)))
+    _FUSE["mode"] = mode
+
+
+#: The per-token built-in policies the fused algebra computes.
+_FUSED_POLICIES = frozenset({"dppo", "ppo_clip", "cispo", "reinforce"})
+
+
+def _triton_row_algebra_runs(device: torch.device) -> bool:
+    mode = _FUSE["mode"]
+    if mode == "never" or (mode == "auto" and device.type != "cuda"):
+        return False
+    try:
+        from echoloss.ops.row_algebra import fused
+    except ImportError:  # no triton: the PyTorch algebra computes the same loss
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and fused.interpreter_active())
+
+
+def fused_algebra_applies(
+    lp: torch.Tensor,
+    ent: torch.Tensor | None,
+    x: LossInputs,
+    cfg: LossConfig,
+    normalizers: Normalizers | None,
+    policy_fn: PolicyFn | None,
+) -> bool:
+    """Whether this call's algebra runs fused (`fuse_loss_algebra`).
+
+    Covered: ``mode="sft"`` and the policies ``dppo``, ``ppo_clip``, ``cispo`` and
+    ``reinforce`` without a mismatch correction or reference KL (``kl_tau`` and the entropy
+    bonus included), RL normalisation ``token_mean`` or ``token_sum_constant``, echo
+    normalisation ``token_mean``, ``sum`` or ``batch_token_mean``, no per-env metrics
+    (``env_names``), fp32 logprobs. Everything else runs the PyTorch algebra, which is also
+    the definition the fused one is tested against.
+
+    Examples:
+        >>> lp = torch.zeros(2)
+        >>> x = LossInputs(rl_mask=torch.tensor([True, False]))
+        >>> fused_algebra_applies(lp, None, x, LossConfig(), None, None)  # cpu tensors
+        False
+    """
+    if not _triton_row_algebra_runs(lp.device):
+        return False
+    if lp.dtype != torch.float32 or (ent is not None and ent.dtype != torch.float32):
+        return False
+    if policy_fn is not None or (cfg.mode == "rl" and cfg.policy not in _FUSED_POLICIES):
+        return False
+    if cfg.mode == "rl" and (cfg.mismatch is not None or cfg.kl_coef != 0):
+        return False
+    if cfg.mode == "rl" and cfg.entropy_coef != 0 and ent is None:
+        return False  # the PyTorch algebra reports the missing entropy
+    if cfg.rl_normalization not in ("token_mean", "token_sum_constant"):
+        return False
+    if cfg.echo_normalization not in ("token_mean", "sum", "batch_token_mean"):
+        return False
+    if normalizers is not None and not isinstance(normalizers, Normalizers):
+        return False  # the PyTorch algebra raises the TypeError
+    return x.env_names is None or x.sequence_ids is None
+
+
+def _row_algebra_params(
+    cfg: LossConfig, ent: torch.Tensor | None, x: LossInputs, normalizers: Normalizers | None
+) -> Any:
+    from echoloss.ops.row_algebra import RowAlgebraParams
+
+    rl_mode = cfg.mode == "rl"
+    low: float | None
+    high: float
+    if cfg.mode == "sft":
+        policy, low, high = "sft", None, 0.0
+    elif cfg.policy == "dppo":
+        policy, low, high = "dppo", cfg.dppo_low, cfg.dppo_high
+    elif cfg.policy == "ppo_clip":
+        policy, (low, high) = "ppo_clip", cfg.resolved_eps
+    elif cfg.policy == "cispo":
+        policy, low, high = "cispo", cfg.cispo_min, cfg.cispo_max
+    else:
+        policy, low, high = "reinforce", None, 0.0
+    rl_divisor: float | None = None
+    echo_divisor: float | None = None
+    if cfg.rl_normalization == "token_sum_constant":
+        rl_divisor = cfg.rl_normalization_constant
+    elif normalizers is not None:
+        rl_divisor = float(max(normalizers.rl_tokens, 1))
+    if cfg.echo_normalization == "token_mean" and normalizers is not None:
+        echo_divisor = float(max(normalizers.echo_tokens, 1))
+    elif cfg.echo_normalization == "batch_token_mean":
+        # this call alone: max(1 if echo rows else 0, 1) = 1
+        echo_divisor = 1.0 if normalizers is None else float(max(normalizers.echo_batches, 1))
+    return RowAlgebraParams(
+        policy,
+        adv_tau=cfg.adv_tau,
+        low=low,
+        high=high,
+        dual_clip=cfg.dual_clip if policy == "ppo_clip" else None,
+        log_ratio_clamp=cfg.log_ratio_clamp,
+        kl_tau=cfg.resolved_kl_tau if rl_mode else 0.0,
+        entropy_coef=cfg.entropy_coef if rl_mode else 0.0,
+        entropy_metric=ent is not None and (cfg.compute_entropy or cfg.entropy_coef != 0),
+        mismatch_metric=rl_mode and x.inference_logprobs is not None,
+        rl_divisor=rl_divisor,
+        echo_normalization=cfg.echo_normalization,
+        echo_divisor=echo_divisor,
+        check_finite=cfg.check_finite,
+        logprobs_given=False,
+        logprob_tolerance=LOGPROB_TOLERANCE,
+    )
+
+
+def _fused_algebra(
+    lp: torch.Tensor,
+    ent: torch.Tensor | None,
+    x: LossInputs,
+    cfg: LossConfig,
+    normalizers: Normalizers | None,
+    source: str,
+    checks: DeferredChecks,
+    rl_constant: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`_algebra` for a call `fused_algebra_applies` to: one launch of the row algebra, its
+    check numbers queued with the messages of the PyTorch algebra's checks, in its order."""
+    from echoloss.ops.row_algebra import RowInputs, row_algebra
+
+    params = dataclasses.replace(
+        _row_algebra_params(cfg, ent, x, normalizers), logprobs_given=source == "logprobs"
+    )
+    rows = RowInputs(
+        rl=x.rl,
+        echo=x.echo,
+        echo_weights=x.flat("echo_weights"),
+        advantages=x.flat("advantages"),
+        old_logprobs=x.flat("old_logprobs"),
+        inference_logprobs=x.flat("inference_logprobs"),
+        rl_divisor=rl_constant if cfg.rl_normalization == "token_sum_constant" else None,
+    )
+    out = row_algebra(lp, ent, rows, params, backend="triton")
+    s = out.stats
+    if cfg.check_finite:
+        checks.add_packed(out.checks, [(_scored_rows_message(source), range(5))])
+    if normalizers is not None:  # the given counts must cover this call's own
+        n_echo = s[4]
+        local = _Counts(s[3], n_echo, (n_echo > 0).float(), 0, 0)
+        _resolve_normalizers(normalizers, local, cfg, checks)
+    if cfg.check_finite:
+        later = []
+        if cfg.mode == "rl":
+            name = f"the loss of policy {cfg.policy!r}"
+            why = "a policy's per-token loss; with log_ratio_clamp=None a ratio can overflow"
+            later.append((_first_bad_row_message(_not_finite_error(name, why)), range(5, 8)))
+            if params.entropy_coef != 0:
+                why = "the entropy bonus (entropy_coef) reads it"
+                later.append(
+                    (_first_bad_row_message(_not_finite_error("entropy", why)), range(8, 11))
+                )
+        later.append((_final_loss_message(x, ent, cfg, rl_constant), range(11, 15)))
+        checks.add_packed(out.checks, later)
+    metrics: dict[str, torch.Tensor] = {
+        "rl_tokens/all": s[3],
+        "echo_tokens/all": s[4],
+        "echo_nll_mean/all": s[5],
+        "echo_nll_max/all": s[6],
+    }
+    if params.mismatch_metric:
+        metrics["mismatch_kl/all"] = s[7]
+    if params.entropy_metric:
+        metrics["entropy/all"] = s[8]
+    for i, flag in enumerate(params.flag_names):
+        metrics[f"{flag}_frac/all"] = s[9 + i]
+    metrics["loss_rl/all"] = s[1]
+    metrics["loss_echo/all"] = s[2]
+    return out.loss, metrics
 
 
 # ---------------------------------------------------------------- chunk-additive losses

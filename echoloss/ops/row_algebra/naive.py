@@ -1,0 +1,184 @@
+"""The row algebra in plain PyTorch: the gold of ``fused.py`` (same contract; never imports triton).
+
+Readable rather than fast: the per-row loss is written as the loss module writes it and its
+derivatives come from autograd on a detached leaf, so they carry autograd's conventions (the
+``minimum``/``maximum`` of equal branches splits the gradient in half, ``clamp`` passes it on
+its bounds), which the kernel reproduces in closed form.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from echoloss.ops.row_algebra.op import (
+    CHECK_SLOTS,
+    STAT_SLOTS,
+    RowAlgebraParams,
+    RowInputs,
+)
+
+__all__ = ["forward"]
+
+F32 = torch.float32
+
+
+def _on(rows: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
+    """``values`` on ``rows`` (fp32), 0 elsewhere (0 everywhere when None)."""
+    if values is None:
+        return torch.zeros(rows.shape, dtype=F32, device=rows.device)
+    return torch.where(rows, values.reshape(-1).to(F32), 0.0)
+
+
+def _clamp(x: torch.Tensor, c: float | None) -> torch.Tensor:
+    return x if c is None else x.clamp(-c, c)
+
+
+def _policy(
+    lp_rl: torch.Tensor, base: torch.Tensor, adv: torch.Tensor, p: RowAlgebraParams
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(per-token policy loss [N], flags)`` on every row (neutral values off RL)."""
+    c = p.log_ratio_clamp
+    if p.policy == "reinforce":
+        return -(adv * lp_rl), []
+    if p.policy == "dppo":
+        with torch.no_grad():
+            delta = lp_rl.exp() - base.exp()
+            pos = adv > 0
+            dropped = torch.where(pos, delta > p.high, delta < -(p.low or 0.0))
+        keep = ~dropped
+        log_ratio = torch.where(keep, lp_rl - base, torch.zeros_like(lp_rl))
+        loss = -(keep.to(F32) * adv * torch.exp(_clamp(log_ratio, c)))
+        return loss, [dropped, dropped & (adv < 0), dropped & pos]
+    if p.policy == "ppo_clip":
+        lo = p.low or 0.0
+        ratio = torch.exp(_clamp(lp_rl - base, c))
+        obj = torch.minimum(ratio * adv, ratio.clamp(1.0 - lo, 1.0 + p.high) * adv)
+        with torch.no_grad():
+            high = (adv > 0) & (ratio > 1.0 + p.high)
+            low = (adv < 0) & (ratio < 1.0 - lo)
+        flags = [high | low, low, high]
+        if p.dual_clip is not None:
+            neg = adv < 0
+            floor = p.dual_clip * adv
+            flags.append(neg & (obj.detach() < floor))
+            obj = torch.where(neg, torch.maximum(obj, floor), obj)
+        return -obj, flags
+    # cispo
+    with torch.no_grad():
+        ratio = torch.exp(_clamp(lp_rl - base, c))
+        weight = ratio.clamp(min=p.low, max=p.high)
+        high = ratio > p.high
+        low = ratio < p.low if p.low is not None else torch.zeros_like(high)
+    return -(weight * adv * lp_rl), [high | low, low, high]
+
+
+def _kl_tau_penalty(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    if clamp is None:
+        return log_ratio * log_ratio
+    a = log_ratio.abs()
+    return torch.where(a <= clamp, log_ratio * log_ratio, 2.0 * clamp * a - clamp * clamp)
+
+
+def _k3(x: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    x64 = _clamp(x, clamp).double()
+    return (torch.expm1(x64) - x64).to(F32)
+
+
+def _first(bad: torch.Tensor, values: torch.Tensor) -> tuple[float, float, float]:
+    """(flag, first bad row, its value) as floats (row 0 and its value when none)."""
+    flag = bool(bad.any())
+    row = int(bad.to(torch.uint8).argmax()) if flag else 0
+    return float(flag), float(row), float(values[row]) if flag else 0.0
+
+
+def forward(
+    lp: torch.Tensor, ent: torch.Tensor | None, rows: RowInputs, p: RowAlgebraParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(loss, a [N], b [N] or None, stats, checks)``: see ``op.py``."""
+    rl, echo = rows.rl.reshape(-1), rows.echo.reshape(-1)
+    leaf = lp.detach().to(F32).requires_grad_()
+    train_ent = p.entropy_coef != 0
+    ent_leaf = None
+    if ent is not None:
+        ent_leaf = ent.detach().to(F32).requires_grad_(train_ent)
+    n_rl, n_echo = rl.sum().to(F32), echo.sum().to(F32)
+    with torch.enable_grad():
+        lp_rl = torch.where(rl, leaf, 0.0)
+        flags: list[torch.Tensor] = []
+        policy_loss = torch.zeros_like(lp_rl)
+        if p.policy == "sft":
+            per_rl = -lp_rl
+        else:
+            adv = _on(rl, rows.advantages) * p.adv_tau
+            if rows.old_logprobs is not None:
+                base = _on(rl, rows.old_logprobs)
+            elif rows.inference_logprobs is not None:
+                base = _on(rl, rows.inference_logprobs)
+            else:
+                base = lp_rl.detach()
+            out, flags = _policy(lp_rl, base, adv, p)
+            policy_loss = torch.where(rl, out, 0.0)
+            per_rl = policy_loss
+            if p.kl_tau != 0:
+                per_rl = per_rl + p.kl_tau * _kl_tau_penalty(lp_rl - base, p.log_ratio_clamp)
+            if train_ent:
+                assert ent_leaf is not None
+                per_rl = per_rl - p.entropy_coef * torch.where(rl, ent_leaf, 0.0)
+        if p.rl_divisor is None and rows.rl_divisor is None:
+            rl_term = per_rl.sum() / n_rl.clamp(min=1)
+        elif rows.rl_divisor is not None:
+            rl_term = per_rl.sum() / rows.rl_divisor.to(F32)
+        else:
+            rl_term = per_rl.sum() / float(p.rl_divisor or 1.0)
+        lp_echo = torch.where(echo, leaf, 0.0)
+        echo_sum = (_on(echo, rows.echo_weights) * -lp_echo).sum()
+        if p.echo_normalization == "sum":
+            echo_term = echo_sum
+        elif p.echo_normalization == "token_mean":
+            d = n_echo.clamp(min=1) if p.echo_divisor is None else p.echo_divisor
+            echo_term = echo_sum / d
+        else:
+            echo_term = echo_sum / n_echo.clamp(min=1) / (p.echo_divisor or 1.0)
+        loss = rl_term + echo_term
+        wrt = [leaf] + ([ent_leaf] if train_ent and ent_leaf is not None else [])
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    a = grads[0] if grads[0] is not None else torch.zeros_like(leaf)
+    b = None
+    if train_ent:
+        b = grads[1] if grads[1] is not None else torch.zeros_like(leaf)
+    with torch.no_grad():
+        nll = -lp_echo.detach()
+        rlf = n_rl.clamp(min=1)
+        stats = torch.zeros(len(STAT_SLOTS), dtype=F32, device=lp.device)
+        stats[0], stats[1], stats[2] = loss.detach(), rl_term.detach(), echo_term.detach()
+        stats[3], stats[4] = n_rl, n_echo
+        stats[5] = nll.sum() / n_echo.clamp(min=1)
+        stats[6] = torch.where(echo, nll, -math.inf).max() if bool(echo.any()) else 0.0
+        if p.mismatch_metric:
+            lq = _on(rl, rows.inference_logprobs)
+            stats[7] = torch.where(rl, _k3(lp_rl.detach() - lq, p.log_ratio_clamp), 0.0).sum() / rlf
+        if p.entropy_metric and ent is not None:
+            stats[8] = torch.where(rl, ent.to(F32), 0.0).sum() / rlf
+        for i, flagged in enumerate(flags):
+            stats[9 + i] = (flagged & rl).sum().to(F32) / rlf
+        checks: list[float] = [0.0] * len(CHECK_SLOTS)
+        if p.check_finite:
+            part = rl | echo
+            lpd = leaf.detach()
+            bad = part & ~torch.isfinite(lpd)
+            if p.logprobs_given:
+                bad = bad | (part & (lpd > p.logprob_tolerance))
+            found, row, value = _first(bad, lpd)
+            checks[0:5] = [found, row, float(bad.sum()), value, float(bool(rl[int(row)]))]
+            if p.policy != "sft":
+                pl = policy_loss.detach()
+                checks[5:8] = list(_first(rl & ~torch.isfinite(pl), pl))
+                if train_ent and ent is not None:
+                    e = ent.detach().to(F32)
+                    checks[8:11] = list(_first(rl & ~torch.isfinite(e), e))
+            lv = float(loss)
+            checks[11:15] = [float(not math.isfinite(lv)), lv, float(rl_term), float(echo_term)]
+        check_numbers = torch.tensor(checks, dtype=torch.float64, device=lp.device)
+    return loss.detach(), a.detach(), None if b is None else b.detach(), stats, check_numbers

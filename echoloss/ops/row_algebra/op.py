@@ -1,0 +1,279 @@
+"""The fused ``[N]`` loss algebra: contract, parameters and the autograd Function.
+
+Between the two selective-logprob phases the loss is ``[N]``-sized algebra: the policy's
+per-token loss, the ``kl_tau`` penalty and entropy bonus, the echo term, the normalisers, the
+metrics and the value checks. Written as PyTorch ops it is about a hundred small kernels per
+forward+backward, each paying a launch and the host's dispatch; on a GPU the host time of those
+launches, not the GPU time, sets the speed at every realistic shape. This op computes all of it
+in one pass over the rows for the losses whose derivative with respect to a row's logprob comes
+from that row alone (the per-token built-in policies ``dppo``, ``ppo_clip``, ``cispo``,
+``reinforce`` and ``mode="sft"``, token-level normalisers):
+
+* forward: the loss, ``a = d loss / d logprob [N]`` and ``b = d loss / d entropy [N]`` (when the
+  entropy is trained), the metrics (`STAT_SLOTS`) and the numbers of the value checks
+  (`CHECK_SLOTS`), all at once;
+* backward: ``a · g`` and ``b · g`` (one launch each), handed to phase 2.
+
+``fused.py`` is one Triton program (two loops over the rows: the counts the denominators need,
+then everything else); ``naive.py`` is the same contract in plain PyTorch, its gold. The formulas are the
+loss module's (``docs/loss.md``); the loss module's general algebra stays the definition and the
+tests hold this op to it, forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import torch
+
+from echoloss._validate import describe, problem
+
+__all__ = [
+    "CHECK_SLOTS",
+    "FLAG_NAMES",
+    "POLICIES",
+    "STAT_SLOTS",
+    "RowAlgebraParams",
+    "RowInputs",
+    "row_algebra",
+]
+
+#: The per-token policies this op computes (``"sft"``: the NLL of the RL rows).
+POLICIES = ("dppo", "ppo_clip", "cispo", "reinforce", "sft")
+
+#: The flags each policy reports (``<flag>_frac`` metrics), in the order the policy sets them.
+FLAG_NAMES: dict[str, tuple[str, ...]] = {
+    "dppo": ("masked", "masked_low", "masked_high"),
+    "ppo_clip": ("clipped", "clipped_low", "clipped_high"),
+    "cispo": ("clipped", "clipped_low", "clipped_high"),
+    "reinforce": (),
+    "sft": (),
+}
+
+#: Slots of the fp32 ``stats`` output: the loss and its two terms, the metrics (means over RL
+#: rows for ``mismatch_kl`` and ``entropy``, fractions of RL rows for the flags).
+STAT_SLOTS = (
+    "loss",
+    "loss_rl",
+    "loss_echo",
+    "rl_tokens",
+    "echo_tokens",
+    "echo_nll_mean",
+    "echo_nll_max",
+    "mismatch_kl",
+    "entropy",
+    "flag0",
+    "flag1",
+    "flag2",
+    "flag3",
+)
+
+#: Slots of the fp64 ``checks`` output: per check a flag (1 = failed) and what its message
+#: reads. ``scored``: first participating row whose logprob is not finite (or > the tolerance
+#: for given logprobs); ``policy``: first RL row whose policy loss is not finite; ``entropy``:
+#: first RL row whose trained entropy is not finite; ``loss``: the loss is not finite.
+CHECK_SLOTS = (
+    "scored_bad",
+    "scored_row",
+    "scored_count",
+    "scored_value",
+    "scored_is_rl",
+    "policy_bad",
+    "policy_row",
+    "policy_value",
+    "entropy_bad",
+    "entropy_row",
+    "entropy_value",
+    "loss_bad",
+    "loss",
+    "loss_rl",
+    "loss_echo",
+)
+
+ECHO_NORMALIZATIONS = ("token_mean", "sum", "batch_token_mean")
+
+
+@dataclass(frozen=True)
+class RowAlgebraParams:
+    """What the algebra computes (from a ``LossConfig`` and the call's normalisers).
+
+    Attributes:
+        policy: one of `POLICIES`.
+        adv_tau: advantage scale.
+        low, high: the policy's bounds: ``dppo_low``/``dppo_high``, ``eps_low``/``eps_high``
+            (ppo_clip), ``cispo_min``/``cispo_max`` (``low`` None = no lower bound).
+        dual_clip: ppo_clip's dual-clip constant, or None.
+        log_ratio_clamp: clamp of the log ratio before ``exp`` (None = none).
+        kl_tau: coefficient of ``ρ²`` (continued linearly beyond the clamp).
+        entropy_coef: entropy bonus ``-entropy_coef · H`` on RL rows (0 = off).
+        entropy_metric: report the ``entropy`` mean (needs the entropy).
+        mismatch_metric: report ``mismatch_kl`` (needs the inference logprobs).
+        rl_divisor: divisor of the RL term: None = the call's RL rows (at least 1), else this
+            value (given normalisers, at least 1, or ``token_sum_constant``'s constant); a
+            device tensor in `RowInputs` replaces it when given.
+        echo_normalization: ``token_mean``, ``sum`` or ``batch_token_mean``.
+        echo_divisor: ``token_mean``: None = the call's echo rows (at least 1), else this value;
+            ``batch_token_mean``: the divisor of the batch count (1 = this call alone).
+        check_finite: compute the value checks.
+        logprobs_given: the logprobs come from the caller (a logprob > ``logprob_tolerance``
+            then also fails the check).
+        logprob_tolerance: see ``logprobs_given``.
+    """
+
+    policy: str
+    adv_tau: float = 1.0
+    low: float | None = 0.2
+    high: float = 0.2
+    dual_clip: float | None = None
+    log_ratio_clamp: float | None = 20.0
+    kl_tau: float = 0.0
+    entropy_coef: float = 0.0
+    entropy_metric: bool = False
+    mismatch_metric: bool = False
+    rl_divisor: float | None = None
+    echo_normalization: str = "token_mean"
+    echo_divisor: float | None = None
+    check_finite: bool = True
+    logprobs_given: bool = False
+    logprob_tolerance: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(problem("policy", f"one of {POLICIES}", describe(self.policy)))
+        if self.echo_normalization not in ECHO_NORMALIZATIONS:
+            raise ValueError(
+                problem(
+                    "echo_normalization", f"one of {ECHO_NORMALIZATIONS}", self.echo_normalization
+                )
+            )
+
+    @property
+    def flag_names(self) -> tuple[str, ...]:
+        """The flags reported, in order (``dual_clipped`` last when ppo_clip has a dual clip)."""
+        names = FLAG_NAMES[self.policy]
+        if self.policy == "ppo_clip" and self.dual_clip is not None:
+            names = (*names, "dual_clipped")
+        return names
+
+
+class RowInputs(NamedTuple):
+    """The per-row fields the algebra reads, flat ``[N]`` on the logprobs' device.
+
+    ``rl`` and ``echo`` are disjoint bool masks; every other field is read only on the rows
+    where it matters (placeholders elsewhere, even NaN, are never multiplied). ``rl_divisor``:
+    a 0-dim device divisor of the RL term replacing ``RowAlgebraParams.rl_divisor``, or None.
+    """
+
+    rl: torch.Tensor
+    echo: torch.Tensor
+    echo_weights: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    inference_logprobs: torch.Tensor | None = None
+    rl_divisor: torch.Tensor | None = None
+
+
+class RowAlgebraOutput(NamedTuple):
+    """``loss`` (0-dim, differentiable), ``stats [len(STAT_SLOTS)]`` fp32 and
+    ``checks [len(CHECK_SLOTS)]`` fp64 (both detached)."""
+
+    loss: torch.Tensor
+    stats: torch.Tensor
+    checks: torch.Tensor
+
+
+class _RowAlgebraFn(torch.autograd.Function):
+    """Forward: the backend's one pass (loss, derivatives, stats, checks). Backward: the
+    derivatives saved in forward times the incoming gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        lp: torch.Tensor,
+        ent: torch.Tensor | None,
+        rows: RowInputs,
+        params: RowAlgebraParams,
+        impl: ModuleType,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        loss, a, b, stats, checks = impl.forward(
+            lp.detach(), None if ent is None else ent.detach(), rows, params
+        )
+        ctx.save_for_backward(a, b)
+        ctx.mark_non_differentiable(stats, checks)
+        return loss, stats, checks
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        a, b = ctx.saved_tensors
+        grad_lp = a * grad if ctx.needs_input_grad[0] else None
+        grad_ent = b * grad if b is not None and ctx.needs_input_grad[1] else None
+        return grad_lp, grad_ent, None, None, None
+
+
+def _impl(backend: str) -> ModuleType:
+    if backend == "naive":
+        from echoloss.ops.row_algebra import naive
+
+        return naive
+    if backend == "triton":
+        from echoloss.ops.row_algebra import fused
+
+        return fused
+    raise ValueError(problem("backend", "'triton' or 'naive'", describe(backend)))
+
+
+def row_algebra(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    rows: RowInputs,
+    params: RowAlgebraParams,
+    *,
+    backend: str = "triton",
+) -> RowAlgebraOutput:
+    """The loss, metrics and check numbers of one call from its ``[N]`` logprobs, in one pass.
+
+    Args:
+        logprobs: ``[N]`` fp32, differentiable (rows outside ``rl | echo`` are never read).
+        entropy: ``[N]`` fp32 or None; differentiable only when ``params.entropy_coef != 0``
+            (required then).
+        rows: the per-row fields (`RowInputs`).
+        params: what to compute (`RowAlgebraParams`).
+        backend: ``"triton"`` (one Triton launch; CUDA, or cpu under ``TRITON_INTERPRET=1``)
+            or ``"naive"`` (plain PyTorch with autograd, reading values on the host: for tests).
+
+    Returns:
+        `RowAlgebraOutput` ``(loss, stats, checks)``; ``loss.backward()`` gives ``logprobs``
+        (and ``entropy``) the saved per-row derivatives times the incoming gradient.
+
+    Examples:
+        >>> lp = torch.tensor([-0.2, -0.4], requires_grad=True)
+        >>> rows = RowInputs(rl=torch.tensor([True, False]), echo=torch.tensor([False, True]),
+        ...                  echo_weights=torch.tensor([0.0, 0.5]), advantages=torch.tensor([1.0, 0.0]))
+        >>> out = row_algebra(lp, None, rows, RowAlgebraParams("reinforce"), backend="naive")
+        >>> round(out.loss.item(), 4)  # RL: -1·(-0.2) / 1; echo: 0.5·0.4 / 1
+        0.4
+        >>> out.loss.backward(); lp.grad
+        tensor([-1.0000, -0.5000])
+    """
+    if logprobs.dtype != torch.float32 or logprobs.dim() != 1:
+        raise TypeError(problem("logprobs", "a 1-D float32 tensor [N]", describe(logprobs)))
+    if params.entropy_coef != 0 and entropy is None:
+        raise ValueError(
+            problem("entropy", "[N] entropy when params.entropy_coef != 0", describe(entropy))
+        )
+    if params.entropy_metric and entropy is None:
+        raise ValueError(problem("entropy", "[N] entropy for entropy_metric", describe(entropy)))
+    if params.mismatch_metric and rows.inference_logprobs is None:
+        raise ValueError(
+            problem(
+                "rows.inference_logprobs",
+                "[N] inference logprobs for mismatch_metric",
+                describe(rows.inference_logprobs),
+            )
+        )
+    ent = entropy if params.entropy_coef != 0 else (None if entropy is None else entropy.detach())
+    out = _RowAlgebraFn.apply(logprobs, ent, rows, params, _impl(backend))  # type: ignore[no-untyped-call]
+    return RowAlgebraOutput(*out)
