@@ -53,15 +53,49 @@ def test_tiled_loops_iterate_more_than_once():
 def test_bf16_weight_gradient_slices_read_their_own_columns():
     """The fp32-accumulated bf16 weight gradient, slice by slice, equals ``dz.T @ h`` computed in
     fp64 from the same bf16 operands: each slice's product is one bf16 GEMM (fp32 accumulation,
-    one bf16 rounding of each product element: 2^-8 relative) added in fp32."""
+    one bf16 rounding of each product element: 2^-8 relative) added in fp32. Both the first
+    chunk (written into a NaN-filled ``torch.empty``, tests/ops/conftest.py) and a second one
+    (added)."""
     g = torch.Generator().manual_seed(11)
     c = 37
-    dz = torch.randn(c, V, generator=g).to(torch.bfloat16)
-    h = torch.randn(c, H, generator=g).to(torch.bfloat16)
-    acc = torch.zeros(V, H, dtype=torch.float32)
-    op._accumulate_grad_weight(acc, dz, h)
-    gold = dz.double().t() @ h.double()
+    dz = torch.randn(2, c, V, generator=g).to(torch.bfloat16)
+    h = torch.randn(2, c, H, generator=g).to(torch.bfloat16)
+    acc = op._add_grad_weight(None, dz[0], h[0], torch.float32)
+    gold = dz[0].double().t() @ h[0].double()
     torch.testing.assert_close(acc.double(), gold, atol=0.05, rtol=2.0**-7)
+    acc = op._add_grad_weight(acc, dz[1], h[1], torch.float32)
+    gold += dz[1].double().t() @ h[1].double()
+    torch.testing.assert_close(acc.double(), gold, atol=0.05, rtol=2.0**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_first_chunk_writes_what_zeros_plus_the_product_would(dtype):
+    """The first chunk writes its product into the accumulator instead of adding it to zeros:
+    bit for bit the same (``0 + x = x``), and so are the later chunks added to it, here over
+    three chunks (several weight-gradient slices each for bf16)."""
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(3)
+    dz = torch.randn(3, 11, V, generator=g, dtype=torch.float64).to(dtype)
+    h = torch.randn(3, 11, H, generator=g, dtype=torch.float64).to(dtype)
+    written = None
+    added = torch.zeros(V, H, dtype=acc_dtype)
+    for k in range(3):
+        written = op._add_grad_weight(written, dz[k], h[k], acc_dtype)
+        added = op._add_grad_weight(added, dz[k], h[k], acc_dtype)
+        assert written.dtype == acc_dtype and written.shape == (V, H)
+        assert torch.equal(written, added), k
+
+
+def _as_before_first_chunk_write(monkeypatch):
+    """``_add_grad_weight`` as it was: the accumulator zero-filled, every chunk added."""
+    add = op._add_grad_weight
+
+    def zero_filled(acc, dz, h, acc_dtype):
+        if acc is None:
+            acc = torch.zeros(dz.shape[1], h.shape[1], dtype=acc_dtype, device=dz.device)
+        return add(acc, dz, h, acc_dtype)
+
+    monkeypatch.setattr(op, "_add_grad_weight", zero_filled)
 
 
 def _weights(dtype, seed=0):
@@ -477,3 +511,155 @@ def test_frozen_hidden_forms_only_the_weight_gradient():
     with torch.no_grad():
         out = echo_loss_from_hidden(h, w, batch["labels"], backend="reference", **kw)
     assert out.loss.grad_fn is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["in-forward", "recompute"])
+def test_first_chunk_write_leaves_the_gradients_bit_identical(dtype, recompute, monkeypatch):
+    """Through the whole op (5 chunks of at most 4 rows, several weight-gradient slices): the
+    gradients with the first chunk written are those of a zero-filled accumulator, bit for bit,
+    in both gradient paths."""
+    batch = _batch([9, 6, 5], seed=4)
+    n = batch["labels"].numel()
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    if recompute:
+        _recompute_only(monkeypatch)
+    results = []
+    for before in (False, True):
+        if before:
+            _as_before_first_chunk_write(monkeypatch)
+        h = _hidden(n, dtype).requires_grad_()
+        w = _weights(dtype).requires_grad_()
+        out = echo_loss_from_hidden(h, w, batch["labels"], backend="reference", chunk_size=4,
+                                    **kw)  # fmt: skip
+        out.loss.backward()
+        results.append((out.loss, h.grad, w.grad))
+    for a, b in zip(*results, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert -(-int((batch["rl_mask"] | (batch["echo_weights"] > 0)).sum()) // 4) > 1
+    assert float(results[0][2].abs().max()) > 0
+
+
+def test_no_participating_row_gives_exact_zero_gradients():
+    """No chunk runs: the accumulator no chunk wrote is exact zeros (not uninitialised memory:
+    ``torch.empty`` is NaN-filled in these tests)."""
+    batch = _batch([5, 4], seed=1)
+    batch["rl_mask"] = torch.zeros_like(batch["rl_mask"])
+    batch["echo_weights"] = torch.zeros_like(batch["echo_weights"])
+    n = batch["labels"].numel()
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    h = _hidden(n, torch.bfloat16).requires_grad_()
+    w = _weights(torch.bfloat16).requires_grad_()
+    out = echo_loss_from_hidden(h, w, batch["labels"], backend="reference", **kw)
+    out.loss.backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(h.grad, torch.zeros_like(h))
+    assert w.grad.dtype == torch.bfloat16
+
+
+def test_attached_gradients_are_scaled_and_rounded_once():
+    """Backward scales the gradients formed in forward and rounds them to the inputs' dtypes in
+    one step, in fp32: the fp32 weight-gradient accumulator times the incoming gradient, one
+    bf16 rounding; a bf16 ``d hidden`` times an fp32 scale that is not rounded to bf16 first.
+    (Rounding the accumulator first, or the scale to bf16, changes some elements here.)"""
+    g = torch.Generator().manual_seed(8)
+    acc = torch.randn(V, H, generator=g) * 3  # the fp32 accumulator of a bf16 weight
+    gh = torch.randn(7, H, generator=g).to(torch.bfloat16)
+    h = torch.zeros(7, H, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.zeros(V, H, dtype=torch.bfloat16, requires_grad=True)
+    scale = torch.tensor(1 / 3)
+    (op.attach_gradients(torch.tensor(0.25), h, w, gh, acc) * scale).backward()
+    want_w = (acc * scale).to(torch.bfloat16)
+    want_h = (gh.float() * scale).to(torch.bfloat16)
+    assert w.grad.dtype == torch.bfloat16 and torch.equal(w.grad, want_w)
+    assert h.grad.dtype == torch.bfloat16 and torch.equal(h.grad, want_h)
+    assert not torch.equal(want_w, (acc.to(torch.bfloat16) * scale).to(torch.bfloat16))
+    assert not torch.equal(want_h, gh * scale.to(torch.bfloat16))
+    h1 = torch.zeros(2, 3, requires_grad=True)
+    w1 = torch.zeros(4, 3, dtype=torch.float64, requires_grad=True)  # fp64: scaled in fp64
+    g64 = torch.full((4, 3), 1 / 3, dtype=torch.float64)
+    op.attach_gradients(torch.tensor(1.0, dtype=torch.float64), h1, w1, None, g64).backward(
+        torch.tensor(0.1, dtype=torch.float64)
+    )
+    assert h1.grad is None and torch.equal(w1.grad, g64 * 0.1)
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("v", "h", "dtype", "grad_weight", "free", "rows"),
+    [
+        (151_936, 4096, torch.bfloat16, True, 60 * GIB, 8192),  # logits as large as the acc
+        (151_936, 4096, torch.float16, True, 60 * GIB, 8192),
+        (151_936, 4096, torch.float32, True, 60 * GIB, 4096),  # fp32: acc is 4 bytes too
+        (151_936, 4096, torch.float64, True, 60 * GIB, 4096),
+        (151_936, 4096, torch.bfloat16, False, 60 * GIB, 1764),  # no acc: 4 x 441
+        (151_936, 896, torch.bfloat16, True, 60 * GIB, 1792),  # 2H just above 4 x 441
+        (151_936, 128, torch.bfloat16, True, 60 * GIB, 1764),  # never below 4 x 441
+        (262_144, 8192, torch.bfloat16, True, 60 * GIB, 16384),
+        (151_936, 4096, torch.bfloat16, True, 4 * GIB, 3533),  # a quarter of free memory
+        (151_936, 4096, torch.bfloat16, True, 1000, 1),  # at least one row
+    ],
+)
+def test_chunk_size_for_memory(v, h, dtype, grad_weight, free, rows):
+    got = op.linear_chunk_size_for_memory(v, h, dtype, grad_weight=grad_weight, free_bytes=free)
+    assert got == rows
+    elt = torch.empty((), dtype=dtype).element_size()
+    assert got * v * elt <= max(free // 4, v * elt)  # within a quarter of the free memory
+
+
+def _cuda_weight(v, h, dtype=torch.bfloat16, requires_grad=True):
+    """What ``auto_linear_chunk_size`` reads of a CUDA weight, without a GPU."""
+    import types
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    return types.SimpleNamespace(shape=(v, h), device=torch.device("cuda", 1), dtype=dtype,
+                                 requires_grad=requires_grad, element_size=lambda: elt)  # fmt: skip
+
+
+def test_auto_chunk_size_on_cuda_reads_free_memory_and_balances_the_chunks(monkeypatch):
+    asked = []
+
+    def mem_get_info(device):
+        asked.append(device)
+        return 60 * GIB, 80 * GIB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    w = _cuda_weight(151_936, 4096)
+    auto = op.auto_linear_chunk_size
+    assert auto(w) == 8192 and asked == [torch.device("cuda", 1)]
+    assert auto(w, rows=16384) == 8192  # 2 chunks (10 at 4 x 441 rows)
+    assert auto(w, rows=16385) == 5462  # 3 chunks of 5462, 5462, 5461 rather than 8192, 8192, 1
+    assert auto(w, rows=100) == 100 and auto(w, rows=0) == 1
+    assert auto(w, rows=16384, grad_weight=False) == 1639  # 10 chunks of at most 1764
+    assert auto(_cuda_weight(151_936, 4096, requires_grad=False), rows=16384) == 1639
+    with torch.no_grad():  # no gradient will be accumulated: the smaller chunk
+        assert auto(w) == 1764
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * GIB, 80 * GIB))
+    assert auto(w, rows=16384) == 3277  # 5 chunks within a quarter of 4 GiB (3533 rows)
+
+
+def test_auto_chunk_size_splits_the_rows_into_equal_chunks(monkeypatch):
+    """``chunk_size=None`` on CPU: the default chunk (lowered to 4 rows here), the participating
+    rows split into as few chunks as that allows, of equal size within one row (GEMMs
+    counted), the result of that explicit chunk size bit for bit."""
+    monkeypatch.setattr(op, "DEFAULT_LINEAR_CHUNK_ELEMENTS", 4 * V)
+    batch = _batch([9, 6, 5], seed=4)
+    n = batch["labels"].numel()
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    rows = int((batch["rl_mask"] | (batch["echo_weights"] > 0)).sum())
+    chunks = -(-rows // 4)
+    size = op.auto_linear_chunk_size(torch.zeros(V, 1), rows=rows)
+    assert chunks > 1 and size == -(-rows // chunks) and size * (chunks - 1) < rows <= size * chunks
+    results = []
+    for chunk in (None, size):
+        gemms = _gemm_counter(monkeypatch)
+        h = _hidden(n, torch.float32).requires_grad_()
+        w = _weights(torch.float32).requires_grad_()
+        out = echo_loss_from_hidden(h, w, batch["labels"], backend="reference", chunk_size=chunk,
+                                    **kw)  # fmt: skip
+        out.loss.backward()
+        results.append((gemms["n"], out.loss, h.grad, w.grad))
+    assert results[0][0] == results[1][0] == chunks
+    for a, b in zip(results[0][1:], results[1][1:], strict=True):
+        assert torch.equal(a, b)

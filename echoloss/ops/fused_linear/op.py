@@ -44,14 +44,15 @@ __all__ = [
     "auto_linear_chunk_size",
     "check_linear_inputs",
     "default_linear_chunk_size",
+    "linear_chunk_size_for_memory",
     "linear_logprobs_rows",
     "linear_logprobs_with_gradients",
     "linear_selective_logprobs",
 ]
 
-#: Logits elements per chunk (2^26: 128 MiB of bf16 chunk logits; 441 rows at V = 151,936, i.e.
-#: about the size of the hidden states of 16k tokens at H = 4096, and a GEMM with M = 441 still
-#: fills an H100). Not measured: `python -m benchmarks` on a GPU is where it gets tuned.
+#: Logits elements per chunk off CUDA (2^26: 128 MiB of bf16 chunk logits; 441 rows at
+#: V = 151,936). On CUDA the chunk is at least four times this and as large as the weight-gradient
+#: accumulator allows (`linear_chunk_size_for_memory`).
 DEFAULT_LINEAR_CHUNK_ELEMENTS = 1 << 26
 
 # Rows of the weight gradient per [rows, H] partial product when it is accumulated in fp32 for a
@@ -76,52 +77,155 @@ def _logits_chunk(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 #: Whether this torch has the mixed-dtype ``addmm(..., out_dtype=)`` (CUDA kernels).
 _ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+#: Whether this torch has the mixed-dtype ``mm(..., out_dtype=)`` (CUDA kernels).
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
-def auto_linear_chunk_size(weight: torch.Tensor) -> int:
-    """Rows per chunk for ``weight [V, H]``: sized from the device's free memory on CUDA.
+def linear_chunk_size_for_memory(
+    num_classes: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    *,
+    grad_weight: bool,
+    free_bytes: int,
+) -> int:
+    """Rows per chunk on a GPU with ``free_bytes`` free, for a ``[V, H]`` LM head of ``dtype``.
 
-    A chunk holds ``[c, V]`` logits in the weight's dtype (overwritten by their gradient in
-    backward). On CUDA the chunk may use a quarter of the free memory
-    (``torch.cuda.mem_get_info``, a driver query that does not wait for the GPU), between one
-    row and four times [`default_linear_chunk_size`][echoloss.ops.fused_linear.default_linear_chunk_size]
-    (larger GEMMs gain little); elsewhere the default.
+    When the weight needs a gradient, a ``[V, H]`` accumulator in the compute dtype (fp32 for
+    bf16/fp16, 4·V·H bytes) exists anyway, and every chunk reads and writes all of it once
+    (its ``dzᵀ @ h`` is added in the GEMM's epilogue): ``8·V·H`` bytes of traffic per chunk
+    against the chunk's ``6·c·V·H`` GEMM flops (logits, ``dX``, ``dW``), a ratio of
+    ``4 / (3·c)`` bytes per flop, whatever ``V`` and ``H``. The chunk's logits ``[c, V]`` may
+    therefore be as large as that accumulator: ``c = H · acc_bytes / elt_bytes`` rows (``2·H``
+    for bf16/fp16, ``H`` for fp32: 8,192 rows at ``H = 4096`` in bf16, 2 chunks for 16k rows
+    instead of 10 at the former 1,764), so the peak extra memory stays about twice the
+    accumulator, independent of the number of rows (logits-then-loss holds ``N·V`` logits and
+    their gradient), and the accumulator's traffic is a fixed small fraction of the GEMM time
+    (arithmetic at an H100's peak rates, about 300 bf16 flops per byte of bandwidth, not a
+    measurement: ``4·300 / (3·8192)`` ≈ 5% at 8,192 rows, against 23% at 1,764). Never fewer rows than four times
+    [`default_linear_chunk_size`][echoloss.ops.fused_linear.default_linear_chunk_size] (larger
+    GEMMs gain little below that; the rule without a weight gradient), and at most what a
+    quarter of ``free_bytes`` holds (at least one row).
+
+    Examples:
+        >>> gib = 2**30
+        >>> linear_chunk_size_for_memory(151_936, 4096, torch.bfloat16, grad_weight=True,
+        ...                              free_bytes=60 * gib)
+        8192
+        >>> linear_chunk_size_for_memory(151_936, 4096, torch.bfloat16, grad_weight=False,
+        ...                              free_bytes=60 * gib)
+        1764
+        >>> linear_chunk_size_for_memory(151_936, 4096, torch.bfloat16, grad_weight=True,
+        ...                              free_bytes=4 * gib)
+        3533
+    """
+    elt = torch.empty((), dtype=dtype).element_size()
+    rows = 4 * default_linear_chunk_size(num_classes)
+    if grad_weight:
+        acc = torch.empty((), dtype=reference.compute_dtype(dtype)).element_size()
+        rows = max(rows, -(-hidden_size * acc // elt))
+    fit = free_bytes // 4 // max(1, num_classes * elt)
+    return int(max(1, min(rows, fit)))
+
+
+def auto_linear_chunk_size(
+    weight: torch.Tensor, *, rows: int | None = None, grad_weight: bool | None = None
+) -> int:
+    """Rows per chunk for ``weight [V, H]`` and ``rows`` participating rows.
+
+    A chunk holds ``[c, V]`` logits in the weight's dtype (overwritten by their gradient). On
+    CUDA the largest chunk is
+    [`linear_chunk_size_for_memory`][echoloss.ops.fused_linear.op.linear_chunk_size_for_memory]
+    of the free memory (``torch.cuda.mem_get_info``, a driver query that does not wait for the
+    GPU); elsewhere
+    [`default_linear_chunk_size`][echoloss.ops.fused_linear.default_linear_chunk_size].
+    ``grad_weight`` (whether the weight's gradient is accumulated; default: the weight
+    requires a gradient and grad mode is on) decides whether the chunk may grow to the size
+    of the accumulator. Given ``rows``, the rows are split into as few chunks as that allows,
+    of equal size (within one row): fewer rows in memory at once for the same number of
+    chunks.
 
     Examples:
         >>> auto_linear_chunk_size(torch.zeros(151_936, 1))
         441
+        >>> auto_linear_chunk_size(torch.zeros(151_936, 1), rows=500)  # 2 chunks either way
+        250
     """
     v = weight.shape[0]
-    rows = default_linear_chunk_size(v)
-    if weight.device.type != "cuda":
-        return rows
-    free, _ = torch.cuda.mem_get_info(weight.device)
-    fit = free // 4 // max(1, v * weight.element_size())
-    return int(max(1, min(4 * rows, fit)))
+    cap = default_linear_chunk_size(v)
+    if weight.device.type == "cuda":
+        if grad_weight is None:
+            grad_weight = weight.requires_grad and torch.is_grad_enabled()
+        free, _ = torch.cuda.mem_get_info(weight.device)
+        cap = linear_chunk_size_for_memory(
+            v, weight.shape[1], weight.dtype, grad_weight=grad_weight, free_bytes=free
+        )
+    if rows is None or rows <= cap:
+        return cap if rows is None else max(1, rows)
+    chunks = -(-rows // cap)
+    return -(-rows // chunks)
 
 
-def _accumulate_grad_weight(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
-    """``acc += dz.T @ h`` with the product accumulated in ``acc``'s dtype.
+def _add_grad_weight(
+    acc: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor, acc_dtype: torch.dtype
+) -> torch.Tensor:
+    """``acc + dz.T @ h`` (``acc`` updated in place), or ``dz.T @ h`` into a new ``[V, H]``
+    buffer of ``acc_dtype`` when ``acc`` is None (the first chunk writes the accumulator
+    instead of reading zeros: one full ``[V, H]`` write and read fewer, and no zero fill).
 
-    Same dtypes: one ``addmm_``. An fp32 accumulator for bf16/fp16 inputs on CUDA: one GEMM per
-    chunk with bf16/fp16 operands and fp32 accumulation *and output*, added into ``acc`` in the
-    same call (``addmm(..., out_dtype=float32, out=acc)``): no ``[V, H]`` temporary and no
-    rounding of the chunk's product to the input dtype. Elsewhere (no mixed-dtype GEMM on CPU,
-    or a torch without ``addmm(out_dtype=)``) in vocabulary slices, each upcast to fp32 and
-    multiplied by one GEMM, so no ``[V, H]`` temporary is allocated either.
+    The product is accumulated in ``acc_dtype``. Same dtypes: one ``mm`` (first chunk) or
+    ``addmm_``. An fp32 accumulator for bf16/fp16 inputs on CUDA: one GEMM per chunk with
+    bf16/fp16 operands and fp32 accumulation *and output* (``mm(..., out_dtype=float32)``,
+    then ``addmm(acc, ..., out_dtype=float32, out=acc)``, added in the GEMM's epilogue): no
+    ``[V, H]`` temporary and no rounding of the chunk's product to the input dtype. Elsewhere
+    (no mixed-dtype GEMM on CPU, or a torch without ``out_dtype=``) in vocabulary slices, each
+    upcast to fp32 and multiplied by one GEMM, so no ``[V, H]`` temporary is allocated either.
+    Written or added, each element is the same fp32 sum (``0 + x = x``).
     """
+    if acc is None and dz.dtype == acc_dtype:
+        return torch.mm(dz.t(), h)
+    on_cuda = dz.device.type == "cuda"
+    if acc is None:
+        if on_cuda and _MM_OUT_DTYPE:
+            out: torch.Tensor = torch.mm(dz.t(), h, out_dtype=acc_dtype)
+            return out
+        acc = torch.empty(dz.shape[1], h.shape[1], dtype=acc_dtype, device=dz.device)
+        if not (on_cuda and _ADDMM_OUT_DTYPE):
+            _sliced_grad_weight(acc, dz, h, first=True)
+            return acc
+        acc.zero_()  # a torch with addmm(out_dtype=) but without mm(out_dtype=)
     if acc.dtype == dz.dtype:
         acc.addmm_(dz.t(), h)
-        return
-    if acc.device.type == "cuda" and _ADDMM_OUT_DTYPE:
+    elif on_cuda and _ADDMM_OUT_DTYPE:
         torch.addmm(acc, dz.t(), h, out_dtype=acc.dtype, out=acc)
-        return
+    else:
+        _sliced_grad_weight(acc, dz, h, first=False)
+    return acc
+
+
+def _sliced_grad_weight(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """``acc (=|+=) dz.T @ h`` in fp32 GEMMs over slices of ``2^24 / H`` vocabulary rows."""
     v, hd = acc.shape
     step = max(1, _GRAD_WEIGHT_SLICE_ELEMENTS // max(1, hd))
     h32 = h.to(acc.dtype)
     for v0 in range(0, v, step):
         v1 = min(v, v0 + step)
-        acc[v0:v1].addmm_(dz[:, v0:v1].t().to(acc.dtype), h32)
+        dz_t = dz[:, v0:v1].t().to(acc.dtype)
+        if first:
+            torch.mm(dz_t, h32, out=acc[v0:v1])
+        else:
+            acc[v0:v1].addmm_(dz_t, h32)
+
+
+def _zeros_if_unwritten(
+    grad_w: torch.Tensor | None, need: bool, weight: torch.Tensor
+) -> torch.Tensor | None:
+    """The accumulator, or exact zeros when no chunk wrote one (no participating row)."""
+    if grad_w is not None or not need:
+        return grad_w
+    return torch.zeros(
+        weight.shape, dtype=reference.compute_dtype(weight.dtype), device=weight.device
+    )
 
 
 class _LinearLogprobsFn(torch.autograd.Function):
@@ -209,10 +313,8 @@ class _LinearLogprobsFn(torch.autograd.Function):
         inv_t = ctx.inv_t_float if inv_t_t is None else inv_t_t
 
         grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = None
-        if need_w:
-            acc_dtype = reference.compute_dtype(weight.dtype)
-            grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+        grad_w: torch.Tensor | None = None
+        acc_dtype = reference.compute_dtype(weight.dtype)
         v = weight.shape[0]
         inner = reference.default_chunk_size(v)
         n = int(rows.numel())
@@ -241,9 +343,10 @@ class _LinearLogprobsFn(torch.autograd.Function):
             )
             if grad_h is not None:
                 grad_h.index_copy_(0, idx, torch.mm(dz, weight))
-            if grad_w is not None:
-                _accumulate_grad_weight(grad_w, dz, h)
+            if need_w:
+                grad_w = _add_grad_weight(grad_w, dz, h, acc_dtype)
             del z, dz, h
+        grad_w = _zeros_if_unwritten(grad_w, need_w, weight)
         if grad_w is not None and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
         return (grad_h, grad_w, *nones)
@@ -281,9 +384,8 @@ def _chunk_gradients(
     lp = torch.zeros(n_all, dtype=cdtype, device=dev)
     ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
     grad_h = torch.zeros_like(hidden) if need[0] else None
-    grad_w = None
-    if need[1]:
-        grad_w = torch.zeros(weight.shape, dtype=reference.compute_dtype(weight.dtype), device=dev)
+    grad_w: torch.Tensor | None = None
+    acc_dtype = reference.compute_dtype(weight.dtype)
     inner = reference.default_chunk_size(v)
     for start in range(0, n, chunk_size):
         stop = min(n, start + chunk_size)
@@ -327,10 +429,10 @@ def _chunk_gradients(
         )
         if grad_h is not None:
             grad_h.index_copy_(0, idx, torch.mm(dz, weight))
-        if grad_w is not None:
-            _accumulate_grad_weight(grad_w, dz, h)
+        if need[1]:
+            grad_w = _add_grad_weight(grad_w, dz, h, acc_dtype)
         del z, dz, h
-    return lp, ent, grad_h, grad_w
+    return lp, ent, grad_h, _zeros_if_unwritten(grad_w, need[1], weight)
 
 
 def linear_logprobs_with_gradients(
@@ -350,13 +452,20 @@ def linear_logprobs_with_gradients(
     row alone: ``coefficients`` gives them per chunk, right after phase 1, and phase 2 runs on
     the chunk's logits while they are still in memory, so the backward pass recomputes nothing.
     The logprobs and entropy are returned detached; `attach_gradients` connects the loss to
-    ``hidden`` and ``weight`` with the gradients formed here. ``d weight`` is accumulated in
-    fp32 for a bf16/fp16 weight (in the weight's dtype when returned) and held until backward:
-    one ``[V, H]`` buffer more between forward and backward than the recompute path.
+    ``hidden`` and ``weight`` with the gradients formed here. ``d weight`` is returned as its
+    accumulator, in fp32 for a bf16/fp16 weight, and held until backward (one ``[V, H]`` fp32
+    buffer more between forward and backward than the recompute path, no larger than the
+    forward's own peak of accumulator plus chunk logits): `attach_gradients` scales it and
+    rounds it to the weight's dtype in one pass, so that the ``[V, H]`` gradient is read once
+    after the chunks, not cast in forward and scaled again in backward.
     """
     flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
     impl = resolve_backend(backend, hidden.device)
-    cs = chunk_size if chunk_size is not None else auto_linear_chunk_size(weight)
+    cs = chunk_size
+    if cs is None:
+        cs = auto_linear_chunk_size(
+            weight, rows=int(rows.numel()), grad_weight=weight.requires_grad
+        )
     with torch.no_grad():
         lp, ent, grad_h, grad_w = _chunk_gradients(
             hidden,
@@ -371,8 +480,6 @@ def linear_logprobs_with_gradients(
             _no_grad_coefficients(coefficients),
             (hidden.requires_grad, weight.requires_grad),
         )
-    if grad_w is not None and grad_w.dtype != weight.dtype:
-        grad_w = grad_w.to(weight.dtype)
     return lp, ent, grad_h, grad_w
 
 
@@ -387,8 +494,20 @@ def _no_grad_coefficients(fn: RowCoefficients) -> RowCoefficients:
     return run
 
 
+def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(grad · scale)`` rounded once to ``dtype``: one pass, computed in fp32 (fp64 for fp64).
+
+    ``scale`` is passed as a ``[1]`` tensor so that it is not rounded to a bf16 ``grad``'s
+    dtype first (a 0-dim tensor would be), and the output is written in ``dtype`` directly
+    (no ``[V, H]`` temporary in the compute dtype)."""
+    s = scale.to(torch.promote_types(grad.dtype, torch.float32)).reshape(1)
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    return torch.mul(grad, s, out=out)
+
+
 class _AttachGradientsFn(torch.autograd.Function):
-    """``loss`` unchanged; backward: the gradients formed in forward, times the incoming one."""
+    """``loss`` unchanged; backward: the gradients formed in forward, times the incoming one,
+    in the dtypes of ``hidden`` and ``weight``."""
 
     @staticmethod
     def forward(
@@ -400,6 +519,7 @@ class _AttachGradientsFn(torch.autograd.Function):
         grad_w: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.grads = (grad_h, grad_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss.detach().clone()
 
     @staticmethod
@@ -413,9 +533,9 @@ class _AttachGradientsFn(torch.autograd.Function):
             )
         grad_h, grad_w = ctx.grads
         ctx.grads = None  # freed after one backward, as saved tensors are
-        scale = grad.to(torch.float32)
-        out_h = None if grad_h is None else (grad_h * scale).to(grad_h.dtype)
-        out_w = None if grad_w is None else (grad_w * scale).to(grad_w.dtype)
+        dtype_h, dtype_w = ctx.dtypes
+        out_h = None if grad_h is None else _scaled(grad_h, grad, dtype_h)
+        out_w = None if grad_w is None else _scaled(grad_w, grad, dtype_w)
         return None, out_h, out_w, None, None
 
 
@@ -428,8 +548,9 @@ def attach_gradients(
 ) -> torch.Tensor:
     """``loss`` (0-dim, its value unchanged) whose backward gives ``hidden`` and ``weight`` the
     gradients `linear_logprobs_with_gradients` formed, times the incoming gradient (exactly
-    them for ``loss.backward()``). A second backward through it is an error, as for any graph
-    whose buffers are freed.
+    them for ``loss.backward()``), each rounded once to its tensor's dtype (the gradients may
+    be given in a wider dtype: the fp32 accumulator of a bf16 weight's gradient). A second
+    backward through it is an error, as for any graph whose buffers are freed.
 
     Examples:
         >>> h, w = torch.ones(2, 3, requires_grad=True), torch.ones(4, 3, requires_grad=True)
@@ -570,7 +691,9 @@ def _apply(
     mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = resolve_backend(backend, hidden.device)
-    cs = chunk_size if chunk_size is not None else auto_linear_chunk_size(weight)
+    cs = chunk_size
+    if cs is None:
+        cs = auto_linear_chunk_size(weight, rows=int(rows.numel()))
     out: tuple[torch.Tensor, torch.Tensor] = _LinearLogprobsFn.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels, rows, inv_t, need_entropy, cs, impl, mask
     )
@@ -627,9 +750,12 @@ def linear_selective_logprobs(
         mask: optional ``[N]`` bool, True = compute this row. Other rows read exactly 0 and
             get exactly zero gradient; off CUDA they cost no matmul, on CUDA they go through the
             chunked matmul (their count is not read on the host) but not through the kernels.
-        chunk_size: participating rows per chunk; None = about ``2^26`` logits elements per
-            chunk ([`default_linear_chunk_size`][echoloss.ops.fused_linear.default_linear_chunk_size]),
-            sized from the free memory on CUDA (`auto_linear_chunk_size`).
+        chunk_size: participating rows per chunk; None = automatic (`auto_linear_chunk_size`):
+            about ``2^26`` logits elements per chunk
+            ([`default_linear_chunk_size`][echoloss.ops.fused_linear.default_linear_chunk_size]);
+            on CUDA logits as large as the weight-gradient accumulator (``2·H`` rows for bf16)
+            when the weight's gradient is needed, within a quarter of the free memory; the
+            rows split into chunks of equal size.
         backend: the selective-logprob phases on each chunk: ``"auto"`` (Triton on CUDA, the
             PyTorch reference elsewhere), ``"reference"`` or ``"triton"``.
 
