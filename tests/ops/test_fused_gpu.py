@@ -161,3 +161,75 @@ def test_fused_linear_on_gpu_matches_logits_path_with_less_memory():
     torch.testing.assert_close(fused_res[1].float(), ref_res[1].float(), atol=1e-3, rtol=2**-5)
     torch.testing.assert_close(fused_res[2].float(), ref_res[2].float(), atol=1e-3, rtol=2**-5)
     assert fused_res[3] < ref_res[3], (fused_res[3], ref_res[3])
+
+
+def test_weight_gradient_first_chunk_written_on_gpu():
+    """CUDA's mixed-dtype path: the first chunk's ``dzᵀ @ h`` written by
+    ``mm(out_dtype=float32)``, the second added by ``addmm(out_dtype=float32, out=acc)``. Each
+    bf16×bf16 product is exact in fp32, so each element is an fp32 sum of ``2·c`` exact terms:
+    within ``2·c·2^-24·Σ|terms|`` of the fp64 sum, whatever order cuBLAS adds them in (and so is
+    the zero-filled accumulator the first chunk used to be added to)."""
+    from echoloss.ops.fused_linear import op
+
+    c, v, h = 512, 4096, 256
+    g = torch.Generator(device=CUDA).manual_seed(4)
+    dz = torch.randn(2, c, v, generator=g, device=CUDA).to(torch.bfloat16)
+    hs = torch.randn(2, c, h, generator=g, device=CUDA).to(torch.bfloat16)
+    written = op._add_grad_weight(None, dz[0], hs[0], torch.float32)
+    written = op._add_grad_weight(written, dz[1], hs[1], torch.float32)
+    added = torch.zeros(v, h, dtype=torch.float32, device=CUDA)
+    for k in range(2):
+        added = op._add_grad_weight(added, dz[k], hs[k], torch.float32)
+    d64, h64 = dz.double(), hs.double()
+    gold = d64[0].t() @ h64[0] + d64[1].t() @ h64[1]
+    bound = 2 * c * 2.0**-24 * (d64[0].abs().t() @ h64[0].abs() + d64[1].abs().t() @ h64[1].abs())
+    assert written.dtype == torch.float32
+    assert bool(((written.double() - gold).abs() <= bound).all())
+    assert bool(((added.double() - gold).abs() <= bound).all())
+
+
+def test_fused_linear_chunks_as_large_as_the_accumulator_on_gpu(monkeypatch):
+    """At ``V = 151,936``, ``H = 1024`` in bf16 the chunk is ``2·H = 2048`` rows (more than
+    4 × 441): 4096 rows run in 2 LM-head GEMMs (counted), and the peak extra memory is the
+    fp32 accumulator plus one chunk of logits plus a few ``[N, H]`` buffers (``d hidden``, its
+    scaled copy, a chunk's hidden rows and their ``dX``): here about half of the logits path's
+    ``N·V`` logits and their gradient (``N = 2c`` and the accumulator is as large as a chunk),
+    and independent of ``N``."""
+    from echoloss import echo_loss_from_hidden
+    from echoloss.ops.fused_linear import op
+
+    n, h, v = 4096, 1024, 151_936
+    g = torch.Generator(device=CUDA).manual_seed(2)
+    hidden = torch.randn(n, h, generator=g, device=CUDA).to(torch.bfloat16)
+    weight = (torch.randn(v, h, generator=g, device=CUDA) * h**-0.5).to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), generator=g, device=CUDA)
+    rl = torch.rand(n, generator=g, device=CUDA) < 0.6
+    kw = dict(
+        rl_mask=rl,
+        echo_weights=torch.where(~rl, 0.3, 0.0),
+        advantages=torch.randn(n, generator=g, device=CUDA),
+        inference_logprobs=torch.full((n,), -10.0, device=CUDA),
+    )
+    w = weight.clone().requires_grad_()
+    assert op.auto_linear_chunk_size(w, rows=n) == 2 * h
+    calls = {"n": 0}
+    original = op._logits_chunk
+
+    def counted(hh, ww):
+        calls["n"] += 1
+        return original(hh, ww)
+
+    monkeypatch.setattr(op, "_logits_chunk", counted)
+    hd = hidden.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = echo_loss_from_hidden(hd, w, labels, backend="triton", **kw)
+    out.loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert calls["n"] == 2
+    acc, chunk, rows = 4 * v * h, 2 * h * v * 2, n * h * 2
+    assert extra <= acc + chunk + 6 * rows + 8 * 2**20, (extra, acc + chunk)
+    assert extra < 2 * n * v * 2  # the logits path's [N, V] logits and their gradient
+    assert w.grad.dtype == torch.bfloat16 and bool(w.grad.abs().amax() > 0)
