@@ -70,6 +70,8 @@ NO_LAUNCH_OPS = frozenset(
         "aten::set_",
         "aten::resize_",
         "aten::scalar_tensor",
+        "aten::promote_types",  # dtype arithmetic on the host
+        "aten::result_type",
     }
 )
 

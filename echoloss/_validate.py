@@ -419,9 +419,13 @@ def _check_temperature_values(flat: torch.Tensor) -> None:
 
 
 def check_temperature(
-    temperature: Any, shape: torch.Size, device: torch.device
+    temperature: Any, shape: torch.Size, device: torch.device, *, check_values: bool = True
 ) -> float | torch.Tensor:
     """A positive finite temperature: a Python float, or a per-token float tensor of ``shape``.
+
+    ``check_values=False`` leaves the values of a per-token tensor to a caller that checked
+    them already (the loss builds it from a validated record); type, shape and device are
+    always checked.
 
     A 0-dim tensor is a scalar and comes back as a Python float (fp64: an fp64 temperature keeps
     every digit). Strings, bools and other types are refused.
@@ -453,7 +457,8 @@ def check_temperature(
             temperature = float(temperature)
         else:
             check_per_token("temperature", temperature, shape, device, "float")
-            _check_temperature_values(temperature.reshape(-1))
+            if check_values:
+                _check_temperature_values(temperature.reshape(-1))
             return temperature
     t = float(temperature)
     if not (math.isfinite(t) and t > 0):

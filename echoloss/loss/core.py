@@ -65,6 +65,11 @@ from echoloss.loss.policy import (
     mismatch_weights,
 )
 from echoloss.ops.selective_logprobs import selective_logprobs
+from echoloss.ops.selective_logprobs.op import (
+    label_range_message,
+    labels_checked_on_device,
+    selective_logprobs_checked_by_caller,
+)
 
 __all__ = [
     "LossOutput",
@@ -751,6 +756,7 @@ def loss_from_logprobs(
     spec: PolicySpec | None = None,
     checks: DeferredChecks | None = None,
     rl_constant: torch.Tensor | None = None,
+    label_check: tuple[torch.Tensor, int] | None = None,
 ) -> LossOutput:
     """The loss algebra shared by every entry point, on ``[N]`` logprobs already scored.
 
@@ -771,6 +777,9 @@ def loss_from_logprobs(
         rl_constant: 0-dim fp32 divisor of ``rl_normalization="token_sum_constant"`` computed
             on the device (a count all-reduced or given as a tensor), replacing
             ``cfg.rl_normalization_constant``; None = the config's.
+        label_check: ``(labels [N], V)`` when the logprob op left the range check of the
+            participating labels to this call (device path, fused algebra expected): the
+            fused launch checks them; the PyTorch algebra queues the op's own check.
 
     Returns:
         [`LossOutput`][echoloss.loss.LossOutput].
@@ -778,9 +787,13 @@ def loss_from_logprobs(
     checks = DeferredChecks(lp.device) if checks is None else checks
     if spec is None:
         spec = check_requirements(x, cfg, policy_fn, checks)
-    if _COMPILE.options is None and fused_algebra_applies(lp, ent, x, cfg, normalizers, policy_fn):
-        loss, metrics = _fused_algebra(lp, ent, x, cfg, normalizers, source, checks, rl_constant)
+    if fused_algebra_applies(lp, ent, x, cfg, normalizers, policy_fn):
+        loss, metrics = _fused_algebra(
+            lp, ent, x, cfg, normalizers, source, checks, rl_constant, label_check
+        )
     else:
+        if label_check is not None and on_device_path(lp.device):
+            labels_checked_on_device(label_check[0], x.rl | x.echo, label_check[1])
         algebra = _algebra
         if _COMPILE.options is not None and on_device_path(lp.device):
             algebra = _compiled_algebra()
@@ -859,15 +872,34 @@ def fused_algebra_applies(
         >>> fused_algebra_applies(lp, None, x, LossConfig(), None, None)  # cpu tensors
         False
     """
-    if not _triton_row_algebra_runs(lp.device):
+    if _COMPILE.options is not None:  # the compiled region of compile_loss_algebra runs instead
         return False
-    if lp.dtype != torch.float32 or (ent is not None and ent.dtype != torch.float32):
+    if ent is not None and ent.dtype != torch.float32:
+        return False
+    return _fused_algebra_covers(
+        lp.device, lp.dtype, ent is not None, x, cfg, normalizers, policy_fn
+    )
+
+
+def _fused_algebra_covers(
+    device: torch.device,
+    lp_dtype: torch.dtype,
+    has_entropy: bool,
+    x: LossInputs,
+    cfg: LossConfig,
+    normalizers: Normalizers | None,
+    policy_fn: PolicyFn | None,
+) -> bool:
+    """`fused_algebra_applies` before the logprobs exist (their device, dtype, entropy)."""
+    if _COMPILE.options is not None or not _triton_row_algebra_runs(device):
+        return False
+    if lp_dtype != torch.float32:
         return False
     if policy_fn is not None or (cfg.mode == "rl" and cfg.policy not in _FUSED_POLICIES):
         return False
     if cfg.mode == "rl" and (cfg.mismatch is not None or cfg.kl_coef != 0):
         return False
-    if cfg.mode == "rl" and cfg.entropy_coef != 0 and ent is None:
+    if cfg.mode == "rl" and cfg.entropy_coef != 0 and not has_entropy:
         return False  # the PyTorch algebra reports the missing entropy
     if cfg.rl_normalization not in ("token_mean", "token_sum_constant"):
         return False
@@ -936,9 +968,11 @@ def _fused_algebra(
     source: str,
     checks: DeferredChecks,
     rl_constant: torch.Tensor | None,
+    label_check: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`_algebra` for a call `fused_algebra_applies` to: one launch of the row algebra, its
-    check numbers queued with the messages of the PyTorch algebra's checks, in its order."""
+    check numbers queued with the messages of the PyTorch algebra's checks, in its order
+    (the labels' range first, as the logprob op queues it before the loss)."""
     from echoloss.ops.row_algebra import RowInputs, row_algebra
 
     params = dataclasses.replace(
@@ -952,17 +986,24 @@ def _fused_algebra(
         old_logprobs=x.flat("old_logprobs"),
         inference_logprobs=x.flat("inference_logprobs"),
         rl_divisor=rl_constant if cfg.rl_normalization == "token_sum_constant" else None,
+        labels=None if label_check is None else label_check[0],
+        vocab_size=0 if label_check is None else label_check[1],
     )
     out = row_algebra(lp, ent, rows, params, backend="triton")
     s = out.stats
+    first: list[tuple[Callable[[Sequence[float]], Exception | None], range]] = []
+    if label_check is not None:
+        first.append((label_range_message(label_check[1]), range(15, 18)))
     if cfg.check_finite:
-        checks.add_packed(out.checks, [(_scored_rows_message(source), range(5))])
+        first.append((_scored_rows_message(source), range(5)))
+    later: list[tuple[Callable[[Sequence[float]], Exception | None], range]] = []
     if normalizers is not None:  # the given counts must cover this call's own
+        checks.add_packed(out.checks, first)
+        first = []
         n_echo = s[4]
         local = _Counts(s[3], n_echo, (n_echo > 0).float(), 0, 0)
         _resolve_normalizers(normalizers, local, cfg, checks)
     if cfg.check_finite:
-        later = []
         if cfg.mode == "rl":
             name = f"the loss of policy {cfg.policy!r}"
             why = "a policy's per-token loss; with log_ratio_clamp=None a ratio can overflow"
@@ -973,7 +1014,8 @@ def _fused_algebra(
                     (_first_bad_row_message(_not_finite_error("entropy", why)), range(8, 11))
                 )
         later.append((_final_loss_message(x, ent, cfg, rl_constant), range(11, 15)))
-        checks.add_packed(out.checks, later)
+    if first or later:  # one block, no launch (two around the normalisers' checks)
+        checks.add_packed(out.checks, first + later)
     metrics: dict[str, torch.Tensor] = {
         "rl_tokens/all": s[3],
         "echo_tokens/all": s[4],
@@ -1481,8 +1523,14 @@ def echo_loss(
     temp, need_ent = row_temperature_and_entropy(
         x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
     )
+    # The fused algebra checks the labels' range in its own launch (about ten launches fewer).
+    lp_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    fused = on_device_path(logits.device) and _fused_algebra_covers(
+        logits.device, lp_dtype, need_ent, x, cfg, normalizers, policy_fn
+    )
+    op = selective_logprobs_checked_by_caller if fused else selective_logprobs
     with checks.collecting():  # the op's checks of labels and temperatures join the call's
-        res = selective_logprobs(
+        res = op(
             logits,
             x.labels,
             temperature=temp,
@@ -1497,5 +1545,14 @@ def echo_loss(
     if ent is not None and cfg.entropy_coef == 0:
         ent = ent.detach()
     return loss_from_logprobs(
-        lp, ent, x, cfg, normalizers, policy_fn, source="logits", spec=spec, checks=checks
+        lp,
+        ent,
+        x,
+        cfg,
+        normalizers,
+        policy_fn,
+        source="logits",
+        spec=spec,
+        checks=checks,
+        label_check=(x.labels.reshape(-1), logits.shape[-1]) if fused else None,
     )

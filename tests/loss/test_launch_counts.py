@@ -189,3 +189,67 @@ def test_compiled_algebra_leaves_few_launches_outside(name, phases_uncounted):
     n, by_op, regions = compiled_launches(name)
     assert regions == {"forward": 1, "backward": 1}, regions
     assert n <= COMPILED_OUTSIDE_CEILING[name], (n, dict(by_op))
+
+
+# ---------------------------------------------------------------- the fused row algebra
+
+#: Configurations of `CONFIGS` the fused row algebra covers once the per-env metrics are off
+#: (``env_names=None``): the record is otherwise the same.
+FUSED = ("cispo-batch-mean", "dppo", "sft")
+#: Launches per forward+backward besides the two phases and the row-algebra launch, on the
+#: record with a scalar sampling temperature of 0.8 (the echo rows are scored at 1, so a
+#: per-row temperature is built): that temperature (a fill, a masked fill, a cast and the
+#: reciprocal), the row mask, autograd's seed gradient and the backward's ``a · g``. The check
+#: numbers are written by the kernel: nothing is packed. sft adds its check that no row is
+#: echoed (the flag, its stack, cast and the concatenation with the kernel's block).
+#: (Before the labels' range and the temperatures' values were left to the kernel and to the
+#: record: 25-26; with a per-row temperature given in the record, the same.)
+FUSED_CEILING = {"cispo-batch-mean": 7, "dppo": 7, "sft": 11}
+
+
+@pytest.fixture
+def row_kernel_uncounted(monkeypatch):
+    """The fused row algebra runs (in the Triton interpreter), paused for the counter: on CUDA
+    it is one launch; every launch counted here is one the GPU runs besides the kernels."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("counted on CPU (on CUDA the kernel is compiled for the GPU)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fused = importlib.import_module("echoloss.ops.row_algebra.fused")
+    if not fused.interpreter_active():  # imported before without the interpreter: define again
+        fused = importlib.reload(fused)
+    from echoloss.loss.core import fuse_loss_algebra
+
+    real = fused.forward
+
+    def forward(*a, **k):
+        with paused():
+            return real(*a, **k)
+
+    monkeypatch.setattr(fused, "forward", forward)
+    fuse_loss_algebra("always")
+    try:
+        yield
+    finally:
+        fuse_loss_algebra("auto")
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_algebra_launches_at_most_ten(name, phases_uncounted, row_kernel_uncounted):
+    from echoloss.loss.core import fused_algebra_applies
+
+    cfg = CONFIGS[name]
+    x = _record(cfg, env_names=None, temperature=0.8)
+    logits = torch.randn(N, V, dtype=torch.bfloat16, requires_grad=True)
+    lp = torch.zeros(N)
+    assert fused_algebra_applies(lp, None if cfg.mode == "sft" else lp, x, cfg, None, None)
+    with device_code_path():
+        _step(cfg, x, logits)  # warm-up
+        raise_deferred_errors()
+        with count_ops() as c:
+            _step(cfg, x, logits)
+        raise_deferred_errors()
+    assert c.num_syncs == 0
+    assert c.num_launches <= FUSED_CEILING[name], dict(c.launches)
+    if cfg.mode == "rl":
+        assert c.num_launches <= 10

@@ -96,6 +96,7 @@ def _row_algebra_kernel(
     OLD,  # [N] float old logprobs (unused unless BASE == 1)
     LQ,  # [N] float inference logprobs (unused unless HAS_LQ)
     RL_DIV,  # [1] float device divisor (unused unless RL_DIV_MODE == 2)
+    LABELS,  # [N] int labels (unused unless CHECK_LABELS)
     A,  # [N] fp32 out: d loss / d logprob
     B,  # [N] fp32 out: d loss / d entropy (unused unless TRAIN_ENT)
     LOSS,  # [] fp32 out
@@ -112,6 +113,7 @@ def _row_algebra_kernel(
     rl_div_value,
     echo_div_value,
     lp_tolerance,
+    vocab,
     POLICY: tl.constexpr,
     HAS_LOW: tl.constexpr,
     DUAL: tl.constexpr,
@@ -129,12 +131,13 @@ def _row_algebra_kernel(
     ECHO_DIV_GIVEN: tl.constexpr,
     CHECK: tl.constexpr,
     LP_GIVEN: tl.constexpr,
+    CHECK_LABELS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK)
     # ---- loop 1: the counts every denominator and metric needs
-    rl_count = tl.zeros([BLOCK], tl.int32)
-    echo_count = tl.zeros([BLOCK], tl.int32)
+    rl_count = tl.full([BLOCK], 0, tl.int32)
+    echo_count = tl.full([BLOCK], 0, tl.int32)
     for start in range(0, n, BLOCK):
         idx = start + offs
         m = idx < n
@@ -159,23 +162,25 @@ def _row_algebra_kernel(
         echo_div = tl.maximum(n_echo, 1.0) * echo_div_value
 
     # ---- loop 2: per-row terms, derivatives, sums
-    rl_acc = tl.zeros([BLOCK], tl.float32)
-    echo_acc = tl.zeros([BLOCK], tl.float32)
-    nll_acc = tl.zeros([BLOCK], tl.float32)
+    rl_acc = tl.full([BLOCK], 0, tl.float32)
+    echo_acc = tl.full([BLOCK], 0, tl.float32)
+    nll_acc = tl.full([BLOCK], 0, tl.float32)
     nll_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    kl_acc = tl.zeros([BLOCK], tl.float64)
-    ent_acc = tl.zeros([BLOCK], tl.float32)
-    f0 = tl.zeros([BLOCK], tl.int32)
-    f1 = tl.zeros([BLOCK], tl.int32)
-    f2 = tl.zeros([BLOCK], tl.int32)
-    f3 = tl.zeros([BLOCK], tl.int32)
-    bad_count = tl.zeros([BLOCK], tl.int32)
+    kl_acc = tl.full([BLOCK], 0, tl.float64)
+    ent_acc = tl.full([BLOCK], 0, tl.float32)
+    f0 = tl.full([BLOCK], 0, tl.int32)
+    f1 = tl.full([BLOCK], 0, tl.int32)
+    f2 = tl.full([BLOCK], 0, tl.int32)
+    f3 = tl.full([BLOCK], 0, tl.int32)
+    bad_count = tl.full([BLOCK], 0, tl.int32)
     first_s = n
     value_s = 0.0
     first_p = n
     value_p = 0.0
     first_e = n
     value_e = 0.0
+    first_l = n
+    value_l = tl.full([], 0, tl.int64)
     for start in range(0, n, BLOCK):
         idx = start + offs
         m = idx < n
@@ -188,7 +193,7 @@ def _row_algebra_kernel(
         if HAS_W:
             w = tl.where(echo, tl.load(W + idx, mask=m, other=0.0).to(tl.float32), 0.0)
         else:
-            w = tl.zeros([BLOCK], tl.float32)
+            w = tl.full([BLOCK], 0, tl.float32)
         nll = -lp_echo
         echo_acc += w * nll
         nll_acc += nll
@@ -201,6 +206,13 @@ def _row_algebra_kernel(
                 bad = bad | (part & (lp > lp_tolerance))
             bad_count += bad.to(tl.int32)
             first_s, value_s = _first_bad(bad, idx, lp, first_s, value_s, n)
+        if CHECK_LABELS:
+            lab = tl.load(LABELS + idx, mask=m, other=0).to(tl.int64)
+            bad_l = (rl | echo) & ((lab < 0) | (lab >= vocab))
+            blk = tl.reduce(tl.where(bad_l, idx, n), 0, _min)
+            blk_lab = tl.reduce(tl.where(idx == blk, lab, 0), 0, _sum)
+            value_l = tl.where(blk < first_l, blk_lab, value_l)
+            first_l = tl.minimum(first_l, blk)
         if HAS_ENT:
             ent = tl.load(ENT + idx, mask=m, other=0.0).to(tl.float32)
             ent_rl = tl.where(rl, ent, 0.0)
@@ -215,7 +227,7 @@ def _row_algebra_kernel(
                 adv = tl.where(rl, tl.load(ADV + idx, mask=m, other=0.0).to(tl.float32), 0.0)
                 adv = adv * adv_tau
             else:
-                adv = tl.zeros([BLOCK], tl.float32)
+                adv = tl.full([BLOCK], 0, tl.float32)
             if BASE == 1:
                 base = tl.where(rl, tl.load(OLD + idx, mask=m, other=0.0).to(tl.float32), 0.0)
             elif BASE == 2:
@@ -362,6 +374,11 @@ def _row_algebra_kernel(
         tl.store(CHECKS + 12, loss.to(tl.float64))
         tl.store(CHECKS + 13, rl_term.to(tl.float64))
         tl.store(CHECKS + 14, echo_term.to(tl.float64))
+    if CHECK_LABELS:
+        l_bad = first_l < n
+        tl.store(CHECKS + 15, tl.where(l_bad, 1, 0).to(tl.float64))
+        tl.store(CHECKS + 16, tl.where(l_bad, first_l, 0).to(tl.float64))
+        tl.store(CHECKS + 17, value_l.to(tl.float64))
 
 
 def interpreter_active() -> bool:
@@ -410,8 +427,8 @@ def forward(
     loss = torch.empty((), dtype=torch.float32, device=dev)
     stats = torch.empty(len(STAT_SLOTS), dtype=torch.float32, device=dev)
     checks = torch.empty(len(CHECK_SLOTS), dtype=torch.float64, device=dev)
-    if not p.check_finite:
-        checks.zero_()
+    if not p.check_finite or rows.labels is None:
+        checks.zero_()  # slots of the checks not computed read "passed"
     base = 1 if rows.old_logprobs is not None else 2 if rows.inference_logprobs is not None else 0
     rl_div_mode = 2 if rows.rl_divisor is not None else (0 if p.rl_divisor is None else 1)
     echo_div_given = p.echo_divisor is not None
@@ -428,6 +445,7 @@ def forward(
             _flat(rows.old_logprobs, lp),
             _flat(rows.inference_logprobs, lp),
             _flat(rows.rl_divisor, lp),
+            _flat(rows.labels, lp),
             a,
             a if b is None else b,
             loss,
@@ -444,6 +462,7 @@ def forward(
             1.0 if p.rl_divisor is None else float(p.rl_divisor),
             echo_div,
             float(p.logprob_tolerance),
+            int(rows.vocab_size),
             POLICY=_POLICY_CODE[p.policy],
             HAS_LOW=p.low is not None,
             DUAL=p.policy == "ppo_clip" and p.dual_clip is not None,
@@ -461,6 +480,7 @@ def forward(
             ECHO_DIV_GIVEN=echo_div_given,
             CHECK=p.check_finite,
             LP_GIVEN=p.logprobs_given,
+            CHECK_LABELS=rows.labels is not None,
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,
         )

@@ -180,5 +180,9 @@ def forward(
                     checks[8:11] = list(_first(rl & ~torch.isfinite(e), e))
             lv = float(loss)
             checks[11:15] = [float(not math.isfinite(lv)), lv, float(rl_term), float(echo_term)]
+        if rows.labels is not None:  # checked whatever check_finite says, as the logprob op does
+            lab = rows.labels.reshape(-1).long()
+            bad_l = (rl | echo) & ((lab < 0) | (lab >= rows.vocab_size))
+            checks[15:18] = list(_first(bad_l, lab.double()))
         check_numbers = torch.tensor(checks, dtype=torch.float64, device=lp.device)
     return loss.detach(), a.detach(), None if b is None else b.detach(), stats, check_numbers

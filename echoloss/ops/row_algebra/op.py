@@ -73,7 +73,9 @@ STAT_SLOTS = (
 #: Slots of the fp64 ``checks`` output: per check a flag (1 = failed) and what its message
 #: reads. ``scored``: first participating row whose logprob is not finite (or > the tolerance
 #: for given logprobs); ``policy``: first RL row whose policy loss is not finite; ``entropy``:
-#: first RL row whose trained entropy is not finite; ``loss``: the loss is not finite.
+#: first RL row whose trained entropy is not finite; ``loss``: the loss is not finite;
+#: ``label``: first participating row whose label is outside ``[0, vocab_size)`` (only when
+#: `RowInputs` carries the labels).
 CHECK_SLOTS = (
     "scored_bad",
     "scored_row",
@@ -90,6 +92,9 @@ CHECK_SLOTS = (
     "loss",
     "loss_rl",
     "loss_echo",
+    "label_bad",
+    "label_row",
+    "label_value",
 )
 
 ECHO_NORMALIZATIONS = ("token_mean", "sum", "batch_token_mean")
@@ -164,6 +169,8 @@ class RowInputs(NamedTuple):
     ``rl`` and ``echo`` are disjoint bool masks; every other field is read only on the rows
     where it matters (placeholders elsewhere, even NaN, are never multiplied). ``rl_divisor``:
     a 0-dim device divisor of the RL term replacing ``RowAlgebraParams.rl_divisor``, or None.
+    ``labels`` (int) with ``vocab_size``: check that every participating label is in
+    ``[0, vocab_size)`` (the ``label`` check), for a caller whose logprob op did not.
     """
 
     rl: torch.Tensor
@@ -173,6 +180,8 @@ class RowInputs(NamedTuple):
     old_logprobs: torch.Tensor | None = None
     inference_logprobs: torch.Tensor | None = None
     rl_divisor: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    vocab_size: int = 0
 
 
 class RowAlgebraOutput(NamedTuple):
@@ -202,12 +211,15 @@ class _RowAlgebraFn(torch.autograd.Function):
         )
         ctx.save_for_backward(a, b)
         ctx.mark_non_differentiable(stats, checks)
+        ctx.set_materialize_grads(False)  # no zero gradients made for stats and checks
         return loss, stats, checks
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
         a, b = ctx.saved_tensors
+        if grad is None:  # backward reached only through stats or checks (never differentiable)
+            return None, None, None, None, None
         grad_lp = a * grad if ctx.needs_input_grad[0] else None
         grad_ent = b * grad if b is not None and ctx.needs_input_grad[1] else None
         return grad_lp, grad_ent, None, None, None

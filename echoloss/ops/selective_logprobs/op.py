@@ -10,7 +10,7 @@ functions (``forward`` and ``backward``) and plugs in through ``backend``.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -30,7 +30,13 @@ from echoloss._validate import (
 )
 from echoloss.ops.selective_logprobs import reference
 
-__all__ = ["BACKENDS", "resolve_backend", "selective_logprobs"]
+__all__ = [
+    "BACKENDS",
+    "label_range_message",
+    "resolve_backend",
+    "selective_logprobs",
+    "selective_logprobs_checked_by_caller",
+]
 
 #: Accepted values of ``backend``.
 BACKENDS = ("auto", "reference", "triton")
@@ -226,22 +232,30 @@ def labels_checked_on_device(
             row = first_true(bad)
             return [bad.any(), row, labels.index_select(0, row.view(1))]
 
-        def message(x: Sequence[float]) -> Exception | None:
-            if not x[0]:
-                return None
-            return ValueError(
-                problem(
-                    f"labels[{int(x[1])}]",
-                    f"in [0, V={v}) on a participating row",
-                    str(int(x[2])),
-                    fix,
-                )
-            )
-
         checks = DeferredChecks(labels.device)
-        checks.add_lazy(numbers, message)
+        checks.add_lazy(numbers, label_range_message(v, fix))
         checks.submit()
     return flat_mask, labels
+
+
+def label_range_message(
+    v: int, fix: str = _LABEL_FIX
+) -> Callable[[Sequence[float]], Exception | None]:
+    """The deferred label-range error from ``(any bad, first bad row, its label)``."""
+
+    def message(x: Sequence[float]) -> Exception | None:
+        if not x[0]:
+            return None
+        return ValueError(
+            problem(
+                f"labels[{int(x[1])}]",
+                f"in [0, V={v}) on a participating row",
+                str(int(x[2])),
+                fix,
+            )
+        )
+
+    return message
 
 
 @compiler_disable
@@ -298,6 +312,48 @@ def selective_logprobs(
         >>> selective_logprobs(logits, torch.tensor([0, 1]), mask=torch.tensor([False, True])).detach()
         tensor([ 0.0000, -0.1269])
     """
+    check_bool("return_entropy", return_entropy)
+    args = _checked_args(logits, labels, temperature, chunk_size, mask, backend)
+    return _run(*args, return_entropy, check_labels=True)
+
+
+def selective_logprobs_checked_by_caller(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor,
+    return_entropy: bool,
+    chunk_size: int | None,
+    mask: torch.Tensor,
+    backend: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """[`selective_logprobs`][echoloss.ops.selective_logprobs.selective_logprobs] for a caller
+    that checks the values of its labels and per-row temperatures itself: on the device path
+    that every label of ``mask`` is in ``[0, V)`` (the loss's fused row algebra does, in its
+    one launch, with `label_range_message`), and the temperatures before the call (the loss
+    builds them from its validated record). The op then queues no value check of its own on
+    the device path (about twenty launches fewer with per-row temperatures). Labels outside
+    the range still read as 0 in both phases, and the host path checks them here as always.
+    Same arguments and result."""
+    args = _checked_args(
+        logits, labels, temperature, chunk_size, mask, backend, temperature_values=False
+    )
+    return _run(*args, return_entropy, check_labels=False)
+
+
+def _checked_args(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    chunk_size: int | None,
+    mask: torch.Tensor | None,
+    backend: str,
+    *,
+    temperature_values: bool = True,
+) -> tuple[
+    torch.Tensor, torch.Tensor, float | torch.Tensor, int | None, torch.Tensor | None, ModuleType
+]:
+    """The op's arguments, checked (metadata; values only on the host path, in `_run`)."""
     logits = check_tensor("logits", logits)
     if not logits.dtype.is_floating_point or logits.dim() not in (2, 3):
         raise TypeError(problem("logits", "a float tensor [N, V] or [B, T, V]", describe(logits)))
@@ -318,15 +374,32 @@ def selective_logprobs(
     if mask is not None:
         mask = check_per_token("mask", mask, lead, logits.device, "bool")
     chunk_size = check_chunk_size(chunk_size)
-    temp = check_temperature(temperature, lead, logits.device)
+    temp = check_temperature(temperature, lead, logits.device, check_values=temperature_values)
     impl = resolve_backend(backend, logits.device)
-    check_bool("return_entropy", return_entropy)
+    return logits, labels, temp, chunk_size, mask, impl
 
+
+def _run(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temp: float | torch.Tensor,
+    chunk_size: int | None,
+    mask: torch.Tensor | None,
+    impl: ModuleType,
+    return_entropy: bool,
+    *,
+    check_labels: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    lead = logits.shape[:-1]
+    v = logits.shape[-1]
     flat_labels = labels.reshape(-1).long()
     flat_mask: torch.Tensor | None = None
     if on_device_path(logits.device):
         rows = None
-        flat_mask, flat_labels = labels_checked_on_device(flat_labels, mask, v)
+        if check_labels:
+            flat_mask, flat_labels = labels_checked_on_device(flat_labels, mask, v)
+        elif mask is not None:
+            flat_mask = mask.reshape(-1)
     else:
         rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
         _check_labels_now(flat_labels, rows, v)
