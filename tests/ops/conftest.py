@@ -23,9 +23,10 @@ if HAS_TRITON and not HAS_CUDA:
     _prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        _fused = importlib.import_module("echoloss.ops.selective_logprobs.fused")
-        if not _fused.interpreter_active():  # imported earlier without the interpreter
-            importlib.reload(_fused)
+        for _name in ("echoloss.ops.selective_logprobs.fused", "echoloss.ops.row_algebra.fused"):
+            _fused = importlib.import_module(_name)
+            if not _fused.interpreter_active():  # imported earlier without the interpreter
+                importlib.reload(_fused)
     finally:
         if _prev is None:
             del os.environ["TRITON_INTERPRET"]

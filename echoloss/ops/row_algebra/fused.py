@@ -10,7 +10,9 @@ the result does not depend on the grid or on timing (no atomics).
 
 The derivatives are autograd's in closed form: ``clamp`` passes the gradient on its bounds,
 ``minimum``/``maximum`` of equal branches split it in half (ppo_clip's two branches are equal
-wherever the ratio is inside the clip range), ``|x|`` has derivative 0 at 0.
+wherever the ratio is inside the clip range), ``|x|`` has derivative 0 at 0. ``minimum``,
+``maximum`` and ``clamp`` propagate NaN as torch's do (Triton's default returns the other
+operand): a NaN logprob makes the loss NaN here as in the PyTorch algebra.
 
 On CPU the program runs only under the Triton interpreter (``TRITON_INTERPRET=1`` set before
 this module is first imported), for tests.
@@ -53,17 +55,30 @@ def _min_local(a, b):
 
 
 # triton.language's own combine functions (as in the selective-logprob kernels: tl.sum / tl.max
-# themselves would tie the interpreter to TRITON_INTERPRET at the first import of triton).
+# themselves would tie the interpreter to TRITON_INTERPRET at the first import of triton). For the
+# same reason the program fills with tl.full, never tl.zeros (a @jit function of triton.language).
 _sum = getattr(tl.standard, "_sum_combine", _sum_local)
 _max = getattr(tl.standard, "_elementwise_max", _max_local)
 _min = getattr(tl.standard, "_elementwise_min", _min_local)
 
 
 @triton.jit
+def _nan_min(a, b):
+    """``minimum`` with NaN propagated, as torch's (``tl.minimum`` returns the other operand)."""
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _nan_max(a, b):
+    """``maximum`` with NaN propagated, as torch's (``tl.maximum`` returns the other operand)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _clamp_grad(x, c, HAS_CLAMP: tl.constexpr):
-    """``(clamp(x, -c, c), d clamp / d x)``: 1 on the bounds, as autograd."""
+    """``(clamp(x, -c, c), d clamp / d x)``: 1 on the bounds, as autograd; NaN stays NaN."""
     if HAS_CLAMP:
-        y = tl.minimum(tl.maximum(x, -c), c)
+        y = _nan_min(_nan_max(x, -c), c)
         g = tl.where((x >= -c) & (x <= c), 1.0, 0.0)
     else:
         y = x
@@ -197,7 +212,7 @@ def _row_algebra_kernel(
         nll = -lp_echo
         echo_acc += w * nll
         nll_acc += nll
-        nll_max = tl.maximum(nll_max, tl.where(echo, nll, float("-inf")))
+        nll_max = _nan_max(nll_max, tl.where(echo, nll, float("-inf")))
         a = tl.where(echo, -w / echo_div, 0.0)
         if CHECK:
             part = rl | echo
@@ -254,11 +269,11 @@ def _row_algebra_kernel(
                 r = tl.exp(x)
                 lo_b = 1.0 - low
                 hi_b = 1.0 + high
-                rc = tl.minimum(tl.maximum(r, lo_b), hi_b)
+                rc = _nan_min(_nan_max(r, lo_b), hi_b)
                 gc = tl.where((r >= lo_b) & (r <= hi_b), 1.0, 0.0)
                 t1 = r * adv
                 t2 = rc * adv
-                obj = tl.minimum(t1, t2)
+                obj = _nan_min(t1, t2)
                 w1 = tl.where(t1 < t2, 1.0, tl.where(t1 == t2, 0.5, 0.0))
                 w2 = tl.where(t2 < t1, 1.0, tl.where(t1 == t2, 0.5, 0.0))
                 dobj = w1 * adv + w2 * adv * gc  # d obj / d r
@@ -273,17 +288,17 @@ def _row_algebra_kernel(
                     f3 += (neg & (obj < floor) & rl).to(tl.int32)
                     wd = tl.where(obj > floor, 1.0, tl.where(obj == floor, 0.5, 0.0))
                     dobj = tl.where(neg, wd * dobj, dobj)
-                    obj = tl.where(neg, tl.maximum(obj, floor), obj)
+                    obj = tl.where(neg, _nan_max(obj, floor), obj)
                 pol = -obj
                 d = -dobj * r * gx
             elif POLICY == 2:  # cispo: a clipped, detached weight times the REINFORCE term
                 x, gx = _clamp_grad(log_ratio, clamp, HAS_CLAMP)
                 r = tl.exp(x)
                 if HAS_LOW:
-                    wgt = tl.minimum(tl.maximum(r, low), high)
+                    wgt = _nan_min(_nan_max(r, low), high)
                     lo_f = r < low
                 else:
-                    wgt = tl.minimum(r, high)
+                    wgt = _nan_min(r, high)
                     lo_f = r < float("-inf")  # never, NaN included
                 hi_f = r > high
                 pol = -(wgt * adv * lp_rl)
@@ -346,7 +361,10 @@ def _row_algebra_kernel(
     tl.store(STATS + 3, n_rl)
     tl.store(STATS + 4, n_echo)
     tl.store(STATS + 5, tl.reduce(nll_acc, 0, _sum) / tl.maximum(n_echo, 1.0))
-    tl.store(STATS + 6, tl.where(n_echo > 0, tl.reduce(nll_max, 0, _max), 0.0))
+    # the maximum of the lanes, NaN if one is (the reductions' fast max drops NaN)
+    nll_nan = tl.reduce(tl.where(nll_max != nll_max, 1, 0), 0, _sum) > 0
+    nll_top = tl.where(nll_nan, float("nan"), tl.reduce(nll_max, 0, _max))
+    tl.store(STATS + 6, tl.where(n_echo > 0, nll_top, 0.0))
     tl.store(STATS + 7, (tl.reduce(kl_acc, 0, _sum) / rl_den).to(tl.float32))
     tl.store(STATS + 8, tl.reduce(ent_acc, 0, _sum) / rl_den)
     tl.store(STATS + 9, tl.reduce(f0, 0, _sum).to(tl.float32) / rl_den)

@@ -147,6 +147,21 @@ class RowAlgebraParams:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(problem("policy", f"one of {POLICIES}", describe(self.policy)))
+        if self.policy == "sft":  # the NLL of the RL rows: no ratio, penalty or bonus
+            for name, value in (
+                ("kl_tau", self.kl_tau),
+                ("entropy_coef", self.entropy_coef),
+                ("mismatch_metric", self.mismatch_metric),
+            ):
+                if value:
+                    raise ValueError(
+                        problem(
+                            name,
+                            "0 (False) with policy='sft', which has no RL policy terms",
+                            repr(value),
+                            "the loss module's mode='sft' passes none of them",
+                        )
+                    )
         if self.echo_normalization not in ECHO_NORMALIZATIONS:
             raise ValueError(
                 problem(

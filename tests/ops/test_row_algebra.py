@@ -1,0 +1,1052 @@
+"""The fused ``[N]`` loss algebra (``echoloss.ops.row_algebra``): the Triton program against its
+plain-PyTorch gold (``naive.py``) for every policy and option, hand-computed values, derivatives
+against fp64 autograd of the loss module's algebra, non-finite rows and extreme inputs.
+
+The program runs under the Triton interpreter on CPU (``tests/ops/conftest.py``). Row counts above
+``BLOCK`` make both loops of the program run several times (2500: three blocks, the last one
+partial; 2048: two full blocks); 700 and 1 run one partial block.
+
+Tolerances (both backends compute in fp32 from the same inputs):
+
+* sums (the loss and its two terms, the echo-NLL mean, the mismatch-KL and entropy means): each
+  of the program's ``BLOCK`` lanes adds ``⌈N/BLOCK⌉`` terms in sequence and the lanes are then
+  reduced as a tree of ``log2(BLOCK)`` levels; torch's CPU sum is a cascade (pairwise) sum of
+  depth about ``log2(N)``. Each is within (its depth)·eps·Σ|x_i| of the exact sum, and each term
+  carries a few ulps of its per-row formula: `_sum_tol` = ``(⌈N/BLOCK⌉ + log2(BLOCK) + log2(N)
+  + 16)·eps·S`` with ``S`` a bound of Σ|x_i| computed from the inputs (`_bounds`). One row of
+  2500 left out or counted twice moves a sum by about ``S/N``, 10x more than this.
+* per-row derivatives ``a`` and ``b``: the same formula per row, in closed form in the program
+  and through autograd's chain rule in the gold, about six roundings apart, plus the ulp by which
+  numpy's (the interpreter's) and torch's fp32 ``exp`` may differ: ``16·eps·G_i``, ``G_i`` a bound
+  of the row's derivative terms before they cancel (the ``kl_tau`` term can cancel the policy's).
+* counts, flag fractions (an integer count divided by the same fp32 count), the echo-NLL
+  maximum (order-free) and the check numbers that read an input or a non-finite value: exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from echoloss.loss import LossConfig, LossInputs
+from echoloss.loss.core import echo_loss_from_logprobs, fuse_loss_algebra
+from echoloss.ops.row_algebra import CHECK_SLOTS, STAT_SLOTS, RowAlgebraParams, RowInputs
+from echoloss.ops.row_algebra import row_algebra as row_algebra_op
+from echoloss.ops.row_algebra.fused import BLOCK
+from echoloss.ops.row_algebra.op import FLAG_NAMES, POLICIES
+
+# Non-finite test inputs make numpy (the interpreter) warn about inf - inf and overflows.
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+EPS = float(torch.finfo(torch.float32).eps)
+NAN = math.nan
+#: Row counts: three blocks (last partial), two full blocks, one partial block, one row.
+NS = (2500, 2 * BLOCK, 700, 1)
+assert NS[0] > 2 * BLOCK and NS[0] % BLOCK and NS[2] < BLOCK
+
+#: Policy variants: (name, RowAlgebraParams keywords).
+VARIANTS = {
+    "dppo": dict(policy="dppo", low=0.2, high=0.2),
+    "ppo_clip": dict(policy="ppo_clip", low=0.2, high=0.28),
+    "ppo_clip_dual": dict(policy="ppo_clip", low=0.2, high=0.2, dual_clip=3.0),
+    "cispo": dict(policy="cispo", low=0.5, high=2.0),
+    "cispo_no_low": dict(policy="cispo", low=None, high=2.0),
+    "reinforce": dict(policy="reinforce", low=None, high=0.0, adv_tau=0.7),
+    "sft": dict(policy="sft", low=None, high=0.0),
+}
+
+#: The options and their values; every value of every option runs for every variant
+#: (`test_options_cover_every_value`).
+OPTIONS: dict[str, tuple[Any, ...]] = {
+    "log_ratio_clamp": (20.0, None),
+    "kl_tau": (0.0, 0.3),
+    "entropy_coef": (0.0, 0.05),
+    "entropy_metric": (False, True),
+    "mismatch_metric": (False, True),
+    "rl_divisor": ("count", "host", "device"),
+    "echo": (
+        ("token_mean", None),
+        ("token_mean", 5000.0),
+        ("sum", None),
+        ("batch_token_mean", None),
+        ("batch_token_mean", 4.0),
+    ),
+    "base": ("old", "inference", "none"),
+    "echo_weights": (True, False),
+    "advantages": (True, True, False),
+    "far_ratios": (False, True),
+}
+SETS_PER_VARIANT = 12
+
+
+def _option_sets(variant: str) -> list[dict[str, Any]]:
+    """``SETS_PER_VARIANT`` option sets for ``variant``: each option's values in a shuffled
+    cycle (every value appears), the options shuffled independently of each other."""
+    rng = random.Random(f"row-algebra-{variant}")
+    columns = {}
+    for name, values in OPTIONS.items():
+        cycle = [values[k % len(values)] for k in range(SETS_PER_VARIANT)]
+        rng.shuffle(cycle)
+        columns[name] = cycle
+    sets = []
+    for k in range(SETS_PER_VARIANT):
+        o = {name: col[k] for name, col in columns.items()}
+        if o["base"] == "none":
+            o["mismatch_metric"] = False  # no inference logprobs to read
+        if variant == "sft":  # the NLL of the RL rows: no policy terms (RowAlgebraParams)
+            o.update(kl_tau=0.0, entropy_coef=0.0, mismatch_metric=False)
+        o["n"] = NS[k % len(NS)]
+        sets.append(o)
+    return sets
+
+
+class Case:
+    """One call's inputs: ``lp``, ``ent`` ``[N]`` fp32, ``rows`` and ``params``."""
+
+    def __init__(self, lp, ent, rows: RowInputs, params: RowAlgebraParams):
+        self.lp, self.ent, self.rows, self.params = lp, ent, rows, params
+
+    @property
+    def n(self) -> int:
+        return self.lp.numel()
+
+
+def _masks(n: int, g: torch.Generator, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if n == 1:  # the one row is RL, echo or padding in turn
+        kind = seed % 3
+        return torch.tensor([kind == 0]), torch.tensor([kind == 1])
+    u = torch.rand(n, generator=g)
+    rl = u < 0.45
+    echo = (u >= 0.45) & (u < 0.8)  # the rest (20 %) is padding
+    return rl, echo
+
+
+def _make_case(variant: str, o: dict[str, Any], seed: int) -> Case:
+    """Random rows with NaN placeholders on every row where a field is not read."""
+    n = o["n"]
+    g = torch.Generator().manual_seed(seed)
+    rl, echo = _masks(n, g, seed)
+    part = rl | echo
+    lp = -(torch.rand(n, generator=g) * 4 + 1e-3)
+    shift = torch.randn(n, generator=g) * 0.4
+    shift[::13] = 0.0  # ratio exactly 1 (ppo_clip's two branches tie)
+    if o["far_ratios"]:  # beyond log_ratio_clamp: |ρ| in (20, 28)
+        far = torch.rand(n, generator=g) < 0.03
+        far_shift = torch.sign(torch.randn(n, generator=g)) * (20 + 8 * torch.rand(n, generator=g))
+        shift = torch.where(far, far_shift, shift)
+        # ρ = lp - old < -20 needs lp < -20 (old is a log-probability too)
+        lp = torch.where(far & (far_shift < 0), lp + far_shift - 1, lp)
+    old = (lp - shift).clamp(max=0.0)
+    lq = (lp - torch.randn(n, generator=g) * 0.3).clamp(max=0.0)
+    adv = torch.randn(n, generator=g)
+    adv[::7] = 0.0
+    w = 0.1 + 2 * torch.rand(n, generator=g)
+    ent = 3 * torch.rand(n, generator=g)
+    nan = torch.tensor(NAN)
+    lp = torch.where(part, lp, nan)
+    old, lq, adv, ent = (torch.where(rl, t, nan) for t in (old, lq, adv, ent))
+    w = torch.where(echo, w, nan)
+
+    base = o["base"]
+    echo_norm, echo_div = o["echo"]
+    rl_div_host: float | None = None
+    rl_div_dev = None
+    if o["rl_divisor"] == "host":
+        rl_div_host = 3000.0
+    elif o["rl_divisor"] == "device":
+        rl_div_host = 7.0  # replaced by the device tensor
+        rl_div_dev = torch.tensor(1234.5)
+    rows = RowInputs(
+        rl=rl,
+        echo=echo,
+        echo_weights=w if o["echo_weights"] else None,
+        advantages=adv if o["advantages"] else None,
+        old_logprobs=old if base == "old" else None,
+        inference_logprobs=lq if base in ("old", "inference") else None,
+        rl_divisor=rl_div_dev,
+    )
+    keys = ("log_ratio_clamp", "kl_tau", "entropy_coef", "entropy_metric", "mismatch_metric")
+    params = RowAlgebraParams(
+        **VARIANTS[variant],
+        **{k: o[k] for k in keys},
+        rl_divisor=rl_div_host,
+        echo_normalization=echo_norm,
+        echo_divisor=echo_div,
+    )
+    need_ent = params.entropy_coef != 0 or params.entropy_metric
+    return Case(lp, ent if need_ent else None, rows, params)
+
+
+# ---------------------------------------------------------------- bounds and comparisons
+
+
+def _divisors(case: Case) -> tuple[float, float]:
+    p, rows = case.params, case.rows
+    n_rl, n_echo = int(rows.rl.sum()), int(rows.echo.sum())
+    if rows.rl_divisor is not None:
+        rl_div = float(rows.rl_divisor)
+    elif p.rl_divisor is not None:
+        rl_div = p.rl_divisor
+    else:
+        rl_div = max(n_rl, 1)
+    if p.echo_normalization == "sum":
+        echo_div = 1.0
+    elif p.echo_normalization == "token_mean":
+        echo_div = max(n_echo, 1) if p.echo_divisor is None else p.echo_divisor
+    else:
+        echo_div = max(n_echo, 1) * (p.echo_divisor or 1.0)
+    return float(rl_div), float(echo_div)
+
+
+def _bounds(case: Case) -> tuple[float, torch.Tensor]:
+    """``(S, G)``: a bound of Σ|terms| of the loss (each term over its divisor) and per row a
+    bound ``G [N]`` of the terms of its derivative ``a`` (fp64)."""
+    p, rows = case.params, case.rows
+    rl, echo = rows.rl, rows.echo
+    lp = torch.where(rl | echo, case.lp.double(), 0.0)
+
+    def on(mask, t):
+        return torch.zeros_like(lp) if t is None else torch.where(mask, t.double(), 0.0)
+
+    if rows.old_logprobs is not None:
+        base = on(rl, rows.old_logprobs)
+    elif rows.inference_logprobs is not None:
+        base = on(rl, rows.inference_logprobs)
+    else:
+        base = on(rl, lp)
+    rho = torch.where(rl, lp - base, 0.0)
+    c = math.inf if p.log_ratio_clamp is None else p.log_ratio_clamp
+    r = torch.exp(rho.clamp(-c, c))
+    adv = on(rl, rows.advantages).abs() * p.adv_tau
+    if p.policy == "sft":
+        t_rl, g_rl = lp.abs(), torch.ones_like(lp)
+    else:
+        if p.policy == "reinforce":
+            m, with_lp = torch.ones_like(r), True
+        elif p.policy == "cispo":
+            m, with_lp = torch.full_like(r, p.high), True
+        elif p.policy == "dppo":
+            m, with_lp = r, False
+        else:  # ppo_clip: A > 0 is capped by 1 + high, A < 0 grows with r (up to the dual clip)
+            pos = on(rl, rows.advantages) > 0
+            m = torch.where(pos, torch.full_like(r, 1 + p.high), r.clamp(min=1 + p.high))
+            if p.dual_clip is not None:
+                m = torch.where(pos, m, m.clamp(max=p.dual_clip))
+            with_lp = False
+        t_rl = adv * m * (1 + lp.abs() if with_lp else 1)
+        g_rl = adv * m
+        if p.kl_tau:
+            t_rl = t_rl + p.kl_tau * rho * rho
+            g_rl = g_rl + 2 * p.kl_tau * rho.abs().clamp(max=c)
+        if p.entropy_coef:
+            t_rl = t_rl + abs(p.entropy_coef) * on(rl, case.ent).abs()
+    w = on(echo, rows.echo_weights).abs()
+    rl_div, echo_div = _divisors(case)
+    t_echo = w * lp.abs()
+    # a non-finite row makes its sum non-finite (compared exactly); the other sum's scale stays
+    t_rl, t_echo = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (t_rl, t_echo))
+    s = float(t_rl.sum() / rl_div + t_echo.sum() / echo_div)
+    g = torch.where(rl, g_rl / rl_div, torch.where(echo, w / echo_div, 0.0))
+    return s, g
+
+
+def _sum_tol(n: int, s: float) -> float:
+    """See the module docstring: fp32 sums of ``n`` terms of total magnitude ``s`` in two orders."""
+    depth = math.ceil(max(n, 1) / BLOCK) + math.log2(BLOCK) + math.log2(max(n, 2)) + 16
+    return depth * EPS * s
+
+
+def _run(case: Case, backend: str):
+    lp = case.lp.clone().requires_grad_()
+    train_ent = case.params.entropy_coef != 0
+    ent = None if case.ent is None else case.ent.clone().requires_grad_(train_ent)
+    out = row_algebra_op(lp, ent, case.rows, case.params, backend=backend)
+    out.loss.backward()
+    b = ent.grad if train_ent else None
+    return out, lp.grad, b
+
+
+def check(out, name: str) -> float:
+    return float(out.checks[CHECK_SLOTS.index(name)])
+
+
+def stat(out, name: str) -> float:
+    return float(out.stats[STAT_SLOTS.index(name)])
+
+
+def _same(x: float, y: float) -> bool:
+    return x == y or (math.isnan(x) and math.isnan(y))
+
+
+def _close(actual: float, expected: float, tol: float, what: str) -> None:
+    if math.isfinite(expected):
+        assert abs(actual - expected) <= tol, f"{what}: {actual!r} vs {expected!r} (tol {tol:.3g})"
+    else:
+        assert _same(actual, expected), f"{what}: {actual!r} vs {expected!r}"
+
+
+def assert_checks_equal(fused, naive, *, loss_tol: float, what: str = "") -> None:
+    """Check numbers: flags, rows and counts exact; value slots where their flag is set (the
+    per-row values exactly: an input or a non-finite loss; the loss slots within ``loss_tol``)."""
+    for prefix, values in (
+        ("scored", ("row", "count", "value", "is_rl")),
+        ("policy", ("row", "value")),
+        ("entropy", ("row", "value")),
+    ):
+        flag = check(naive, f"{prefix}_bad")
+        assert check(fused, f"{prefix}_bad") == flag, f"{what} {prefix}_bad"
+        if flag:
+            for v in values:
+                name = f"{prefix}_{v}"
+                assert _same(check(fused, name), check(naive, name)), (
+                    f"{what} {name}: {check(fused, name)} vs {check(naive, name)}"
+                )
+    assert check(fused, "loss_bad") == check(naive, "loss_bad"), what
+    for name in ("loss", "loss_rl", "loss_echo"):
+        _close(check(fused, name), check(naive, name), loss_tol, f"{what} check {name}")
+
+
+def assert_same_as_naive(case: Case, what: str = "") -> None:
+    """Fused vs naive: loss, every stat slot, ``a``, ``b`` and the checks (module docstring)."""
+    fused, a_f, b_f = _run(case, "triton")
+    naive, a_n, b_n = _run(case, "naive")
+    s, g = _bounds(case)
+    tol = _sum_tol(case.n, s)
+    rows = case.rows
+    what = f"{what} n={case.n} {case.params}"
+    _close(float(fused.loss.detach()), float(naive.loss.detach()), tol, f"{what} loss")
+    p = case.params
+    n_echo = max(int(rows.echo.sum()), 1)
+    lp_echo = torch.where(rows.echo, case.lp.double(), 0.0)
+    sum_scales = {
+        "loss": s,
+        "loss_rl": s,
+        "loss_echo": s,
+        "echo_nll_mean": float(lp_echo.abs().sum()) / n_echo,
+        "mismatch_kl": float(naive.stats[STAT_SLOTS.index("mismatch_kl")]),  # Σ of terms ≥ 0
+        "entropy": float(naive.stats[STAT_SLOTS.index("entropy")]),  # Σ of terms ≥ 0
+    }
+    for i, name in enumerate(STAT_SLOTS):
+        fv, nv = float(fused.stats[i]), float(naive.stats[i])
+        if name in sum_scales:
+            _close(fv, nv, _sum_tol(case.n, abs(sum_scales[name])), f"{what} stat {name}")
+        else:
+            assert _same(fv, nv), f"{what} stat {name}: {fv} vs {nv}"
+    # a: exactly 0 off the participating rows (NaN placeholders there), few ulps elsewhere
+    part = rows.rl | rows.echo
+    assert torch.all(a_f[~part] == 0) and torch.all(a_n[~part] == 0), what
+    diff = (a_f.double() - a_n.double()).abs()
+    bad = ~(diff <= 16 * EPS * g)
+    assert not bad.any(), (
+        f"{what} a: rows {bad.nonzero().flatten()[:5].tolist()} fused "
+        f"{a_f[bad][:5].tolist()} naive {a_n[bad][:5].tolist()}"
+    )
+    if p.entropy_coef != 0:
+        assert b_f is not None and b_n is not None
+        assert torch.all(b_f[~rows.rl] == 0) and torch.all(b_n[~rows.rl] == 0), what
+        torch.testing.assert_close(b_f, b_n, rtol=4 * EPS, atol=0.0, msg=what)
+    if p.check_finite:
+        assert_checks_equal(fused, naive, loss_tol=tol, what=what)
+
+
+# ---------------------------------------------------------------- fused vs naive
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fused_equals_naive_for_every_option(variant):
+    for k, o in enumerate(_option_sets(variant)):
+        case = _make_case(variant, o, seed=1000 * k + len(variant))
+        assert_same_as_naive(case, f"{variant} set {k} {o}")
+
+
+def test_options_cover_every_value():
+    for variant in VARIANTS:
+        sets = _option_sets(variant)
+        for name, values in OPTIONS.items():
+            seen = {repr(o[name]) for o in sets}
+            expected = {repr(v) for v in values}
+            if variant == "sft" and name in ("kl_tau", "entropy_coef", "mismatch_metric"):
+                expected = {repr(values[0])}
+            assert expected <= seen, (variant, name, seen)
+        assert {o["n"] for o in sets} == set(NS)
+
+
+@pytest.mark.parametrize("n", [BLOCK, 3 * BLOCK + 1])
+def test_block_edges(n):
+    """Exactly one block, and one row into a fourth block (the masked tail of one lane)."""
+    o = _option_sets("ppo_clip_dual")[1] | {"n": n, "entropy_coef": 0.05, "kl_tau": 0.3}
+    assert_same_as_naive(_make_case("ppo_clip_dual", o, seed=n), "block edge")
+
+
+def test_device_divisor_replaces_the_host_value():
+    """``RowInputs.rl_divisor`` (a device tensor) wins over ``RowAlgebraParams.rl_divisor``."""
+    lp = torch.tensor([-0.5, -1.0])
+    rows = RowInputs(
+        torch.tensor([True, True]),
+        torch.tensor([False, False]),
+        advantages=torch.tensor([1.0, 3.0]),
+        rl_divisor=torch.tensor(4.0),
+    )
+    p = RowAlgebraParams("reinforce", rl_divisor=7.0)
+    for backend in ("triton", "naive"):
+        out, a, _ = _run(Case(lp, None, rows, p), backend)
+        assert float(out.loss.detach()) == pytest.approx((0.5 + 3.0) / 4.0, rel=2 * EPS)
+        assert a.tolist() == [-0.25, -0.75]
+
+
+# ---------------------------------------------------------------- hand-computed values
+
+
+def _both(case: Case):
+    return [(_run(case, b), b) for b in ("triton", "naive")]
+
+
+def test_ppo_clip_by_hand_clipped_row_tie_and_echo():
+    """ppo_clip (eps 0.2), 5 rows, ratios against ``old_logprobs``:
+
+    row 0, A = 1,  r = 1.5 > 1.2: clipped high, term -1.2, gradient 0;
+    row 1, A = 2,  r = 1 (old = lp): both branches equal 2, gradient the full -A·r = -2 (not half);
+    row 2, A = -1, r = 0.5 < 0.8: clipped low, min(-0.5, -0.8) = -0.8, term +0.8, gradient 0;
+    row 3, echo, w = 0.5, lp = -0.7: 0.35 over 1 echo row, gradient -0.5;
+    row 4, padding: NaN everywhere, gradient exactly 0.
+    loss = (-1.2 - 2 + 0.8)/3 + 0.35 = -0.45.
+    """
+    lp = torch.tensor([-1.0, -0.3, -2.0, -0.7, NAN])
+    old = torch.tensor([-1.0 - math.log(1.5), -0.3, -2.0 - math.log(0.5), NAN, NAN])
+    rows = RowInputs(
+        rl=torch.tensor([True, True, True, False, False]),
+        echo=torch.tensor([False, False, False, True, False]),
+        echo_weights=torch.tensor([NAN, NAN, NAN, 0.5, NAN]),
+        advantages=torch.tensor([1.0, 2.0, -1.0, NAN, NAN]),
+        old_logprobs=old,
+    )
+    p = RowAlgebraParams("ppo_clip", low=0.2, high=0.2)
+    for (out, a, _), backend in _both(Case(lp, None, rows, p)):
+        assert float(out.loss.detach()) == pytest.approx(-0.45, rel=4 * EPS, abs=4 * EPS), backend
+        assert stat(out, "loss_rl") == pytest.approx(-0.8, rel=4 * EPS)
+        assert stat(out, "loss_echo") == pytest.approx(0.35, rel=4 * EPS)
+        torch.testing.assert_close(a, torch.tensor([0.0, -2 / 3, 0.0, -0.5, 0.0]), rtol=EPS, atol=0)
+        assert a[0] == 0 and a[2] == 0 and a[4] == 0
+        assert [stat(out, k) for k in ("rl_tokens", "echo_tokens")] == [3.0, 1.0]
+        assert stat(out, "echo_nll_mean") == pytest.approx(0.7, rel=EPS)
+        assert stat(out, "echo_nll_max") == pytest.approx(0.7, rel=EPS)
+        assert [stat(out, f"flag{i}") for i in range(4)] == pytest.approx(
+            [2 / 3, 1 / 3, 1 / 3, 0.0], rel=EPS
+        )
+        assert check(out, "scored_bad") == check(out, "policy_bad") == check(out, "loss_bad") == 0
+
+
+def test_ppo_clip_at_the_exact_clip_bound_the_clamp_passes_the_gradient():
+    """eps_low = eps_high = 0: both clip bounds are 1, and on-policy ratios are exactly 1. Both
+    branches tie (``r·A = clamp(r, 1, 1)·A``) and the clamp passes the gradient on its bound
+    (autograd's convention), so each row's gradient is the full ``-A·r / N_rl`` (half of it if the
+    clamp blocked the gradient on its bound, since min splits ties in half)."""
+    lp = torch.tensor([-0.4, -1.3, -2.0])
+    adv = torch.tensor([3.0, -3.0, 0.5])
+    rows = RowInputs(
+        torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.bool), advantages=adv
+    )
+    for dual in (None, 3.0):
+        p = RowAlgebraParams("ppo_clip", low=0.0, high=0.0, dual_clip=dual)
+        for (out, a, _), backend in _both(Case(lp, None, rows, p)):
+            assert a.tolist() == pytest.approx([-1.0, 1.0, -0.5 / 3], rel=EPS), (backend, dual)
+            assert float(out.loss.detach()) == pytest.approx(-0.5 / 3, rel=4 * EPS)
+            assert stat(out, "flag0") == 0.0  # r = 1 is not beyond a bound of 1
+
+
+def test_dppo_by_hand_dropped_row_and_echo_mean():
+    """dppo (probability trust region 0.2), 4 rows:
+
+    row 0, A = 1, p = 0.9 vs p_old = 0.5: Δ = 0.4 > 0.2, dropped (masked_high): 0, gradient 0;
+    row 1, A = -1, p = 0.5 vs p_old = 0.6: Δ = -0.1 ≥ -0.2, kept: term +r = 5/6, gradient +r/2;
+    row 2, echo w = 1, lp = -2; row 3, echo w = 0.25, lp = -0.4: (2 + 0.1)/2 = 1.05, gradients
+    -1/2 and -0.25/2, whatever the (NaN) old logprobs there say.
+    """
+    lp = torch.tensor([math.log(0.9), math.log(0.5), -2.0, -0.4])
+    rows = RowInputs(
+        rl=torch.tensor([True, True, False, False]),
+        echo=torch.tensor([False, False, True, True]),
+        echo_weights=torch.tensor([NAN, NAN, 1.0, 0.25]),
+        advantages=torch.tensor([1.0, -1.0, NAN, NAN]),
+        old_logprobs=torch.tensor([math.log(0.5), math.log(0.6), NAN, NAN]),
+        inference_logprobs=torch.tensor([-0.1, -0.1, NAN, NAN]),
+    )
+    r = 0.5 / 0.6
+    p = RowAlgebraParams("dppo", low=0.2, high=0.2)
+    for (out, a, _), backend in _both(Case(lp, None, rows, p)):
+        assert float(out.loss.detach()) == pytest.approx(r / 2 + 1.05, rel=4 * EPS), backend
+        assert a.tolist() == pytest.approx([0.0, r / 2, -0.5, -0.125], rel=4 * EPS)
+        assert a[0] == 0
+        assert [stat(out, f"flag{i}") for i in range(3)] == [0.5, 0.0, 0.5]
+        assert stat(out, "echo_nll_max") == pytest.approx(2.0, rel=EPS)
+
+
+def test_cispo_and_reinforce_and_sft_by_hand():
+    """cispo: -(clamp(r, low, high)·A·lp) with the weight detached: gradient -w·A; reinforce:
+    -(A·lp)·adv_tau; sft: the NLL of the RL rows."""
+    lp = torch.tensor([-1.0, -0.5])
+    rows = RowInputs(
+        rl=torch.tensor([True, True]),
+        echo=torch.tensor([False, False]),
+        advantages=torch.tensor([2.0, -1.0]),
+        old_logprobs=torch.tensor([-1.0 - math.log(4.0), -0.5 - math.log(0.25)]),  # r = 4, 0.25
+    )
+    cases = {
+        # weights clamp(4, 0.5, 2) = 2 and clamp(0.25, 0.5, 2) = 0.5
+        "cispo": (
+            RowAlgebraParams("cispo", low=0.5, high=2.0),
+            (-(2 * 2 * -1.0) - (0.5 * -1 * -0.5)) / 2,
+            [-2.0, 0.25],
+            [1.0, 0.5, 0.5],
+        ),
+        "cispo_no_low": (
+            RowAlgebraParams("cispo", low=None, high=2.0),
+            (4.0 - 0.25 * 0.5) / 2,
+            [-2.0, 0.125],
+            [0.5, 0.0, 0.5],
+        ),
+        "reinforce": (
+            RowAlgebraParams("reinforce", adv_tau=0.5, low=None, high=0.0),
+            (1.0 - 0.25) / 2,
+            [-0.5, 0.25],
+            [0.0, 0.0, 0.0],
+        ),
+        "sft": (RowAlgebraParams("sft", low=None, high=0.0), 0.75, [-0.5, -0.5], [0.0] * 3),
+    }
+    for name, (p, loss, grad, flags) in cases.items():
+        for (out, a, _), backend in _both(Case(lp, None, rows, p)):
+            assert float(out.loss.detach()) == pytest.approx(loss, rel=4 * EPS), (name, backend)
+            assert a.tolist() == pytest.approx(grad, rel=4 * EPS), (name, backend)
+            assert [stat(out, f"flag{i}") for i in range(3)] == flags, (name, backend)
+
+
+def test_kl_tau_and_entropy_bonus_by_hand():
+    """kl_tau·ρ² (continued linearly beyond the clamp, 2·c·|ρ| - c²) and -entropy_coef·H on RL rows:
+    ρ = 0.5 inside and ρ = -30 beyond c = 20; reinforce with A = 0 isolates the penalty."""
+    lp = torch.tensor([-0.5, -31.0])
+    ent = torch.tensor([1.5, 0.5])
+    rows = RowInputs(
+        torch.tensor([True, True]),
+        torch.tensor([False, False]),
+        advantages=torch.tensor([0.0, 0.0]),
+        old_logprobs=torch.tensor([-1.0, -1.0]),
+    )
+    p = RowAlgebraParams("reinforce", low=None, high=0.0, kl_tau=0.1, entropy_coef=0.2)
+    loss = (0.1 * 0.25 + 0.1 * (2 * 20 * 30 - 400) - 0.2 * (1.5 + 0.5)) / 2
+    for (out, a, b), backend in _both(Case(lp, ent, rows, p)):
+        assert float(out.loss.detach()) == pytest.approx(loss, rel=4 * EPS), backend
+        assert a.tolist() == pytest.approx([0.1 * 2 * 0.5 / 2, 0.1 * 2 * 20 * -1 / 2], rel=4 * EPS)
+        assert b.tolist() == pytest.approx([-0.1, -0.1], rel=EPS)
+
+
+def test_echo_normalizations_by_hand():
+    """Echo rows w·(-log p): token_mean over the call's echo rows or a given divisor, sum, and
+    batch_token_mean (the token mean over a divisor of batches)."""
+    lp = torch.tensor([-1.0, -2.0, -0.5, NAN])
+    rows = RowInputs(
+        torch.tensor([False, False, False, False]),
+        torch.tensor([True, True, True, False]),
+        echo_weights=torch.tensor([1.0, 0.5, 2.0, NAN]),
+    )
+    total = 1.0 + 1.0 + 1.0  # Σ w·nll
+    cases = [
+        ("token_mean", None, 3.0),
+        ("token_mean", 10.0, 10.0),
+        ("sum", None, 1.0),
+        ("batch_token_mean", None, 3.0),
+        ("batch_token_mean", 4.0, 12.0),
+    ]
+    for norm, div, d in cases:
+        p = RowAlgebraParams("dppo", echo_normalization=norm, echo_divisor=div)
+        for (out, a, _), backend in _both(Case(lp, None, rows, p)):
+            assert float(out.loss.detach()) == pytest.approx(total / d, rel=4 * EPS), (
+                norm,
+                div,
+                backend,
+            )
+            assert a.tolist() == pytest.approx([-1.0 / d, -0.5 / d, -2.0 / d, 0.0], rel=4 * EPS)
+            assert stat(out, "loss_rl") == 0.0 and stat(out, "rl_tokens") == 0.0
+
+
+# ---------------------------------------------------------------- fp64 derivatives
+
+
+def _loss_config(p: RowAlgebraParams) -> LossConfig:
+    """The LossConfig whose PyTorch algebra computes ``p`` (rl_divisor: token_sum_constant)."""
+    kw: dict[str, Any] = dict(
+        adv_tau=p.adv_tau,
+        log_ratio_clamp=p.log_ratio_clamp,
+        kl_tau=p.kl_tau,
+        entropy_coef=p.entropy_coef,
+        echo_normalization=p.echo_normalization,
+    )
+    if p.rl_divisor is not None:
+        kw.update(rl_normalization="token_sum_constant", rl_normalization_constant=p.rl_divisor)
+    if p.policy == "sft":
+        return LossConfig(mode="sft", **{k: v for k, v in kw.items() if k != "kl_tau"})
+    if p.policy == "dppo":
+        kw.update(dppo_low=p.low, dppo_high=p.high)
+    elif p.policy == "ppo_clip":
+        kw.update(eps_low=p.low, eps_high=p.high, dual_clip=p.dual_clip)
+    elif p.policy == "cispo":
+        kw.update(cispo_min=p.low, cispo_max=p.high)
+    return LossConfig(policy=p.policy, **kw)
+
+
+FP64_CASES = {
+    "dppo": dict(kl_tau=0.3, entropy_coef=0.05),
+    "ppo_clip_dual": dict(kl_tau=0.3),
+    "cispo": dict(entropy_coef=0.05, rl_divisor=900.0),
+    "cispo_no_low": dict(echo_normalization="sum"),
+    "reinforce": dict(echo_normalization="batch_token_mean"),
+    "sft": dict(),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(FP64_CASES))
+def test_derivatives_against_fp64_autograd_of_the_loss_module(variant):
+    """``a`` and ``b`` of both backends vs ``torch.autograd.grad`` of the loss module's PyTorch
+    algebra in fp64 (``fuse_loss_algebra("never")``) on the same (fp32-representable) inputs:
+    within 16·eps·G_i per row (fp32 rounding of a handful of operations; the fp64 gold is exact
+    at this scale). Ratios are kept inside the clip ranges' interiors or clearly outside them, so
+    no flag depends on the rounding."""
+    n = 700
+    o = dict(
+        _option_sets(variant)[0],
+        n=n,
+        far_ratios=False,
+        base="old",
+        advantages=True,
+        echo_weights=True,
+        mismatch_metric=False,
+        rl_divisor="count",
+        echo=("token_mean", None),
+    )
+    case = _make_case(variant, o, seed=7)
+    p = dataclasses.replace(case.params, entropy_metric=False, **FP64_CASES[variant])
+    rows = case.rows
+    if variant == "sft":  # mode="sft" has no echo rows
+        rows = rows._replace(echo=torch.zeros_like(rows.echo))
+    case = Case(case.lp, case.ent if p.entropy_coef else None, rows, p)
+    # placeholders the loss module's validation reads: finite values on rows that are not read
+    fill = {"lp": -1.0}
+    lp64 = torch.where(rows.rl | rows.echo, case.lp, fill["lp"]).double().requires_grad_()
+    x = LossInputs(
+        rl_mask=rows.rl,
+        echo_weights=torch.where(rows.echo, rows.echo_weights, 0.0).double(),
+        advantages=torch.where(rows.rl, rows.advantages, 0.0).double(),
+        old_logprobs=torch.where(rows.rl, rows.old_logprobs, -1.0).double(),
+    )
+    ent64 = None
+    if p.entropy_coef:
+        ent64 = torch.where(rows.rl, case.ent, 1.0).double().requires_grad_()
+    fuse_loss_algebra("never")
+    try:
+        out64 = echo_loss_from_logprobs(lp64, x, entropy=ent64, config=_loss_config(p))
+    finally:
+        fuse_loss_algebra("auto")
+    grads = torch.autograd.grad(out64.loss, [lp64] + ([ent64] if ent64 is not None else []))
+    _, g = _bounds(case)
+    for backend in ("triton", "naive"):
+        out, a, b = _run(case, backend)
+        assert float(out.loss.detach()) == pytest.approx(
+            float(out64.loss.detach()), abs=_sum_tol(n, _bounds(case)[0])
+        )
+        err = (a.double() - grads[0]).abs()
+        assert torch.all(err <= 16 * EPS * g), (backend, float((err / g.clamp(min=1e-30)).max()))
+        if ent64 is not None:
+            assert torch.all((b.double() - grads[1]).abs() <= 2 * EPS * grads[1].abs()), backend
+
+
+# ---------------------------------------------------------------- non-finite rows
+
+
+def _small(policy="ppo_clip", n=2500, **kw):
+    """A row set over several blocks with finite values (RL rows 0, 3, 6, ...; echo 1, 4, ...)."""
+    idx = torch.arange(n)
+    rl, echo = idx % 3 == 0, idx % 3 == 1
+    g = torch.Generator().manual_seed(3)
+    lp = -(torch.rand(n, generator=g) * 3 + 0.01)
+    rows = RowInputs(
+        rl=rl,
+        echo=echo,
+        echo_weights=torch.where(echo, 0.5, NAN),
+        advantages=torch.where(rl, torch.randn(n, generator=g), NAN),
+        old_logprobs=torch.where(rl, lp + 0.1 * torch.randn(n, generator=g), NAN),
+    )
+    ent = torch.where(rl, torch.rand(n, generator=g), NAN)
+    return Case(lp, ent, rows, RowAlgebraParams(policy, **kw))
+
+
+def _set(t: torch.Tensor, at: dict[int, float]) -> torch.Tensor:
+    t = t.clone()
+    for i, v in at.items():
+        t[i] = v
+    return t
+
+
+def _checks_as_naive(case: Case, expect: dict[str, float]) -> None:
+    """The check numbers as the naive backend's (and ``expect``), the loss and echo-NLL
+    maximum too (NaN or inf where the naive one is)."""
+    fused, _, _ = _run(case, "triton")
+    naive, _, _ = _run(case, "naive")
+    tol = _sum_tol(case.n, _bounds(case)[0])
+    assert_checks_equal(fused, naive, loss_tol=tol)
+    _close(float(fused.loss.detach()), float(naive.loss.detach()), tol, "loss")
+    assert _same(stat(fused, "echo_nll_max"), stat(naive, "echo_nll_max"))
+    for name, v in expect.items():
+        assert _same(check(fused, name), v), (name, check(fused, name), v)
+
+
+@pytest.mark.parametrize("value", [NAN, math.inf, -math.inf])
+def test_non_finite_logprob_on_an_rl_row_and_an_echo_row(value):
+    """The first bad row (in the third block) and the count of bad rows; an echo row first."""
+    case = _small()
+    case.lp = _set(case.lp, {2050: value, 2100: value, 2199: value})  # echo, RL, RL
+    assert case.rows.echo[2050] and case.rows.rl[2100] and case.rows.rl[2199]
+    _checks_as_naive(
+        case,
+        {
+            "scored_bad": 1,
+            "scored_row": 2050,
+            "scored_count": 3,
+            "scored_value": value,
+            "scored_is_rl": 0,
+            "loss_bad": 1,
+        },
+    )
+    case.lp = _set(_small().lp, {2100: value})
+    # ±inf on an RL row: the log ratio is clamped to ±20, the policy loss stays finite
+    _checks_as_naive(
+        case,
+        {
+            "scored_bad": 1,
+            "scored_row": 2100,
+            "scored_count": 1,
+            "scored_is_rl": 1,
+            "loss_bad": float(math.isnan(value)),
+        },
+    )
+
+
+def test_non_finite_logprob_on_a_padding_row_is_not_read():
+    case = _small()
+    rows = case.rows._replace(rl=_set(case.rows.rl, {5: False}))  # row 5 (idx%3 == 2) is padding
+    case = Case(_set(case.lp, {5: NAN, 2: math.inf}), case.ent, rows, case.params)
+    _checks_as_naive(case, {"scored_bad": 0, "loss_bad": 0, "policy_bad": 0})
+
+
+def test_positive_given_logprob_fails_the_check():
+    """logprobs_given: a logprob above the tolerance is a passed NLL (both the first row and
+    the count); at the tolerance it passes."""
+    case = _small(logprobs_given=True, logprob_tolerance=1e-4)
+    case.lp = _set(case.lp, {1201: 0.5, 1500: 1e-4, 2302: 2.0})  # RL 1500: at the tolerance
+    _checks_as_naive(
+        case,
+        {
+            "scored_bad": 1,
+            "scored_row": 1201,
+            "scored_count": 2,
+            "scored_value": 0.5,
+            "scored_is_rl": 0,
+            "loss_bad": 0,
+        },
+    )
+    case.params = dataclasses.replace(case.params, logprobs_given=False)
+    _checks_as_naive(case, {"scored_bad": 0})
+
+
+def test_policy_loss_overflow_without_the_clamp():
+    """log_ratio_clamp None and a log ratio of 200 on an RL row with A < 0: r = inf, the policy
+    loss is +inf (ppo_clip) on that row; with the clamp the same row is finite."""
+    case = _small("ppo_clip", log_ratio_clamp=None)
+    row = 1503
+    assert case.rows.rl[row]
+    adv = _set(case.rows.advantages, {row: -1.0})
+    old = _set(case.rows.old_logprobs, {row: float(case.lp[row]) - 200.0})
+    case.rows = case.rows._replace(advantages=adv, old_logprobs=old)
+    _checks_as_naive(
+        case,
+        {
+            "policy_bad": 1,
+            "policy_row": row,
+            "policy_value": math.inf,
+            "loss_bad": 1,
+            "scored_bad": 0,
+        },
+    )
+    case.params = dataclasses.replace(case.params, log_ratio_clamp=20.0)
+    _checks_as_naive(case, {"policy_bad": 0, "loss_bad": 0})
+    for policy in ("dppo", "cispo", "reinforce"):
+        c = _small(policy, log_ratio_clamp=None, low=0.2 if policy != "reinforce" else None)
+        c.rows = case.rows
+        _checks_as_naive(c, {})
+
+
+def test_entropy_nan_with_entropy_coef():
+    case = _small("dppo", entropy_coef=0.01)
+    case.ent = _set(case.ent, {1800: NAN, 2400: math.inf, 1801: NAN})  # RL, RL; 1801 echo: unread
+    _checks_as_naive(
+        case, {"entropy_bad": 1, "entropy_row": 1800, "entropy_value": NAN, "loss_bad": 1}
+    )
+    case.params = dataclasses.replace(case.params, entropy_coef=0.0, entropy_metric=True)
+    _checks_as_naive(case, {"entropy_bad": 0})  # not trained: not checked
+
+
+def test_loss_overflow_from_huge_advantages():
+    """Advantages of 3e38 on two RL rows: each row's loss is finite, their sum is not."""
+    case = _small("reinforce", low=None, high=0.0)
+    adv = _set(case.rows.advantages, {0: 3e38, 3: 3e38})
+    case.lp = _set(case.lp, {0: -2.0, 3: -2.0})
+    case.rows = case.rows._replace(advantages=adv)
+    _checks_as_naive(case, {"policy_bad": 1, "loss_bad": 1, "loss": math.inf, "loss_rl": math.inf})
+    # each row's loss 2.1e38 is finite, their sum 4.2e38 is not (fp32 max 3.4e38)
+    case.lp = _set(case.lp, {0: -0.7, 3: -0.7})
+    _checks_as_naive(case, {"policy_bad": 0, "loss_bad": 1, "loss": math.inf})
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_nan_logprob_makes_the_loss_nan_without_checks(variant):
+    """check_finite off: a NaN logprob on an RL row makes the loss NaN (the clamps and the
+    min/max of the policies keep NaN, as torch's), and on an echo row the echo-NLL maximum NaN;
+    never a finite value computed past the NaN."""
+    for row in (1500, 2050):  # RL, echo
+        case = _small(**VARIANTS[variant], check_finite=False, kl_tau=0.0)
+        case.lp = _set(case.lp, {row: NAN})
+        for backend in ("triton", "naive"):
+            out, _, _ = _run(case, backend)
+            assert math.isnan(float(out.loss.detach())), (backend, row)
+            assert math.isnan(stat(out, "echo_nll_max")) == (row == 2050), (backend, row)
+
+
+def test_check_finite_off_writes_zero_checks():
+    case = _small(check_finite=False)
+    case.lp = _set(case.lp, {0: NAN})
+    for backend in ("triton", "naive"):
+        out, _, _ = _run(case, backend)
+        assert out.checks.tolist() == [0.0] * len(CHECK_SLOTS), backend
+
+
+# ---------------------------------------------------------------- extreme inputs
+
+
+def _nan_rows(n: int, rl, echo) -> RowInputs:
+    """Every per-row input NaN wherever it is not read."""
+    g = torch.Generator().manual_seed(5)
+    return RowInputs(
+        rl=rl,
+        echo=echo,
+        echo_weights=torch.where(echo, torch.rand(n, generator=g) + 0.1, NAN),
+        advantages=torch.where(rl, torch.randn(n, generator=g), NAN),
+        old_logprobs=torch.where(rl, -torch.rand(n, generator=g), NAN),
+        inference_logprobs=torch.where(rl, -torch.rand(n, generator=g), NAN),
+    )
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_no_participating_rows_gives_exact_zeros(variant):
+    """Every row is padding (NaN in every field): loss exactly 0, gradients exactly 0, every stat
+    0, every check clear, for every policy with every term switched on."""
+    n = 2500
+    none = torch.zeros(n, dtype=torch.bool)
+    rows = _nan_rows(n, none, none)
+    extra = {} if variant == "sft" else dict(kl_tau=0.3, entropy_coef=0.05, mismatch_metric=True)
+    p = RowAlgebraParams(**VARIANTS[variant], entropy_metric=True, **extra)
+    lp = torch.full((n,), NAN)
+    ent = torch.full((n,), NAN)
+    for backend in ("triton", "naive"):
+        out, a, b = _run(Case(lp, ent, rows, p), backend)
+        assert float(out.loss.detach()) == 0.0, backend
+        assert torch.equal(a, torch.zeros(n)), backend
+        if b is not None:
+            assert torch.equal(b, torch.zeros(n)), backend
+        assert out.stats.tolist() == [0.0] * len(STAT_SLOTS), backend
+        assert out.checks.tolist() == [0.0] * len(CHECK_SLOTS), backend
+
+
+@pytest.mark.parametrize("variant", ["dppo", "ppo_clip_dual", "cispo", "reinforce"])
+def test_zero_advantages_everywhere(variant):
+    """A = 0 on every RL row: the policy term and its gradient are exactly 0 on RL rows; echo
+    rows keep -w/N_echo."""
+    n = 2500
+    idx = torch.arange(n)
+    rl, echo = idx % 2 == 0, idx % 4 == 1
+    rows = _nan_rows(n, rl, echo)
+    rows = rows._replace(advantages=torch.where(rl, 0.0, NAN))
+    lp = torch.where(rl | echo, -torch.rand(n, generator=torch.Generator().manual_seed(1)), NAN)
+    p = RowAlgebraParams(**VARIANTS[variant])
+    for backend in ("triton", "naive"):
+        out, a, _ = _run(Case(lp, None, rows, p), backend)
+        assert torch.all(a[rl] == 0), backend
+        assert stat(out, "loss_rl") == 0.0, backend
+        n_echo = int(echo.sum())
+        torch.testing.assert_close(a[echo], -rows.echo_weights[echo] / n_echo, rtol=EPS, atol=0)
+
+
+@pytest.mark.parametrize("which", ["no_rl", "no_echo"])
+def test_only_one_kind_of_rows(which):
+    """No RL rows: loss_rl exactly 0 (the divisor max(0, 1) = 1), echo unchanged; no echo rows:
+    loss_echo exactly 0, the echo metrics 0; compared with naive on every slot."""
+    n = 2500
+    idx = torch.arange(n)
+    rl = (idx % 3 == 0) if which == "no_echo" else torch.zeros(n, dtype=torch.bool)
+    echo = (idx % 3 == 1) if which == "no_rl" else torch.zeros(n, dtype=torch.bool)
+    rows = _nan_rows(n, rl, echo)
+    lp = torch.where(rl | echo, -torch.rand(n, generator=torch.Generator().manual_seed(2)), NAN)
+    ent = torch.where(rl, torch.rand(n), NAN)
+    p = RowAlgebraParams(
+        "ppo_clip", kl_tau=0.1, entropy_coef=0.02, entropy_metric=True, mismatch_metric=True
+    )
+    case = Case(lp, ent, rows, p)
+    assert_same_as_naive(case, which)
+    out, _, b = _run(case, "triton")
+    zero = "loss_rl" if which == "no_rl" else "loss_echo"
+    assert stat(out, zero) == 0.0
+    if which == "no_echo":
+        assert stat(out, "echo_nll_mean") == stat(out, "echo_nll_max") == 0.0
+    else:
+        assert torch.equal(b, torch.zeros(n))
+
+
+def test_nan_placeholders_never_leak():
+    """NaN in every per-row input on the rows where it is not read, vs the same call with 0
+    placeholders: identical loss, gradients, stats and checks (bit for bit, both backends)."""
+    n = 2500
+    idx = torch.arange(n)
+    rl, echo = idx % 3 == 0, idx % 3 == 1
+    g = torch.Generator().manual_seed(9)
+    vals = {k: torch.randn(n, generator=g) for k in ("w", "adv", "old", "lq", "ent", "lp")}
+    p = RowAlgebraParams(
+        "ppo_clip",
+        dual_clip=3.0,
+        kl_tau=0.2,
+        entropy_coef=0.03,
+        entropy_metric=True,
+        mismatch_metric=True,
+    )
+
+    def build(fill):
+        lp = torch.where(rl | echo, -vals["lp"].abs(), fill)
+        rows = RowInputs(
+            rl=rl,
+            echo=echo,
+            echo_weights=torch.where(echo, vals["w"].abs(), fill),
+            advantages=torch.where(rl, vals["adv"], fill),
+            old_logprobs=torch.where(rl, -vals["old"].abs(), fill),
+            inference_logprobs=torch.where(rl, -vals["lq"].abs(), fill),
+        )
+        return Case(lp, torch.where(rl, vals["ent"].abs(), fill), rows, p)
+
+    for backend in ("triton", "naive"):
+        ref, a0, b0 = _run(build(0.0), backend)
+        for fill in (NAN, math.inf, -math.inf):
+            out, a, b = _run(build(fill), backend)
+            assert torch.equal(out.loss, ref.loss), (backend, fill)
+            assert torch.equal(a, a0) and torch.equal(b, b0), (backend, fill)
+            assert torch.equal(out.stats, ref.stats), (backend, fill)
+            assert torch.equal(out.checks, ref.checks), (backend, fill)
+
+
+def test_one_row():
+    """N = 1 (one partial block), as RL, echo and padding row, every policy."""
+    for variant in VARIANTS:
+        for kind in range(3):
+            o = dict(_option_sets(variant)[0], n=1)
+            assert_same_as_naive(_make_case(variant, o, seed=kind), f"{variant} kind {kind}")
+
+
+# ---------------------------------------------------------------- field failure modes
+
+
+def test_echo_rows_get_minus_w_over_n_echo_whatever_their_ratio():
+    """An echo row is never caught by the trust region or the clip: with a log ratio of ±50
+    against its (placeholder) old logprob, a NaN inference logprob and a NaN advantage it still
+    gets exactly -w/N_echo, for every policy."""
+    n = 2500
+    idx = torch.arange(n)
+    rl, echo = idx % 2 == 0, idx % 2 == 1
+    g = torch.Generator().manual_seed(4)
+    lp = -torch.rand(n, generator=g) - 0.01
+    w = torch.where(echo, torch.rand(n, generator=g) + 0.5, NAN)
+    rows = RowInputs(
+        rl=rl,
+        echo=echo,
+        echo_weights=w,
+        advantages=torch.where(rl, torch.randn(n, generator=g), NAN),
+        old_logprobs=torch.where(rl, lp, lp + torch.where(idx % 4 == 1, 50.0, -50.0)),
+        inference_logprobs=torch.where(rl, lp - 0.1, NAN),
+    )
+    n_echo = int(echo.sum())
+    for variant in VARIANTS:
+        p = RowAlgebraParams(**VARIANTS[variant])
+        for backend in ("triton", "naive"):
+            _, a, _ = _run(Case(lp, None, rows, p), backend)
+            torch.testing.assert_close(a[echo], -w[echo] / n_echo, rtol=EPS, atol=0)
+
+
+def test_padding_rows_do_not_dilute_the_denominators():
+    """Adding 3000 padding rows (NaN everywhere) changes nothing: the RL and echo divisors count
+    participating rows only."""
+    case = _small("dppo", n=900, kl_tau=0.1)
+    pad = 3000
+    grow = {
+        f: None
+        if getattr(case.rows, f) is None
+        else torch.cat(
+            [
+                getattr(case.rows, f),
+                torch.full((pad,), NAN)
+                if getattr(case.rows, f).is_floating_point()
+                else torch.zeros(pad, dtype=torch.bool),
+            ]
+        )
+        for f in ("rl", "echo", "echo_weights", "advantages", "old_logprobs")
+    }
+    big = Case(torch.cat([case.lp, torch.full((pad,), NAN)]), None, RowInputs(**grow), case.params)
+    small = Case(case.lp, None, case.rows, case.params)
+    for backend in ("triton", "naive"):
+        o1, a1, _ = _run(small, backend)
+        o2, a2, _ = _run(big, backend)
+        assert float(o2.loss.detach()) == pytest.approx(float(o1.loss.detach()), rel=1e-6), backend
+        assert torch.equal(a2[:900], a1) and torch.all(a2[900:] == 0), backend
+        assert stat(o2, "rl_tokens") == stat(o1, "rl_tokens") == 300
+
+
+def test_row_zero_not_participating_gets_exactly_zero():
+    """Token 0 is never supervised by accident: row 0 padding (NaN lp, NaN fields) has a = 0 and
+    does not move the loss; it is not reported by the checks either."""
+    case = _small("ppo_clip", n=2500, kl_tau=0.2, entropy_coef=0.01)
+    rows = case.rows._replace(rl=_set(case.rows.rl, {0: False}))
+    ent = _set(case.ent, {0: NAN})
+    lp = _set(case.lp, {0: NAN})
+    c = Case(lp, ent, rows, case.params)
+    assert_same_as_naive(c, "row 0 padding")
+    for backend in ("triton", "naive"):
+        out, a, b = _run(c, backend)
+        assert a[0] == 0 and b[0] == 0, backend
+        assert check(out, "scored_bad") == 0 and check(out, "loss_bad") == 0
+
+
+# ---------------------------------------------------------------- contract
+
+
+def test_sft_rejects_policy_terms():
+    """``policy="sft"`` (the NLL of the RL rows) has no ratio, penalty, bonus or mismatch metric:
+    setting one of them is an error naming it, not a term silently dropped (the Triton program
+    would otherwise leave ``b`` unwritten)."""
+    for kw in (dict(kl_tau=0.1), dict(entropy_coef=0.01), dict(mismatch_metric=True)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            RowAlgebraParams("sft", **kw)
+
+
+def test_flag_names_cover_the_flag_slots():
+    assert set(FLAG_NAMES) == set(POLICIES)
+    for variant, kw in VARIANTS.items():
+        names = RowAlgebraParams(**kw).flag_names
+        assert len(names) <= sum(s.startswith("flag") for s in STAT_SLOTS), variant
+    assert RowAlgebraParams("ppo_clip", dual_clip=2.0).flag_names[-1] == "dual_clipped"
