@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The short GPU check, prepared for one run on one GPU (about 6 minutes on an H100):
+# The short GPU check, prepared for one run on one GPU (about 5 minutes on an H100):
 # the kernels' GPU tests, the quick sweep and the one-table check (echoloss vs TRL vs Liger vs
 # naive at five bf16 shapes + fused-linear at H = 4096, with host syncs and launches per call).
 # Results land in benchmarks/results/ with the GPU name, versions and git sha in every row.
@@ -13,6 +13,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 timeout 120 "$PY" -m pytest -q -m gpu tests/ops 2>&1 | tail -5 | tee -a "$OUT/gpu_check_env.txt"
 timeout 120 "$PY" -m benchmarks --device cuda --quick --output "$OUT" --no-plot
 timeout 240 "$PY" -m benchmarks --device cuda --check --output "$OUT" --no-plot
-# Launches and host syncs of one echo_loss forward+backward, eager vs the compiled [N] algebra
-# (compile_loss_algebra); the two Triton phases are among the launches.
+# Launches and host syncs of one echo_loss forward+backward (the three Triton kernels among the
+# launches): the default (fused row algebra), and the compiled [N] algebra (compile_loss_algebra).
 timeout 120 "$PY" -m benchmarks.launch_count --n 16384 --v 151936 | tee "$OUT/gpu_check_launches.md"
+# Where the time goes: kernels, launches and host time per forward+backward, echoloss vs TRL.
+timeout 90 "$PY" -m benchmarks.profile_step | tee "$OUT/gpu_check_profile.md"
+# The fused-linear op's chunk size against time and memory, beside logits-then-loss (H = 4096).
+timeout 90 "$PY" -m benchmarks.linear_chunks | tee "$OUT/gpu_check_linear_chunks.md"

@@ -313,3 +313,14 @@ def test_launch_count_runs_on_cpu(capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("| eager |"))
     assert line.split("|")[2].strip() == "0"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+@pytest.mark.parametrize("module", ["profile_step", "linear_chunks"])
+def test_gpu_only_tools_say_so_on_cpu(module, capsys):
+    """The GPU-only measurements refuse to run without CUDA, with a message and exit code 2."""
+    import importlib
+
+    tool = importlib.import_module(f"benchmarks.{module}")
+    assert tool.main([]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().out
