@@ -74,18 +74,21 @@ FLAGS = (
 
 
 def _compiled(fn_obj):
-    """A compiled-mode copy of a kernel of ``fused.py`` and of the helpers it calls (the module
-    may hold interpreter versions in this folder)."""
-    raw = getattr(fn_obj, "fn", fn_obj)
-    g = dict(raw.__globals__)
-    for name in ("_clamp_grad", "_not_finite", "_first_bad"):
-        helper = getattr(fused, name)
-        g[name] = JITFunction(getattr(helper, "fn", helper))
-    g["_sum"] = JITFunction(getattr(fused._sum_local, "fn", fused._sum_local))
-    g["_max"] = JITFunction(getattr(fused._max_local, "fn", fused._max_local))
-    g["_min"] = JITFunction(getattr(fused._min_local, "fn", fused._min_local))
-    fn = types.FunctionType(raw.__code__, g, raw.__name__, raw.__defaults__, raw.__closure__)
-    return JITFunction(fn)
+    """A compiled-mode copy of a kernel of ``fused.py`` and of every JIT helper of the module
+    (this folder may hold interpreter versions), all sharing one namespace so that helpers
+    calling helpers resolve to compiled ones."""
+    g = dict(getattr(fn_obj, "fn", fn_obj).__globals__)
+
+    def rebuild(obj):
+        raw = getattr(obj, "fn", obj)
+        fn = types.FunctionType(raw.__code__, g, raw.__name__, raw.__defaults__, raw.__closure__)
+        return JITFunction(fn)
+
+    for name, value in list(vars(fused).items()):
+        if type(value).__name__ in ("JITFunction", "InterpretedFunction") and name.startswith("_"):
+            g[name] = rebuild(value)
+    g["_sum"], g["_max"], g["_min"] = g["_sum_local"], g["_max_local"], g["_min_local"]
+    return g["_row_algebra_kernel"]
 
 
 def _compile(consts, arch):
