@@ -33,6 +33,11 @@ from typing import Any
 import pytest
 import torch
 
+pytest.importorskip("triton")
+
+from _fused_cases import DEVICE
+from _row_algebra_cases import EPS, Case, bounds, sum_tol
+
 from echoloss.loss import LossConfig, LossInputs
 from echoloss.loss.core import echo_loss_from_logprobs, fuse_loss_algebra
 from echoloss.ops.row_algebra import CHECK_SLOTS, STAT_SLOTS, RowAlgebraParams, RowInputs
@@ -43,7 +48,6 @@ from echoloss.ops.row_algebra.op import FLAG_NAMES, POLICIES
 # Non-finite test inputs make numpy (the interpreter) warn about inf - inf and overflows.
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
-EPS = float(torch.finfo(torch.float32).eps)
 NAN = math.nan
 #: Row counts: three blocks (last partial), two full blocks, one partial block, one row.
 NS = (2500, 2 * BLOCK, 700, 1)
@@ -103,17 +107,6 @@ def _option_sets(variant: str) -> list[dict[str, Any]]:
         o["n"] = NS[k % len(NS)]
         sets.append(o)
     return sets
-
-
-class Case:
-    """One call's inputs: ``lp``, ``ent`` ``[N]`` fp32, ``rows`` and ``params``."""
-
-    def __init__(self, lp, ent, rows: RowInputs, params: RowAlgebraParams):
-        self.lp, self.ent, self.rows, self.params = lp, ent, rows, params
-
-    @property
-    def n(self) -> int:
-        return self.lp.numel()
 
 
 def _masks(n: int, g: torch.Generator, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,93 +175,19 @@ def _make_case(variant: str, o: dict[str, Any], seed: int) -> Case:
     return Case(lp, ent if need_ent else None, rows, params)
 
 
-# ---------------------------------------------------------------- bounds and comparisons
-
-
-def _divisors(case: Case) -> tuple[float, float]:
-    p, rows = case.params, case.rows
-    n_rl, n_echo = int(rows.rl.sum()), int(rows.echo.sum())
-    if rows.rl_divisor is not None:
-        rl_div = float(rows.rl_divisor)
-    elif p.rl_divisor is not None:
-        rl_div = p.rl_divisor
-    else:
-        rl_div = max(n_rl, 1)
-    if p.echo_normalization == "sum":
-        echo_div = 1.0
-    elif p.echo_normalization == "token_mean":
-        echo_div = max(n_echo, 1) if p.echo_divisor is None else p.echo_divisor
-    else:
-        echo_div = max(n_echo, 1) * (p.echo_divisor or 1.0)
-    return float(rl_div), float(echo_div)
-
-
-def _bounds(case: Case) -> tuple[float, torch.Tensor]:
-    """``(S, G)``: a bound of Σ|terms| of the loss (each term over its divisor) and per row a
-    bound ``G [N]`` of the terms of its derivative ``a`` (fp64)."""
-    p, rows = case.params, case.rows
-    rl, echo = rows.rl, rows.echo
-    lp = torch.where(rl | echo, case.lp.double(), 0.0)
-
-    def on(mask, t):
-        return torch.zeros_like(lp) if t is None else torch.where(mask, t.double(), 0.0)
-
-    if rows.old_logprobs is not None:
-        base = on(rl, rows.old_logprobs)
-    elif rows.inference_logprobs is not None:
-        base = on(rl, rows.inference_logprobs)
-    else:
-        base = on(rl, lp)
-    rho = torch.where(rl, lp - base, 0.0)
-    c = math.inf if p.log_ratio_clamp is None else p.log_ratio_clamp
-    r = torch.exp(rho.clamp(-c, c))
-    adv = on(rl, rows.advantages).abs() * p.adv_tau
-    if p.policy == "sft":
-        t_rl, g_rl = lp.abs(), torch.ones_like(lp)
-    else:
-        if p.policy == "reinforce":
-            m, with_lp = torch.ones_like(r), True
-        elif p.policy == "cispo":
-            m, with_lp = torch.full_like(r, p.high), True
-        elif p.policy == "dppo":
-            m, with_lp = r, False
-        else:  # ppo_clip: A > 0 is capped by 1 + high, A < 0 grows with r (up to the dual clip)
-            pos = on(rl, rows.advantages) > 0
-            m = torch.where(pos, torch.full_like(r, 1 + p.high), r.clamp(min=1 + p.high))
-            if p.dual_clip is not None:
-                m = torch.where(pos, m, m.clamp(max=p.dual_clip))
-            with_lp = False
-        t_rl = adv * m * (1 + lp.abs() if with_lp else 1)
-        g_rl = adv * m
-        if p.kl_tau:
-            t_rl = t_rl + p.kl_tau * rho * rho
-            g_rl = g_rl + 2 * p.kl_tau * rho.abs().clamp(max=c)
-        if p.entropy_coef:
-            t_rl = t_rl + abs(p.entropy_coef) * on(rl, case.ent).abs()
-    w = on(echo, rows.echo_weights).abs()
-    rl_div, echo_div = _divisors(case)
-    t_echo = w * lp.abs()
-    # a non-finite row makes its sum non-finite (compared exactly); the other sum's scale stays
-    t_rl, t_echo = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (t_rl, t_echo))
-    s = float(t_rl.sum() / rl_div + t_echo.sum() / echo_div)
-    g = torch.where(rl, g_rl / rl_div, torch.where(echo, w / echo_div, 0.0))
-    return s, g
-
-
-def _sum_tol(n: int, s: float) -> float:
-    """See the module docstring: fp32 sums of ``n`` terms of total magnitude ``s`` in two orders."""
-    depth = math.ceil(max(n, 1) / BLOCK) + math.log2(BLOCK) + math.log2(max(n, 2)) + 16
-    return depth * EPS * s
+# ---------------------------------------------------------------- comparisons
 
 
 def _run(case: Case, backend: str):
-    lp = case.lp.clone().requires_grad_()
+    """One call on ``DEVICE`` (the interpreter on CPU): ``(output, a, b)`` back on the CPU."""
+    lp = case.lp.to(DEVICE, copy=True).requires_grad_()
     train_ent = case.params.entropy_coef != 0
-    ent = None if case.ent is None else case.ent.clone().requires_grad_(train_ent)
-    out = row_algebra_op(lp, ent, case.rows, case.params, backend=backend)
+    ent = None if case.ent is None else case.ent.to(DEVICE, copy=True).requires_grad_(train_ent)
+    rows = RowInputs(*(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in case.rows))
+    out = row_algebra_op(lp, ent, rows, case.params, backend=backend)
     out.loss.backward()
-    b = ent.grad if train_ent else None
-    return out, lp.grad, b
+    b = ent.grad.cpu() if train_ent else None
+    return type(out)(*(t.detach().cpu() for t in out)), lp.grad.cpu(), b
 
 
 def check(out, name: str) -> float:
@@ -315,8 +234,8 @@ def assert_same_as_naive(case: Case, what: str = "") -> None:
     """Fused vs naive: loss, every stat slot, ``a``, ``b`` and the checks (module docstring)."""
     fused, a_f, b_f = _run(case, "triton")
     naive, a_n, b_n = _run(case, "naive")
-    s, g = _bounds(case)
-    tol = _sum_tol(case.n, s)
+    s, g = bounds(case)
+    tol = sum_tol(case.n, s)
     rows = case.rows
     what = f"{what} n={case.n} {case.params}"
     _close(float(fused.loss.detach()), float(naive.loss.detach()), tol, f"{what} loss")
@@ -334,7 +253,7 @@ def assert_same_as_naive(case: Case, what: str = "") -> None:
     for i, name in enumerate(STAT_SLOTS):
         fv, nv = float(fused.stats[i]), float(naive.stats[i])
         if name in sum_scales:
-            _close(fv, nv, _sum_tol(case.n, abs(sum_scales[name])), f"{what} stat {name}")
+            _close(fv, nv, sum_tol(case.n, abs(sum_scales[name])), f"{what} stat {name}")
         else:
             assert _same(fv, nv), f"{what} stat {name}: {fv} vs {nv}"
     # a: exactly 0 off the participating rows (NaN placeholders there), few ulps elsewhere
@@ -651,11 +570,11 @@ def test_derivatives_against_fp64_autograd_of_the_loss_module(variant):
     finally:
         fuse_loss_algebra("auto")
     grads = torch.autograd.grad(out64.loss, [lp64] + ([ent64] if ent64 is not None else []))
-    _, g = _bounds(case)
+    _, g = bounds(case)
     for backend in ("triton", "naive"):
         out, a, b = _run(case, backend)
         assert float(out.loss.detach()) == pytest.approx(
-            float(out64.loss.detach()), abs=_sum_tol(n, _bounds(case)[0])
+            float(out64.loss.detach()), abs=sum_tol(n, bounds(case)[0])
         )
         err = (a.double() - grads[0]).abs()
         assert torch.all(err <= 16 * EPS * g), (backend, float((err / g.clamp(min=1e-30)).max()))
@@ -695,7 +614,7 @@ def _checks_as_naive(case: Case, expect: dict[str, float]) -> None:
     maximum too (NaN or inf where the naive one is)."""
     fused, _, _ = _run(case, "triton")
     naive, _, _ = _run(case, "naive")
-    tol = _sum_tol(case.n, _bounds(case)[0])
+    tol = sum_tol(case.n, bounds(case)[0])
     assert_checks_equal(fused, naive, loss_tol=tol)
     _close(float(fused.loss.detach()), float(naive.loss.detach()), tol, "loss")
     assert _same(stat(fused, "echo_nll_max"), stat(naive, "echo_nll_max"))

@@ -1,0 +1,655 @@
+"""The loss through the fused ``[N]`` algebra (``fuse_loss_algebra("always")``) against the
+PyTorch algebra (``"never"``, the definition), through the public entry points.
+
+``echo_loss`` (the two phases by the reference or, on the interpreter, Triton), and
+``echo_loss_from_logprobs`` and the ``echoloss.nn`` modules (which end in the same
+``loss_from_logprobs``), inside ``device_code_path()`` (the CUDA code path: deferred checks, no
+host reads) and on the host path: the same loss, gradients, metric keys in the same order and
+metric values, the same error messages, and which configurations run the fused program at all
+(a spy on ``fused.forward``: a test that means to exercise it asserts it ran).
+
+Tolerances: the two algebras compute the same per-row formulas in fp32 and differ in the order
+of their sums (``tests/ops/test_row_algebra.py``): sums within ``sum_tol`` of a bound of their
+terms' magnitudes, per-row derivatives within ``16·eps`` of a bound of their terms. Gradients
+with respect to the logits are ``a_i·(onehot - p) + b_i·(...)`` computed by the same phase from
+``a_i`` and ``b_i``: the ``a_i`` difference times ``|onehot - p| ≤ 1`` plus the phase's own
+rounding of ``|a_i|`` (a few ulps): ``32·eps·G_i`` per row. Counts and flag fractions are exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from _fused_cases import HAS_CUDA
+from _row_algebra_cases import EPS, Case, bounds, sum_tol
+
+from echoloss._deferred import device_code_path, pending_count, raise_deferred_errors
+from echoloss.loss import (
+    LossConfig,
+    LossInputs,
+    Normalizers,
+    core,
+    echo_loss,
+    echo_loss_from_logprobs,
+)
+from echoloss.loss.core import fuse_loss_algebra, fused_algebra_applies
+from echoloss.loss.policy import PolicyOutput
+from echoloss.ops.row_algebra import RowInputs
+from echoloss.ops.row_algebra import fused as fused_module
+from echoloss.ops.selective_logprobs import reference
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.counting import count_ops, paused  # noqa: E402
+
+pytestmark = [
+    # The interpreted phases meet -inf and 0/0 on masked lanes, the overflow test inf - inf.
+    pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),
+    # fuse_loss_algebra("always") on cpu tensors runs the program under the interpreter, which
+    # tests/ops/conftest.py turns on only without CUDA (test_row_algebra.py runs on the GPU).
+    pytest.mark.skipif(HAS_CUDA, reason="the CPU device path under the Triton interpreter"),
+]
+
+NAN = math.nan
+#: Rows: three blocks of the program (the last one partial); a small vocabulary.
+N, V = 2500, 23
+
+#: Configurations the fused algebra covers (`fused_algebra_applies`).
+ACCEPTED = {
+    "dppo": LossConfig(),
+    "dppo-kl-entropy": LossConfig(kl_tau=0.2, entropy_coef=0.01),
+    "ppo_clip-dual-no-clamp": LossConfig(
+        policy="ppo_clip", dual_clip=3.0, log_ratio_clamp=None, adv_tau=0.5
+    ),
+    "ppo_clip-entropy-sum": LossConfig(
+        policy="ppo_clip", eps_high=0.28, entropy_coef=0.02, echo_normalization="sum"
+    ),
+    "cispo-batch-mean": LossConfig(
+        policy="cispo", cispo_min=0.5, echo_normalization="batch_token_mean"
+    ),
+    "cispo-constant": LossConfig(
+        policy="cispo", rl_normalization="token_sum_constant", rl_normalization_constant=3000.0
+    ),
+    "reinforce-no-entropy-metric": LossConfig(policy="reinforce", compute_entropy=False),
+    "reinforce-unchecked": LossConfig(policy="reinforce", check_finite=False),
+    "sft": LossConfig(mode="sft"),
+}
+
+#: Configurations it leaves to the PyTorch algebra.
+REJECTED = {
+    "gspo": LossConfig(policy="gspo"),
+    "sequence-rl-mean": LossConfig(rl_normalization="sequence_mean_token_mean"),
+    "sequence-echo-mean": LossConfig(echo_normalization="sequence_mean"),
+    "mismatch": LossConfig(mismatch="token_mask"),
+    "kl_coef": LossConfig(kl_coef=0.1),
+}
+
+
+@pytest.fixture(autouse=True)
+def _restore_mode_and_nothing_pending():
+    assert pending_count() == 0
+    yield
+    fuse_loss_algebra("auto")
+    try:
+        raise_deferred_errors()
+    finally:
+        assert pending_count() == 0
+
+
+@pytest.fixture
+def program_calls(monkeypatch):
+    """How often the fused program ran (``fused.forward``)."""
+    calls = [0]
+    real = fused_module.forward
+
+    def spy(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_module, "forward", spy)
+    return calls
+
+
+def _record(cfg: LossConfig, *, n: int = N, seed: int = 0, **changes) -> LossInputs:
+    """RL rows, echo rows and padding (the last 7 rows and row 0), NaN placeholders where a
+    field is not read; ratios against ``old_logprobs`` spread over the clip ranges."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=g)
+    rl = u < 0.45
+    echo = (u >= 0.45) & (u < 0.8)
+    if cfg.mode == "sft":
+        echo[:] = False
+    for m in (rl, echo):
+        m[0] = False
+        m[-7:] = False
+    labels = torch.randint(0, V, (n,), generator=g)
+    labels[~(rl | echo)] = -100  # never read
+    values = dict(
+        labels=labels,
+        rl_mask=rl,
+        echo_weights=torch.where(echo, 0.1 + torch.rand(n, generator=g), 0.0),
+        advantages=torch.where(rl, torch.randn(n, generator=g), 0.0),
+        old_logprobs=torch.where(rl, -3 * torch.rand(n, generator=g) - 0.01, 0.0),
+        inference_logprobs=torch.where(rl, -3 * torch.rand(n, generator=g) - 0.01, NAN),
+        sequence_ids=torch.arange(n) // 50,
+    )
+    values.update(changes)
+    return LossInputs(**values)
+
+
+def _logprobs_of(x: LossInputs, seed: int = 1) -> torch.Tensor:
+    """Logprobs near the old ones (ratios around 1, a few beyond the clip ranges)."""
+    g = torch.Generator().manual_seed(seed)
+    old = x.flat("old_logprobs")
+    base = -3 * torch.rand(N, generator=g) - 0.01 if old is None else old
+    lp = (base + 0.3 * torch.randn(base.shape, generator=g)).clamp(max=-1e-3)
+    return torch.where(x.rl | x.echo, lp, NAN)
+
+
+@contextlib.contextmanager
+def _mode(mode: str, device_path: bool):
+    fuse_loss_algebra(mode)
+    try:
+        with device_code_path() if device_path else contextlib.nullcontext():
+            yield
+            raise_deferred_errors()
+    finally:
+        fuse_loss_algebra("auto")
+
+
+def _entropy_of(x: LossInputs) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2)
+    return torch.where(x.rl, 2 * torch.rand(x.rl.shape, generator=g), NAN)
+
+
+def _from_logprobs(cfg, x, *, mode, device_path, normalizers=None, lp=None):
+    lp = (_logprobs_of(x) if lp is None else lp).clone().requires_grad_()
+    ent = _entropy_of(x).requires_grad_()
+    with _mode(mode, device_path):
+        out = echo_loss_from_logprobs(
+            lp, x.replace(labels=None), entropy=ent, config=cfg, normalizers=normalizers
+        )
+        out.loss.backward()
+    return out, lp.grad, ent.grad
+
+
+def _from_logits(cfg, x, *, mode, device_path, backend="reference", normalizers=None, logits=None):
+    if logits is None:
+        g = torch.Generator().manual_seed(3)
+        logits = torch.randn(x.rl.numel(), V, generator=g) * 3
+    logits = logits.clone().requires_grad_()
+    with _mode(mode, device_path):
+        out = echo_loss(logits, x, config=cfg, normalizers=normalizers, backend=backend)
+        out.loss.backward()
+    return out, logits.grad
+
+
+def _case(lp, ent, x, cfg, normalizers) -> Case:
+    """The row-algebra call the loss makes (for the tolerances' bounds)."""
+    params = core._row_algebra_params(cfg, ent, x, normalizers)
+    rows = RowInputs(
+        rl=x.rl,
+        echo=x.echo,
+        echo_weights=x.flat("echo_weights"),
+        advantages=x.flat("advantages"),
+        old_logprobs=x.flat("old_logprobs"),
+        inference_logprobs=x.flat("inference_logprobs"),
+    )
+    return Case(lp.detach().reshape(-1).float(), ent, rows, params)
+
+
+#: Metrics that are sums over rows (compared within ``sum_tol``); every other one exactly.
+SUMS = ("loss_rl/all", "loss_echo/all", "echo_nll_mean/all", "mismatch_kl/all", "entropy/all")
+
+
+def assert_same_loss(fused, ref, case: Case, what: str) -> None:
+    s, _ = bounds(case)
+    tol = sum_tol(case.n, s)
+    assert abs(float(fused.loss.detach()) - float(ref.loss.detach())) <= tol, (
+        what,
+        float(fused.loss.detach()),
+        float(ref.loss.detach()),
+        tol,
+    )
+    assert list(fused.metrics) == list(ref.metrics), what
+    for k, rv in ref.metrics.items():
+        fv = fused.metrics[k]
+        assert fv.dtype == rv.dtype and fv.shape == rv.shape, (what, k, fv, rv)
+        if k in SUMS:
+            scale = s if k.startswith("loss") else abs(float(rv))  # terms ≥ 0: their sum
+            assert abs(float(fv) - float(rv)) <= sum_tol(case.n, scale), (what, k, fv, rv)
+        else:
+            assert float(fv) == float(rv), (what, k, fv, rv)
+
+
+def assert_same_rows(actual, expected, g_scale, what) -> None:
+    """Per-row gradients (``[N]`` or ``[N, V]``) within ``factor·eps·G_i`` of each row."""
+    g = g_scale.reshape(-1, *([1] * (actual.dim() - 1)))
+    err = (actual.double() - expected.double()).abs()
+    bad = ~(err <= g)
+    assert not bad.any(), (what, bad.nonzero()[:5].tolist(), float(err.max()))
+
+
+# ---------------------------------------------------------------- fused vs PyTorch algebra
+
+
+@pytest.mark.parametrize("device_path", [True, False], ids=["device", "host"])
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_from_logprobs_fused_equals_pytorch(name, device_path, program_calls):
+    cfg = ACCEPTED[name]
+    x = _record(cfg)
+    fused, a_f, b_f = _from_logprobs(cfg, x, mode="always", device_path=device_path)
+    assert program_calls[0] == 1, "the fused program did not run"
+    ref, a_r, b_r = _from_logprobs(cfg, x, mode="never", device_path=device_path)
+    assert program_calls[0] == 1
+    case = _case(_logprobs_of(x), _entropy_of(x), x, cfg, None)
+    assert_same_loss(fused, ref, case, name)
+    _, g = bounds(case)
+    assert_same_rows(a_f, a_r, 16 * EPS * g, name)
+    assert torch.all(a_f[~(x.rl | x.echo)] == 0), name
+    if cfg.entropy_coef:
+        torch.testing.assert_close(b_f, b_r, rtol=2 * EPS, atol=0.0)
+    else:
+        assert b_f is None and b_r is None
+
+
+@pytest.mark.parametrize("device_path", [True, False], ids=["device", "host"])
+@pytest.mark.parametrize("name", ["dppo-kl-entropy", "ppo_clip-entropy-sum", "sft"])
+def test_from_logits_fused_equals_pytorch(name, device_path, program_calls):
+    cfg = ACCEPTED[name]
+    x = _record(cfg)
+    fused, d_f = _from_logits(cfg, x, mode="always", device_path=device_path)
+    assert program_calls[0] == 1, "the fused program did not run"
+    ref, d_r = _from_logits(cfg, x, mode="never", device_path=device_path)
+    # the bounds need the logprobs the phase computed: read them from the reference
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(N, V, generator=g) * 3
+    lp = torch.log_softmax(logits, -1).gather(1, x.labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    lp = torch.where(x.rl | x.echo, lp, NAN)
+    p = torch.softmax(logits, -1)
+    ent = -(p * torch.log_softmax(logits, -1)).sum(-1)
+    case = _case(lp, ent, x, cfg, None)
+    assert_same_loss(fused, ref, case, name)
+    _, gb = bounds(case)
+    # b_i = -entropy_coef/N_rl enters dlogits times p·(log p + H), |log p| + H ≤ 40 here
+    assert float(torch.log_softmax(logits, -1).min()) > -35
+    b = abs(cfg.entropy_coef) / max(int(x.rl.sum()), 1) * 40
+    assert_same_rows(d_f, d_r, 32 * EPS * (gb + b), name)
+    assert torch.all(d_f[~(x.rl | x.echo)] == 0)
+
+
+def test_triton_phases_with_the_fused_algebra(program_calls):
+    """Both phases and the algebra as Triton programs (interpreter), device path: the same as
+    the reference phases with the PyTorch algebra."""
+    cfg = ACCEPTED["dppo-kl-entropy"]
+    n = 1100  # above one block of the algebra, kept small: each phase program is interpreted
+    x = _record(cfg, n=n)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(n, V, generator=g) * 3
+    fused, d_f = _from_logits(
+        cfg, x, mode="always", device_path=True, backend="triton", logits=logits
+    )
+    assert program_calls[0] == 1
+    ref, d_r = _from_logits(cfg, x, mode="never", device_path=False, logits=logits)
+    lp = torch.log_softmax(logits, -1).gather(1, x.labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    case = _case(torch.where(x.rl | x.echo, lp, NAN), torch.ones(n), x, cfg, None)
+    # the phases differ too (fp32 log-sum-exp in blocks vs log_softmax: ≤ 1e-5 per logprob,
+    # tests/ops/_fused_cases.py STAT_TOL), moving each term by |∂L/∂lp_i|·1e-5
+    s, gb = bounds(case)
+    tol = sum_tol(n, s) + 1e-5 * float(gb.sum())
+    assert abs(float(fused.loss.detach()) - float(ref.loss.detach())) <= tol
+    assert list(fused.metrics) == list(ref.metrics)
+    torch.testing.assert_close(d_f, d_r, rtol=1e-5, atol=1e-5 * float(gb.max()) + 1e-7)
+
+
+def test_normalizers_given(program_calls):
+    """Given normalisers (larger than the call's counts) divide both terms, in both algebras."""
+    cfg = LossConfig(policy="ppo_clip", echo_normalization="batch_token_mean")
+    x = _record(cfg)
+    norms = Normalizers(rl_tokens=4000, echo_tokens=3000, echo_batches=3, sequences=60)
+    for device_path in (True, False):
+        fused, a_f, _ = _from_logprobs(
+            cfg, x, mode="always", device_path=device_path, normalizers=norms
+        )
+        ref, a_r, _ = _from_logprobs(
+            cfg, x, mode="never", device_path=device_path, normalizers=norms
+        )
+        case = _case(_logprobs_of(x), None, x, cfg, norms)
+        assert case.params.rl_divisor == 4000 and case.params.echo_divisor == 3
+        assert_same_loss(fused, ref, case, "normalizers")
+        _, g = bounds(case)
+        assert_same_rows(a_f, a_r, 16 * EPS * g, "normalizers")
+    assert program_calls[0] == 2
+
+
+def test_token_sum_constant_on_the_device_from_the_nn_module(program_calls):
+    """``EchoGRPOLoss(loss_type="dapo")``: the RL divisor is a device tensor (the batch's RL
+    tokens), given to the fused program as ``RowInputs.rl_divisor``."""
+    from echoloss.nn import EchoGRPOLoss
+
+    b, t = 6, 400
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(b, t, V, generator=g) * 2
+    ids = torch.randint(0, V, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) < 0.9
+    adv = torch.randn(b, generator=g)
+    echo_w = torch.where(torch.rand(b, t, generator=g) < 0.3, 0.5, 0.0)
+    loss_fn = EchoGRPOLoss(beta=0.0, loss_type="dapo")
+    results = {}
+    for mode in ("always", "never"):
+        leaf = logits.clone().requires_grad_()
+        with _mode(mode, True):
+            loss, metrics = loss_fn(leaf, ids, mask, adv, echo_weights=echo_w)
+            loss.backward()
+        results[mode] = (loss.detach(), metrics, leaf.grad)
+    assert program_calls[0] == 1
+    (lf, mf, gf), (lr, mr, gr) = results["always"], results["never"]
+    # fp32 sums of ~2400 terms of order 1/2400 each (|A|·r ≤ 3, 1/N): 1e-6 absolute
+    torch.testing.assert_close(lf, lr, rtol=0, atol=1e-6)
+    assert list(mf) == list(mr)
+    torch.testing.assert_close(gf, gr, rtol=1e-5, atol=1e-9)
+
+
+# ---------------------------------------------------------------- which configs run fused
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_accepted_configs_run_the_program(name, program_calls):
+    cfg = ACCEPTED[name]
+    x = _record(cfg, n=50)
+    lp = torch.where(x.rl | x.echo, -torch.rand(50) - 0.01, NAN)
+    ent = torch.ones(50)
+    fuse_loss_algebra("always")
+    assert fused_algebra_applies(lp, ent, x, cfg, None, None)
+    fuse_loss_algebra("never")
+    assert not fused_algebra_applies(lp, ent, x, cfg, None, None)
+    fuse_loss_algebra("auto")  # cpu tensors: only CUDA
+    assert not fused_algebra_applies(lp, ent, x, cfg, None, None)
+
+
+def _custom(inputs, cfg):
+    return PolicyOutput(-(inputs.advantages * inputs.logprobs), {})
+
+
+_custom.all_rows = True  # type: ignore[attr-defined]
+
+
+REJECTED_CALLS = {
+    **{k: (cfg, {}) for k, cfg in REJECTED.items()},
+    "env_names": (LossConfig(), {"env_names": ["a", "b"] * 5}),  # sequence ids 0..9
+    "custom": (
+        LossConfig(policy="custom", allow_echo_with_custom_policy=True),
+        {"policy_fn": _custom},
+    ),
+    "fp64": (LossConfig(), {"dtype": torch.float64}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REJECTED_CALLS))
+def test_rejected_configs_run_the_pytorch_algebra(name, program_calls):
+    """Outside the fused program's coverage ``"always"`` runs the PyTorch algebra: the program
+    never runs and the result is the ``"never"`` one, bit for bit."""
+    cfg, extra = REJECTED_CALLS[name]
+    extra = dict(extra)
+    dtype = extra.pop("dtype", torch.float32)
+    policy_fn = extra.pop("policy_fn", None)
+    n = 500
+    x = _record(cfg, n=n, **extra)
+    if cfg.kl_coef:
+        x = x.replace(ref_logprobs=torch.where(x.rl, -0.5, 0.0))
+    if cfg.echo_normalization == "sequence_mean":
+        x = x.replace(observation_mask=x.echo)
+    lp0 = torch.where(x.rl | x.echo, -torch.rand(n) - 0.01, NAN).to(dtype)
+    outs = []
+    for mode in ("always", "never"):
+        lp = lp0.clone().requires_grad_()
+        with _mode(mode, True):
+            out = echo_loss_from_logprobs(
+                lp, x.replace(labels=None), config=cfg, policy_fn=policy_fn
+            )
+            out.loss.backward()
+        outs.append((out, lp.grad))
+    assert program_calls[0] == 0, name
+    (f, gf), (r, gr) = outs
+    assert torch.equal(f.loss, r.loss) and torch.equal(gf, gr), name
+    assert list(f.metrics) == list(r.metrics)
+
+
+# ---------------------------------------------------------------- the same errors
+
+
+def _error(fn) -> tuple[type, str]:
+    """``(type, message)`` of the error ``fn`` raises (in the call or when the deferred checks
+    are read)."""
+    try:
+        fn()
+        raise_deferred_errors()
+    except Exception as e:
+        return type(e), str(e)
+    raise AssertionError("no error")
+
+
+def _errors_in_every_mode(call) -> dict[tuple[str, bool], tuple[type, str]]:
+    out = {}
+    for device_path in (True, False):
+        for mode in ("always", "never"):
+            fuse_loss_algebra(mode)
+            try:
+                with device_code_path() if device_path else contextlib.nullcontext():
+                    out[mode, device_path] = _error(call)
+            finally:
+                fuse_loss_algebra("auto")
+    return out
+
+
+def _assert_same_error(call, contains: str, program_calls) -> None:
+    errors = _errors_in_every_mode(call)
+    assert program_calls[0] >= 1, "the fused program did not run"
+    for device_path in (True, False):
+        fused, ref = errors["always", device_path], errors["never", device_path]
+        assert fused == ref, (device_path, fused, ref)
+        assert contains in ref[1], ref
+
+
+def test_same_error_for_a_nan_logits_row(program_calls):
+    cfg = LossConfig()
+    x = _record(cfg)
+    logits = torch.randn(N, V)
+    rows = (x.rl | x.echo).nonzero().flatten()
+    logits[rows[1500]] = NAN
+
+    def call():
+        echo_loss(logits, x, config=cfg, backend="reference")
+
+    _assert_same_error(call, f"logits row {int(rows[1500])}", program_calls)
+
+
+def test_same_error_for_a_label_out_of_range(program_calls):
+    cfg = LossConfig()
+    x = _record(cfg)
+    rows = (x.rl | x.echo).nonzero().flatten()
+    labels = x.labels.clone()
+    labels[rows[1900]] = V + 3
+    x = x.replace(labels=labels)
+
+    def call():
+        echo_loss(torch.randn(N, V), x, config=cfg, backend="reference")
+
+    _assert_same_error(call, str(V + 3), program_calls)
+
+
+def test_same_error_for_too_small_normalizers(program_calls):
+    cfg = LossConfig()
+    x = _record(cfg)
+    n_rl = int(x.rl.sum())
+    norms = Normalizers(rl_tokens=n_rl - 1, echo_tokens=N)
+
+    def call():
+        lp = _logprobs_of(x).requires_grad_()
+        echo_loss_from_logprobs(lp, x.replace(labels=None), config=cfg, normalizers=norms)
+
+    _assert_same_error(call, f"normalizers.rl_tokens={n_rl - 1}", program_calls)
+
+
+def test_same_error_for_a_final_loss_overflow(program_calls):
+    """Advantages of 3e38 on RL rows: every row finite, their sum not."""
+    cfg = LossConfig(policy="reinforce")
+    x = _record(cfg)
+    x = x.replace(advantages=torch.where(x.rl, 3e38, 0.0))
+
+    def call():
+        lp = torch.where(x.rl | x.echo, torch.tensor(-0.9), NAN).requires_grad_()
+        echo_loss_from_logprobs(lp, x.replace(labels=None), config=cfg)
+
+    _assert_same_error(call, "loss must be finite", program_calls)
+
+
+def test_same_error_for_a_nan_logprob(program_calls):
+    cfg = LossConfig(policy="ppo_clip")
+    x = _record(cfg)
+    rows = x.echo.nonzero().flatten()
+    lp0 = _logprobs_of(x)
+    lp0[rows[800]] = NAN
+
+    def call():
+        echo_loss_from_logprobs(lp0.clone().requires_grad_(), x.replace(labels=None), config=cfg)
+
+    _assert_same_error(call, f"logprobs row {int(rows[800])}", program_calls)
+
+
+# ---------------------------------------------------------------- host syncs
+
+
+@pytest.fixture
+def phases_uncounted(monkeypatch):
+    """The vocabulary-sized phases run the reference with the counter paused (on CUDA they
+    are two Triton launches, not aten ops); so does the launch of the fused program, whose
+    interpreter copies to numpy stand for one Triton launch (everything around it is counted)."""
+
+    def fwd(*a, **k):
+        with paused():
+            return reference.forward(*a, **k)
+
+    def bwd(*a, **k):
+        with paused():
+            return reference.backward(*a, **k)
+
+    fake = types.SimpleNamespace(forward=fwd, backward=bwd)
+    op = importlib.import_module("echoloss.ops.selective_logprobs.op")
+    monkeypatch.setattr(op, "resolve_backend", lambda b, d: fake)
+    kernel = fused_module._row_algebra_kernel
+
+    class Launch:  # kernel[grid](...) with the counter paused around the launch alone
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                with paused():
+                    return kernel[grid](*a, **k)
+
+            return launch
+
+    active = fused_module.interpreter_active()  # read from the kernel's type, replaced here
+    monkeypatch.setattr(fused_module, "interpreter_active", lambda: active)
+    monkeypatch.setattr(fused_module, "_row_algebra_kernel", Launch())
+
+
+@pytest.mark.parametrize("entry", ["logits", "logprobs"])
+def test_no_host_sync_on_the_fused_device_path(entry, phases_uncounted, monkeypatch):
+    cfg = ACCEPTED["dppo-kl-entropy"]
+    x = _record(cfg, n=300)
+    runs = [0]
+    program = fused_module.forward
+
+    def counted(*a, **k):
+        runs[0] += 1
+        return program(*a, **k)
+
+    monkeypatch.setattr(fused_module, "forward", counted)
+    fuse_loss_algebra("always")
+    try:
+        with device_code_path():
+            with count_ops() as fwd:
+                if entry == "logits":
+                    leaf = torch.randn(300, V).requires_grad_()
+                    out = echo_loss(leaf, x, config=cfg)
+                else:
+                    leaf = torch.where(x.rl | x.echo, -torch.rand(300) - 0.01, NAN)
+                    leaf.requires_grad_()
+                    ent = torch.rand(300).requires_grad_()
+                    out = echo_loss_from_logprobs(
+                        leaf, x.replace(labels=None), entropy=ent, config=cfg
+                    )
+            with count_ops() as bwd:
+                out.loss.backward()
+            raise_deferred_errors()
+    finally:
+        fuse_loss_algebra("auto")
+    assert runs[0] == 1
+    assert fwd.num_syncs == 0, dict(fwd.syncs)
+    assert bwd.num_syncs == 0, dict(bwd.syncs)
+
+
+# ---------------------------------------------------------------- failure modes of the field
+
+
+def test_echo_rows_get_minus_w_over_n_echo_on_the_fused_path(program_calls):
+    """Echo rows are not in the trust region: an echo row whose old logprob says ratio e^50 and
+    whose inference logprob is NaN still gets exactly -w/N_echo (not selected away, not
+    clipped, not dropped by dppo)."""
+    for policy in ("dppo", "ppo_clip", "cispo", "reinforce"):
+        cfg = LossConfig(policy=policy)
+        x = _record(cfg)
+        lp = _logprobs_of(x)
+        old = torch.where(x.echo, (lp - 50).nan_to_num(-60.0), x.flat("old_logprobs"))
+        x = x.replace(old_logprobs=old)
+        _, a, _ = _from_logprobs(cfg, x, mode="always", device_path=True, lp=lp)
+        w = x.flat("echo_weights")
+        n_echo = int(x.echo.sum())
+        torch.testing.assert_close(a[x.echo], -w[x.echo] / n_echo, rtol=EPS, atol=0.0)
+    assert program_calls[0] == 4
+
+
+def test_padding_rows_do_not_dilute_the_fused_denominators(program_calls):
+    """Padding rows appended (labels -100, masks False) change neither the loss nor any
+    participating row's gradient."""
+    cfg = LossConfig(policy="ppo_clip", kl_tau=0.1)
+    x = _record(cfg, n=1200)
+    lp = torch.where(x.rl | x.echo, -torch.rand(1200) - 0.01, NAN)
+    pad = 1500
+    fields = {}
+    for name in ("labels", "rl_mask", "echo_weights", "advantages", "old_logprobs"):
+        t = getattr(x, name)
+        fill = -100 if name == "labels" else (False if t.dtype == torch.bool else 0.0)
+        fields[name] = torch.cat([t, torch.full((pad,), fill, dtype=t.dtype)])
+    big = LossInputs(**fields, inference_logprobs=None)
+    small = x.replace(inference_logprobs=None, sequence_ids=None)
+    o1, a1, _ = _from_logprobs(cfg, small, mode="always", device_path=True, lp=lp)
+    o2, a2, _ = _from_logprobs(
+        cfg, big, mode="always", device_path=True, lp=torch.cat([lp, torch.full((pad,), NAN)])
+    )
+    assert program_calls[0] == 2
+    assert float(o2.loss.detach()) == pytest.approx(float(o1.loss.detach()), rel=1e-6)
+    assert torch.equal(a2[:1200], a1) and torch.all(a2[1200:] == 0)
+    assert float(o2.metrics["rl_tokens/all"]) == float(x.rl.sum())
+
+
+def test_row_zero_not_participating_gets_exactly_zero_gradient(program_calls):
+    """Row 0 is padding (label -100): its logits get exactly zero gradient on the fused path."""
+    cfg = LossConfig(entropy_coef=0.01)
+    x = _record(cfg)
+    assert not (x.rl[0] or x.echo[0])
+    _, d = _from_logits(cfg, x, mode="always", device_path=True)
+    assert program_calls[0] == 1
+    assert torch.equal(d[0], torch.zeros(V))
+    assert torch.all(d[~(x.rl | x.echo)] == 0)
