@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from echoloss.ops.row_algebra.op import CHECK_SLOTS, STAT_SLOTS, RowAlgebraParams, RowInputs
+from echoloss.ops.row_algebra.contract import CHECK_SLOTS, STAT_SLOTS, RowAlgebraParams, RowInputs
 
 __all__ = ["BLOCK", "forward", "interpreter_active"]
 

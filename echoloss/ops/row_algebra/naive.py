@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from echoloss.ops.row_algebra.op import (
+from echoloss.ops.row_algebra.contract import (
     CHECK_SLOTS,
     STAT_SLOTS,
     RowAlgebraParams,
