@@ -21,6 +21,9 @@ Tolerances (both backends compute in fp32 from the same inputs):
   of the row's derivative terms before they cancel (the ``kl_tau`` term can cancel the policy's).
 * counts, flag fractions (an integer count divided by the same fp32 count), the echo-NLL
   maximum (order-free) and the check numbers that read an input or a non-finite value: exact.
+* hand-computed values: the formula's value in fp64 on the test's numbers, which the fp32
+  inputs (``log(1.5)``, ``0.7``) and a handful of fp32 operations round: within ``4·eps``
+  relative (``eps`` where the result is one rounding away, e.g. ``-w/N``).
 """
 
 from __future__ import annotations
@@ -969,3 +972,32 @@ def test_flag_names_cover_the_flag_slots():
         names = RowAlgebraParams(**kw).flag_names
         assert len(names) <= sum(s.startswith("flag") for s in STAT_SLOTS), variant
     assert RowAlgebraParams("ppo_clip", dual_clip=2.0).flag_names[-1] == "dual_clipped"
+
+
+# ---------------------------------------------------------------- labels' range
+
+
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_label_range_check_as_naive(check_finite):
+    """``RowInputs.labels`` with ``vocab_size``: the first participating row whose label is
+    outside ``[0, V)`` and that label (in the third block, after an out-of-range label on a
+    padding row, which is not read); checked whatever ``check_finite`` says."""
+    case = _small(check_finite=check_finite)
+    v = 50
+    labels = torch.randint(0, v, (case.n,), generator=torch.Generator().manual_seed(6))
+    idx = torch.arange(case.n)
+    labels = torch.where(idx % 3 == 2, -100, labels)  # padding rows: -100, never read
+    # row 2300 is padding (not read), 2301 and 2499 are RL rows
+    labels = _set(labels, {2300: v, 2301: -1, 2499: v + 7})
+    rows = case.rows._replace(labels=labels, vocab_size=v)
+    first = 2301
+    outs = {b: _run(Case(case.lp, None, rows, case.params), b)[0] for b in ("triton", "naive")}
+    for name in ("label_bad", "label_row", "label_value"):
+        assert check(outs["triton"], name) == check(outs["naive"], name), name
+    assert check(outs["triton"], "label_bad") == 1
+    assert check(outs["triton"], "label_row") == first
+    assert check(outs["triton"], "label_value") == float(labels[first])
+    # every label in range (padding rows still -100): the check passes
+    ok = torch.where(idx % 3 == 2, -100, torch.zeros(case.n, dtype=torch.long))
+    out, _, _ = _run(Case(case.lp, None, rows._replace(labels=ok), case.params), "triton")
+    assert check(out, "label_bad") == 0
