@@ -707,3 +707,27 @@ def test_compiled_algebra_leaves_the_program_out():
         assert not fused_algebra_applies(lp, None, x, cfg, None, None)
     finally:
         core.compile_loss_algebra(False)
+
+
+def test_empty_call_in_both_modes(program_calls):
+    """No rows at all: loss 0 with an empty gradient and the same metrics in both modes."""
+    x = LossInputs(
+        rl_mask=torch.zeros(0, dtype=torch.bool),
+        advantages=torch.zeros(0),
+        echo_weights=torch.zeros(0),
+    )
+    cfg = LossConfig(policy="ppo_clip")
+    outs = {}
+    for device_path in (True, False):
+        for mode in ("always", "never"):
+            lp = torch.zeros(0, requires_grad=True)
+            with _mode(mode, device_path):
+                out = echo_loss_from_logprobs(lp, x, config=cfg)
+                out.loss.backward()
+            outs[mode, device_path] = (float(out.loss.detach()), lp.grad.shape, out.metrics)
+    assert program_calls[0] == 2
+    for device_path in (True, False):
+        (lf, gf, mf), (lr, gr, mr) = outs["always", device_path], outs["never", device_path]
+        assert lf == lr == 0.0 and gf == gr == (0,)
+        assert list(mf) == list(mr)
+        assert all(float(mf[k]) == float(mr[k]) == 0.0 for k in mr)

@@ -35,6 +35,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
@@ -137,9 +139,10 @@ def _make_case(variant: str, o: dict[str, Any], seed: int) -> Case:
         shift = torch.where(far, far_shift, shift)
         # ρ = lp - old < -20 needs lp < -20 (old is a log-probability too)
         lp = torch.where(far & (far_shift < 0), lp + far_shift - 1, lp)
+    shift = shift * o.get("shift_scale", 1.0)
     old = (lp - shift).clamp(max=0.0)
     lq = (lp - torch.randn(n, generator=g) * 0.3).clamp(max=0.0)
-    adv = torch.randn(n, generator=g)
+    adv = torch.randn(n, generator=g) * o.get("adv_scale", 1.0)
     adv[::7] = 0.0
     w = 0.1 + 2 * torch.rand(n, generator=g)
     ent = 3 * torch.rand(n, generator=g)
@@ -1001,3 +1004,63 @@ def test_label_range_check_as_naive(check_finite):
     ok = torch.where(idx % 3 == 2, -100, torch.zeros(case.n, dtype=torch.long))
     out, _, _ = _run(Case(case.lp, None, rows._replace(labels=ok), case.params), "triton")
     assert check(out, "label_bad") == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_per_row_fields_in_other_dtypes(dtype):
+    """Advantages, echo weights, old and inference logprobs and the device divisor in another
+    float dtype: both backends read them as fp32 (the same rounded values)."""
+    o = _option_sets("ppo_clip_dual")[0] | {
+        "n": 2500,
+        "base": "old",
+        "mismatch_metric": True,
+        "advantages": True,
+        "echo_weights": True,
+        "rl_divisor": "device",
+    }
+    case = _make_case("ppo_clip_dual", o, seed=11)
+    fields = ("echo_weights", "advantages", "old_logprobs", "inference_logprobs", "rl_divisor")
+    case.rows = case.rows._replace(**{f: getattr(case.rows, f).to(dtype) for f in fields})
+    assert_same_as_naive(case, str(dtype))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    variant=st.sampled_from(sorted(VARIANTS)),
+    n=st.sampled_from([2, 3, BLOCK - 1, BLOCK + 1, 2 * BLOCK + 3]),
+    seed=st.integers(0, 2**16),
+    options=st.fixed_dictionaries(
+        {name: st.sampled_from(values) for name, values in OPTIONS.items()}
+    ),
+    adv_scale=st.sampled_from([1e-3, 1.0, 1e3]),
+    shift_scale=st.sampled_from([0.0, 0.1, 3.0]),
+)
+def test_fused_equals_naive_property(variant, n, seed, options, adv_scale, shift_scale):
+    """Any option set, row count, advantage scale and ratio spread (0: every ratio exactly 1)."""
+    o = dict(options, n=n, adv_scale=adv_scale, shift_scale=shift_scale)
+    if o["base"] == "none":
+        o["mismatch_metric"] = False
+    if variant == "sft":
+        o.update(kl_tau=0.0, entropy_coef=0.0, mismatch_metric=False)
+    assert_same_as_naive(_make_case(variant, o, seed), f"{variant} {o}")
+
+
+@pytest.mark.parametrize("variant", ["ppo_clip_dual", "sft"])
+def test_zero_rows(variant):
+    """N = 0 (an empty micro-batch): loss 0, empty gradient, every stat and check 0."""
+    empty = torch.zeros(0)
+    rows = RowInputs(
+        torch.zeros(0, dtype=torch.bool),
+        torch.zeros(0, dtype=torch.bool),
+        echo_weights=empty,
+        advantages=empty,
+        old_logprobs=empty,
+        inference_logprobs=empty,
+    )
+    extra = {} if variant == "sft" else dict(entropy_coef=0.1, mismatch_metric=True)
+    p = RowAlgebraParams(**VARIANTS[variant], entropy_metric=True, **extra)
+    for backend in ("triton", "naive"):
+        out, a, _ = _run(Case(empty, empty, rows, p), backend)
+        assert float(out.loss) == 0.0 and a.shape == (0,), backend
+        assert out.stats.tolist() == [0.0] * len(STAT_SLOTS), backend
+        assert out.checks.tolist() == [0.0] * len(CHECK_SLOTS), backend

@@ -171,7 +171,8 @@ def forward(
             if p.logprobs_given:
                 bad = bad | (part & (lpd > p.logprob_tolerance))
             found, row, value = _first(bad, lpd)
-            checks[0:5] = [found, row, float(bad.sum()), value, float(bool(rl[int(row)]))]
+            is_rl = float(bool(rl[int(row)])) if rl.numel() else 0.0  # row 0 when none
+            checks[0:5] = [found, row, float(bad.sum()), value, is_rl]
             if p.policy != "sft":
                 pl = policy_loss.detach()
                 checks[5:8] = list(_first(rl & ~torch.isfinite(pl), pl))
