@@ -269,7 +269,7 @@ def test_from_logprobs_fused_equals_pytorch(name, device_path, program_calls):
 @pytest.mark.parametrize("name", ["dppo-kl-entropy", "ppo_clip-entropy-sum", "sft"])
 def test_from_logits_fused_equals_pytorch(name, device_path, program_calls):
     cfg = ACCEPTED[name]
-    x = _record(cfg)
+    x = _record(cfg, temperature=0.7)  # RL rows at 0.7, echo rows at 1 (echo_temperature)
     fused, d_f = _from_logits(cfg, x, mode="always", device_path=device_path)
     assert program_calls[0] == 1, "the fused program did not run"
     ref, d_r = _from_logits(cfg, x, mode="never", device_path=device_path)
@@ -441,18 +441,20 @@ def test_rejected_configs_run_the_pytorch_algebra(name, program_calls):
 # ---------------------------------------------------------------- the same errors
 
 
-def _error(fn) -> tuple[type, str]:
-    """``(type, message)`` of the error ``fn`` raises (in the call or when the deferred checks
-    are read)."""
+def _error(fn) -> tuple[str, type, str]:
+    """``(where, type, message)`` of the error ``fn`` raises: in the ``"call"`` or when the
+    deferred checks are read (``"deferred"``)."""
+    where = "call"
     try:
         fn()
+        where = "deferred"
         raise_deferred_errors()
     except Exception as e:
-        return type(e), str(e)
+        return where, type(e), str(e)
     raise AssertionError("no error")
 
 
-def _errors_in_every_mode(call) -> dict[tuple[str, bool], tuple[type, str]]:
+def _errors_in_every_mode(call) -> dict[tuple[str, bool], tuple[str, type, str]]:
     out = {}
     for device_path in (True, False):
         for mode in ("always", "never"):
@@ -471,7 +473,8 @@ def _assert_same_error(call, contains: str, program_calls) -> None:
     for device_path in (True, False):
         fused, ref = errors["always", device_path], errors["never", device_path]
         assert fused == ref, (device_path, fused, ref)
-        assert contains in ref[1], ref
+        assert contains in ref[2], ref
+    assert errors["always", True][0] == "deferred"  # the device path reads nothing back
 
 
 def test_same_error_for_a_nan_logits_row(program_calls):
