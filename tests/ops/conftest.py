@@ -17,7 +17,13 @@ import sys
 
 import pytest
 import torch
+import torch._dynamo
 from _fused_cases import HAS_CUDA, HAS_TRITON, INTERPRETER_BLOCK_V
+
+# torch._dynamo is imported above, before `poison_empty` patches torch.empty: its tables record
+# the torch functions when it is first imported (which a TorchDispatchMode does lazily, e.g.
+# benchmarks/counting.py's), and a wrapper recorded there breaks every later compiled graph of
+# the process at torch.empty.
 
 if HAS_TRITON and not HAS_CUDA:
     _prev = os.environ.get("TRITON_INTERPRET")
