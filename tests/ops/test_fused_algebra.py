@@ -334,24 +334,30 @@ def test_normalizers_given(program_calls):
     assert program_calls[0] == 2
 
 
-def test_token_sum_constant_on_the_device_from_the_nn_module(program_calls):
-    """``EchoGRPOLoss(loss_type="dapo")``: the RL divisor is a device tensor (the batch's RL
-    tokens), given to the fused program as ``RowInputs.rl_divisor``."""
-    from echoloss.nn import EchoGRPOLoss
+@pytest.mark.parametrize("module", ["EchoGRPOLoss", "EchoFusedLinearGRPOLoss"])
+def test_token_sum_constant_on_the_device_from_the_nn_modules(module, program_calls):
+    """``loss_type="dapo"``: the RL divisor is a device tensor (the batch's RL tokens), given
+    to the fused program as ``RowInputs.rl_divisor``; on logits, and on hidden states and the
+    LM head (gradients formed in its forward pass)."""
+    import echoloss.nn
 
-    b, t = 6, 400
+    b, t, h = 6, 400, 8
     g = torch.Generator().manual_seed(4)
-    logits = torch.randn(b, t, V, generator=g) * 2
+    hidden, weight = torch.randn(b, t, h, generator=g), torch.randn(V, h, generator=g)
     ids = torch.randint(0, V, (b, t), generator=g)
     mask = torch.rand(b, t, generator=g) < 0.9
     adv = torch.randn(b, generator=g)
     echo_w = torch.where(torch.rand(b, t, generator=g) < 0.3, 0.5, 0.0)
-    loss_fn = EchoGRPOLoss(beta=0.0, loss_type="dapo")
+    loss_fn = getattr(echoloss.nn, module)(beta=0.0, loss_type="dapo")
     results = {}
     for mode in ("always", "never"):
-        leaf = logits.clone().requires_grad_()
+        leaf = hidden.clone().requires_grad_()
         with _mode(mode, True):
-            loss, metrics = loss_fn(leaf, ids, mask, adv, echo_weights=echo_w)
+            if module == "EchoGRPOLoss":
+                logits = leaf @ weight.T
+                loss, metrics = loss_fn(logits, ids, mask, adv, echo_weights=echo_w)
+            else:
+                loss, metrics = loss_fn(leaf, weight, ids, mask, adv, echo_weights=echo_w)
             loss.backward()
         results[mode] = (loss.detach(), metrics, leaf.grad)
     assert program_calls[0] == 1
@@ -369,7 +375,8 @@ def test_token_sum_constant_on_the_device_from_the_nn_module(program_calls):
         tol = sum_tol(b * t, scale) if k in SUMS else 0.0
         assert abs(float(mf[k]) - float(mr[k])) <= tol, (k, mf[k], mr[k])
     # a_i = -A_i/N_rl in two operation orders (≤ 2 ulps), times |onehot - p| ≤ 1, then the
-    # same phase arithmetic
+    # same phase and matmul arithmetic (each d hidden row is a sum over V of such terms times
+    # the weight: the bound scales with the largest gradient)
     torch.testing.assert_close(gf, gr, rtol=4 * EPS, atol=4 * EPS * float(gr.abs().max()))
 
 
