@@ -116,3 +116,48 @@ def test_profile_and_chunk_numbers():
 @pytest.mark.parametrize("path", [START, END, PROFILE, CHUNKS])
 def test_result_files_are_committed(path):
     assert path.exists(), path
+
+
+def test_phase_times_against_trl():
+    prof = {(r["n"], r["v"], r["provider"]): r for r in json.loads(PROFILE.read_text())}
+
+    def phases(provider):
+        top = {name: ms for name, _, ms in prof[(16384, 151936, provider)]["top"]}
+        fwd = [ms for name, ms in top.items() if "fwd" in name or "_forward" in name]
+        bwd = [ms for name, ms in top.items() if "bwd" in name or "_backward" in name]
+        return fwd[0], bwd[0], top.get("_row_algebra_kernel")
+
+    f, b, row = phases("triton")
+    tf, tb, _ = phases("trl")
+    text = " ".join(PAGE.split())
+    assert f"({f:.2f} + {b:.2f} against {tf:.2f} + {tb:.2f} ms" in text
+    k = " ".join(KERNELS.split())
+    assert f"phase 1 takes {f:.2f} ms and phase 2 {b:.2f} ms of it" in k
+    assert f"the row algebra {row:.2f} ms" in k
+
+
+def test_phase_bandwidths_on_kernels_page():
+    """Phase 1 reads the participating rows once; phase 2 reads them and writes every row."""
+    prof = {(r["n"], r["v"], r["provider"]): r for r in json.loads(PROFILE.read_text())}
+    top = {name: ms for name, _, ms in prof[(16384, 151936, "triton")]["top"]}
+    [w] = [
+        r["workload"]
+        for r in load([str(END)])
+        if (r["n"], r["v"], r["provider"]) == (16384, 151936, "triton")
+    ]
+    row_bytes = 151936 * 2
+    part = (w["rl_rows"] + w["echo_rows"]) * row_bytes
+    p1 = part / (top["_logprobs_fwd_kernel"] * 1e-3) / 1e12
+    p2 = (part + 16384 * row_bytes) / (top["_logprobs_bwd_kernel"] * 1e-3) / 1e12
+    assert f"({p1:.2f} and {p2:.2f} TB/s" in " ".join(KERNELS.split())
+
+
+def test_start_profile_numbers_on_kernels_page():
+    text = (RESULTS / f"cuda-profile-step_{GPU}_20261127T110943Z.md").read_text()
+    found = re.findall(
+        r"N=(\d+) V=(\d+): median ([\d.]+) ms, kernels \d+, kernel time ([\d.]+)", text
+    )
+    k = " ".join(KERNELS.split())
+    for n, v, median, kernel in found:
+        assert f"{float(median):.2f} ms for {float(kernel):.2f} ms" in k, (n, v)
+    assert len(found) == 2
