@@ -80,6 +80,7 @@ def test_criteria_as_the_page_states_them():
         if n >= 16384 and v >= 128256
     ]
     assert "80–87 %" in PAGE and (round(min(pct)), round(max(pct))) == (80, 87)
+    assert "at 80–87 % of the bandwidth floor" in (ROOT / "README.md").read_text()
     assert "80 % of the floor" in KERNELS and "5.54 ms" in KERNELS
     lin, _ = _median(end, "linear", 16384, 151936, "linear-echoloss")
     fused, _ = _median(end, "linear", 16384, 151936, "fused-linear")
