@@ -233,3 +233,100 @@ def test_fused_linear_chunks_as_large_as_the_accumulator_on_gpu(monkeypatch):
     assert extra <= acc + chunk + 6 * rows + 8 * 2**20, (extra, acc + chunk)
     assert extra < 2 * n * v * 2  # the logits path's [N, V] logits and their gradient
     assert w.grad.dtype == torch.bfloat16 and bool(w.grad.abs().amax() > 0)
+
+
+_FUSED_CONFIGS = {
+    "dppo": LossConfig(),
+    "ppo_clip": LossConfig(policy="ppo_clip"),
+    "ppo_clip-dual-entropy": LossConfig(policy="ppo_clip", dual_clip=2.0, entropy_coef=0.01),
+    "cispo-min": LossConfig(policy="cispo", cispo_min=0.5),
+    "reinforce-sum": LossConfig(policy="reinforce", echo_normalization="sum"),
+    "sft": LossConfig(mode="sft"),
+    "dppo-constant-batch": LossConfig(
+        rl_normalization="token_sum_constant",
+        rl_normalization_constant=100.0,
+        echo_normalization="batch_token_mean",
+    ),
+}
+
+
+def _fused_record(n, v, *, sft=False):
+    from echoloss.loss import LossInputs
+
+    g = torch.Generator(device=CUDA).manual_seed(1)
+    rl = torch.rand(n, generator=g, device=CUDA) < 0.6
+    echo = ~rl & (torch.rand(n, generator=g, device=CUDA) < 0.5)
+    return LossInputs(
+        labels=torch.randint(0, v, (n,), generator=g, device=CUDA),
+        rl_mask=rl,
+        echo_weights=None
+        if sft
+        else torch.where(echo, torch.rand(n, generator=g, device=CUDA), 0.0),
+        advantages=torch.randn(n, generator=g, device=CUDA),
+        inference_logprobs=-torch.rand(n, generator=g, device=CUDA) * 12,
+    )
+
+
+@pytest.mark.parametrize("name", list(_FUSED_CONFIGS))
+@pytest.mark.parametrize("given", [False, True], ids=["own-counts", "normalizers"])
+def test_fused_row_algebra_matches_the_pytorch_algebra_on_cuda(name, given):
+    """`echo_loss` on CUDA with the fused row algebra (the default there) against the PyTorch
+    algebra (`fuse_loss_algebra("never")`) on the same bf16 logits: the phases are the same
+    kernels, so only the algebra's summation order differs. Loss and metrics within
+    ``N · 2^-24`` relative (fp32 sums of N terms in another order), gradients within one bf16
+    ulp of the largest entry (both are rounded once from fp32 coefficients that agree to a few
+    fp32 ulps); the metric keys in the same order."""
+    from echoloss._deferred import raise_deferred_errors
+    from echoloss.loss import Normalizers, echo_loss
+    from echoloss.loss.core import fuse_loss_algebra, fused_algebra_applies
+
+    n, v = 5000, 32000
+    cfg = _FUSED_CONFIGS[name]
+    x = _fused_record(n, v, sft=cfg.mode == "sft")
+    norms = Normalizers(rl_tokens=9000, echo_tokens=4000, echo_batches=2) if given else None
+    g = torch.Generator(device=CUDA).manual_seed(2)
+    logits = (torch.randn(n, v, generator=g, device=CUDA) * 2).bfloat16()
+    lp = torch.zeros(n, device=CUDA)
+    assert fused_algebra_applies(lp, lp, x, cfg, norms, None)
+    results = []
+    try:
+        for mode in ("never", "auto"):
+            fuse_loss_algebra(mode)
+            leaf = logits.clone().requires_grad_()
+            out = echo_loss(leaf, x, config=cfg, normalizers=norms)
+            out.loss.backward()
+            raise_deferred_errors()
+            results.append((out.loss.double(), leaf.grad.double(), out.metrics))
+    finally:
+        fuse_loss_algebra("auto")
+    (a, ga, ma), (b, gb, mb) = results
+    tol = n * 2.0**-24
+    assert list(ma) == list(mb)
+    assert float((a - b).abs()) <= tol * max(1.0, float(a.abs()))
+    for key in ma:
+        ref = float(ma[key])
+        assert abs(float(mb[key]) - ref) <= tol * max(1.0, abs(ref)), key
+    assert float((ga - gb).abs().max()) <= 2.0**-8 * float(ga.abs().max())
+
+
+def test_fused_row_algebra_defers_the_same_error_on_cuda():
+    """A NaN logits row on CUDA: the same deferred error with and without the fused algebra."""
+    from echoloss._deferred import raise_deferred_errors
+    from echoloss.loss import echo_loss
+    from echoloss.loss.core import fuse_loss_algebra
+
+    n, v = 300, 1000
+    x = _fused_record(n, v)
+    logits = torch.randn(n, v, device=CUDA)
+    logits[int(x.rl.nonzero()[3])] = float("nan")
+    messages = []
+    try:
+        for mode in ("never", "auto"):
+            fuse_loss_algebra(mode)
+            echo_loss(logits.clone().requires_grad_(), x)
+            with pytest.raises(ValueError) as err:
+                raise_deferred_errors()
+            messages.append(str(err.value))
+    finally:
+        fuse_loss_algebra("auto")
+    assert messages[0] == messages[1]
