@@ -46,7 +46,7 @@ from echoloss._validate import check_per_token, check_tensor, describe, problem
 from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
 from echoloss.loss.config import LossConfig
 from echoloss.loss.inputs import LOGPROB_TOLERANCE, LossInputs, split_rows
-from echoloss.loss.metrics import loss_metrics
+from echoloss.loss.metrics import RESERVED_ENV, loss_metrics
 from echoloss.loss.normalization import (
     LocalSequences,
     Normalizers,
@@ -862,8 +862,8 @@ def fused_algebra_applies(
     Covered: ``mode="sft"`` and the policies ``dppo``, ``ppo_clip``, ``cispo`` and
     ``reinforce`` without a mismatch correction or reference KL (``kl_tau`` and the entropy
     bonus included), RL normalisation ``token_mean`` or ``token_sum_constant``, echo
-    normalisation ``token_mean``, ``sum`` or ``batch_token_mean``, no per-env metrics
-    (``env_names``), fp32 logprobs. Everything else runs the PyTorch algebra, which is also
+    normalisation ``token_mean``, ``sum`` or ``batch_token_mean``, fp32 logprobs (the per-env
+    metrics of ``env_names`` too: one program more per env). Everything else runs the PyTorch algebra, which is also
     the definition the fused one is tested against.
 
     Examples:
@@ -905,9 +905,8 @@ def _fused_algebra_covers(
         return False
     if cfg.echo_normalization not in ("token_mean", "sum", "batch_token_mean"):
         return False
-    if normalizers is not None and not isinstance(normalizers, Normalizers):
-        return False  # the PyTorch algebra raises the TypeError
-    return x.env_names is None or x.sequence_ids is None
+    # a normalizers of the wrong type: the PyTorch algebra raises the TypeError
+    return normalizers is None or isinstance(normalizers, Normalizers)
 
 
 def _row_algebra_params(
@@ -978,6 +977,7 @@ def _fused_algebra(
     params = dataclasses.replace(
         _row_algebra_params(cfg, ent, x, normalizers), logprobs_given=source == "logprobs"
     )
+    env_of_row, env_list = _env_of_rows(x, lp.device)  # per-env metrics: one program per env
     rows = RowInputs(
         rl=x.rl,
         echo=x.echo,
@@ -988,6 +988,8 @@ def _fused_algebra(
         rl_divisor=rl_constant if cfg.rl_normalization == "token_sum_constant" else None,
         labels=None if label_check is None else label_check[0],
         vocab_size=0 if label_check is None else label_check[1],
+        env_of_row=env_of_row if env_list else None,
+        num_envs=len(env_list),
     )
     out = row_algebra(lp, ent, rows, params, backend="triton")
     s = out.stats
@@ -1016,20 +1018,23 @@ def _fused_algebra(
         later.append((_final_loss_message(x, ent, cfg, rl_constant), range(11, 15)))
     if first or later:  # one block, no launch (two around the normalisers' checks)
         checks.add_packed(out.checks, first + later)
-    metrics: dict[str, torch.Tensor] = {
-        "rl_tokens/all": s[3],
-        "echo_tokens/all": s[4],
-        "echo_nll_mean/all": s[5],
-        "echo_nll_max/all": s[6],
-    }
-    if params.mismatch_metric:
-        metrics["mismatch_kl/all"] = s[7]
-    if params.entropy_metric:
-        metrics["entropy/all"] = s[8]
-    for i, flag in enumerate(params.flag_names):
-        metrics[f"{flag}_frac/all"] = s[9 + i]
-    metrics["loss_rl/all"] = s[1]
-    metrics["loss_echo/all"] = s[2]
+    # The keys in `loss_metrics`' order: per key (all, then each env) the counts, the echo NLL,
+    # the means and the flags; the two terms after the "all" ones.
+    metrics: dict[str, torch.Tensor] = {}
+    for key, row in [(RESERVED_ENV, s), *zip(env_list, out.env_stats, strict=True)]:
+        metrics[f"rl_tokens/{key}"] = row[3]
+        metrics[f"echo_tokens/{key}"] = row[4]
+        metrics[f"echo_nll_mean/{key}"] = row[5]
+        metrics[f"echo_nll_max/{key}"] = row[6]
+        if params.mismatch_metric:
+            metrics[f"mismatch_kl/{key}"] = row[7]
+        if params.entropy_metric:
+            metrics[f"entropy/{key}"] = row[8]
+        for i, flag in enumerate(params.flag_names):
+            metrics[f"{flag}_frac/{key}"] = row[9 + i]
+        if key == RESERVED_ENV:
+            metrics[f"loss_rl/{key}"] = s[1]
+            metrics[f"loss_echo/{key}"] = s[2]
     return out.loss, metrics
 
 

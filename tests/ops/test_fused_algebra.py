@@ -210,8 +210,9 @@ def _case(lp, ent, x, cfg, normalizers) -> Case:
     return Case(lp.detach().reshape(-1).float(), ent, rows, params)
 
 
-#: Metrics that are sums over rows (compared within ``sum_tol``); every other one exactly.
-SUMS = ("loss_rl/all", "loss_echo/all", "echo_nll_mean/all", "mismatch_kl/all", "entropy/all")
+#: Metrics that are sums over rows (compared within ``sum_tol``), for "all" and every env;
+#: every other one (counts, fractions of counts, maxima) exactly.
+SUMS = ("loss_rl", "loss_echo", "echo_nll_mean", "mismatch_kl", "entropy")
 
 
 def assert_same_loss(fused, ref, case: Case, what: str) -> None:
@@ -227,7 +228,7 @@ def assert_same_loss(fused, ref, case: Case, what: str) -> None:
     for k, rv in ref.metrics.items():
         fv = fused.metrics[k]
         assert fv.dtype == rv.dtype and fv.shape == rv.shape, (what, k, fv, rv)
-        if k in SUMS:
+        if k.split("/")[0] in SUMS:
             scale = s if k.startswith("loss") else abs(float(rv))  # terms ≥ 0: their sum
             assert abs(float(fv) - float(rv)) <= sum_tol(case.n, scale), (what, k, fv, rv)
         else:
@@ -372,7 +373,7 @@ def test_token_sum_constant_on_the_device_from_the_nn_modules(module, program_ca
     assert list(mf) == list(mr)
     for k in mr:
         scale = s if k.startswith("loss") else abs(float(mr[k]))  # sums of terms ≥ 0
-        tol = sum_tol(b * t, scale) if k in SUMS else 0.0
+        tol = sum_tol(b * t, scale) if k.split("/")[0] in SUMS else 0.0
         assert abs(float(mf[k]) - float(mr[k])) <= tol, (k, mf[k], mr[k])
     # a_i = -A_i/N_rl in two operation orders (≤ 2 ulps), times |onehot - p| ≤ 1, then the
     # same phase and matmul arithmetic (each d hidden row is a sum over V of such terms times
@@ -397,6 +398,33 @@ def test_accepted_configs_run_the_program(name, program_calls):
     assert not fused_algebra_applies(lp, ent, x, cfg, None, None)
 
 
+@pytest.mark.parametrize("device_path", [True, False], ids=["device", "host"])
+@pytest.mark.parametrize("name", ["dppo-kl-entropy", "ppo_clip-entropy-sum", "sft"])
+def test_per_env_metrics_run_the_program(name, device_path, program_calls):
+    """``env_names`` with ``sequence_ids``: one program more per env; the same keys in the
+    same order (per env: counts, echo NLL, means, flags) and the same values as the PyTorch
+    algebra's ``loss_metrics``, an env without rows included (all its metrics 0)."""
+    cfg = ACCEPTED[name]
+    sid = torch.arange(N) // 50
+    sid[-7:] = -1  # the record's padding rows
+    last = int(sid.max())
+    sid = torch.where(sid == last - 1, last - 2, sid)  # sequence last - 1 has no rows
+    names = (["b", "", "a", "b", "c", "a", "", "b", "a"] * N)[: last + 1]
+    names[last - 1] = "zz"
+    x = _record(cfg, sequence_ids=sid, env_names=names)
+    fused, a_f, _ = _from_logprobs(cfg, x, mode="always", device_path=device_path)
+    assert program_calls[0] == 1, "the fused program did not run"
+    ref, a_r, _ = _from_logprobs(cfg, x, mode="never", device_path=device_path)
+    assert [k.split("/")[1] for k in fused.metrics if k.startswith("rl_tokens/")] == [
+        "all", "a", "b", "c", "zz"
+    ]  # fmt: skip
+    assert float(fused.metrics["rl_tokens/zz"]) == 0.0  # its sequence has no rows
+    case = _case(_logprobs_of(x), _entropy_of(x), x, cfg, None)
+    assert_same_loss(fused, ref, case, name)
+    _, g = bounds(case)
+    assert_same_rows(a_f, a_r, 16 * EPS * g, name)
+
+
 def _custom(inputs, cfg):
     return PolicyOutput(-(inputs.advantages * inputs.logprobs), {})
 
@@ -406,7 +434,6 @@ _custom.all_rows = True  # type: ignore[attr-defined]
 
 REJECTED_CALLS = {
     **{k: (cfg, {}) for k, cfg in REJECTED.items()},
-    "env_names": (LossConfig(), {"env_names": ["a", "b"] * 5}),  # sequence ids 0..9
     "custom": (
         LossConfig(policy="custom", allow_echo_with_custom_policy=True),
         {"policy_fn": _custom},

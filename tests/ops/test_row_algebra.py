@@ -1064,3 +1064,47 @@ def test_zero_rows(variant):
         assert float(out.loss) == 0.0 and a.shape == (0,), backend
         assert out.stats.tolist() == [0.0] * len(STAT_SLOTS), backend
         assert out.checks.tolist() == [0.0] * len(CHECK_SLOTS), backend
+
+
+@pytest.mark.parametrize("n", [2500, 700])
+def test_per_env_metrics_fused_equal_naive(n):
+    """``env_of_row``/``num_envs``: program e + 1 writes env e's metrics (the main program
+    still writes everything over all rows); against the gold, slot by slot: counts, fractions
+    and maxima exactly, sums within `sum_tol`, the loss slots of an env row 0; an env with no
+    row (env 3) all 0; rows of env -1 only in "all"."""
+    g = torch.Generator().manual_seed(7)
+    rl = torch.rand(n, generator=g) < 0.5
+    echo = ~rl & (torch.rand(n, generator=g) < 0.6)
+    env = torch.randint(-1, 3, (n,), generator=g)  # envs 0..2 and none; env 3 empty
+    rows = RowInputs(
+        rl=rl.to(DEVICE),
+        echo=echo.to(DEVICE),
+        echo_weights=torch.where(echo, 0.5, 0.0).to(DEVICE),
+        advantages=torch.randn(n, generator=g).to(DEVICE),
+        inference_logprobs=(-3 * torch.rand(n, generator=g) - 0.01).to(DEVICE),
+        env_of_row=env.to(DEVICE),
+        num_envs=4,
+    )
+    lp = (-3 * torch.rand(n, generator=g) - 0.01).to(DEVICE)
+    ent = (2 * torch.rand(n, generator=g)).to(DEVICE)
+    params = RowAlgebraParams(
+        "ppo_clip", low=0.2, high=0.2, dual_clip=3.0, entropy_metric=True, mismatch_metric=True
+    )
+    fused = row_algebra_op(lp.clone().requires_grad_(), ent, rows, params, backend="triton")
+    gold = row_algebra_op(lp.clone().requires_grad_(), ent, rows, params, backend="naive")
+    assert fused.env_stats.shape == gold.env_stats.shape == (4, len(STAT_SLOTS))
+    exact = {"rl_tokens", "echo_tokens", "echo_nll_max", "flag0", "flag1", "flag2", "flag3"}
+    for e in range(4):
+        for i, name in enumerate(STAT_SLOTS):
+            f, r = float(fused.env_stats[e, i]), float(gold.env_stats[e, i])
+            if name in ("loss", "loss_rl", "loss_echo"):
+                assert f == r == 0.0, (e, name)
+            elif name in exact:
+                assert f == r, (e, name, f, r)
+            else:  # means of non-negative terms: their own magnitude bounds the sum's rounding
+                assert abs(f - r) <= sum_tol(n, abs(r)), (e, name, f, r)
+    assert fused.env_stats[3].abs().sum() == 0
+    assert float(fused.stats[STAT_SLOTS.index("rl_tokens")]) == float(rl.sum())
+    assert float(fused.env_stats[:3, STAT_SLOTS.index("rl_tokens")].sum()) == float(
+        (rl & (env >= 0)).sum()
+    )

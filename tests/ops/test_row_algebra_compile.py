@@ -19,7 +19,7 @@ if HAS_TRITON:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from echoloss.ops.row_algebra import fused
+    from echoloss.ops.row_algebra import STAT_SLOTS, fused
 
 TYPES = {
     "LP": "*fp32",
@@ -32,6 +32,7 @@ TYPES = {
     "LQ": "*fp32",
     "RL_DIV": "*fp32",
     "LABELS": "*i64",
+    "ENV": "*i64",
     "A": "*fp32",
     "B": "*fp32",
     "LOSS": "*fp32",
@@ -70,6 +71,7 @@ FLAGS = (
     "CHECK",
     "LP_GIVEN",
     "CHECK_LABELS",
+    "HAS_ENV",
 )
 
 
@@ -112,6 +114,7 @@ def _consts(policy, on, base=1, rl_div_mode=0, echo_mode=0):
         "BASE": base,
         "RL_DIV_MODE": rl_div_mode,
         "ECHO_MODE": echo_mode,
+        "NUM_STATS": len(STAT_SLOTS),
         "BLOCK": fused.BLOCK,
     }
 

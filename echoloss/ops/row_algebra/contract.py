@@ -168,6 +168,8 @@ class RowInputs(NamedTuple):
     a 0-dim device divisor of the RL term replacing ``RowAlgebraParams.rl_divisor``, or None.
     ``labels`` (int) with ``vocab_size``: check that every participating label is in
     ``[0, vocab_size)`` (the ``label`` check), for a caller whose logprob op did not.
+    ``env_of_row`` (int, ``-1`` = no env) with ``num_envs``: the metrics also per env (env
+    ``e`` counts the RL and echo rows whose entry is ``e``).
     """
 
     rl: torch.Tensor
@@ -179,3 +181,5 @@ class RowInputs(NamedTuple):
     rl_divisor: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     vocab_size: int = 0
+    env_of_row: torch.Tensor | None = None
+    num_envs: int = 0

@@ -112,10 +112,11 @@ def _row_algebra_kernel(
     LQ,  # [N] float inference logprobs (unused unless HAS_LQ)
     RL_DIV,  # [1] float device divisor (unused unless RL_DIV_MODE == 2)
     LABELS,  # [N] int labels (unused unless CHECK_LABELS)
+    ENV,  # [N] int env of each row, -1 = none (unused unless HAS_ENV)
     A,  # [N] fp32 out: d loss / d logprob
     B,  # [N] fp32 out: d loss / d entropy (unused unless TRAIN_ENT)
     LOSS,  # [] fp32 out
-    STATS,  # [len(STAT_SLOTS)] fp32 out
+    STATS,  # [1 + envs, len(STAT_SLOTS)] fp32 out: all rows, then one row per env
     CHECKS,  # [len(CHECK_SLOTS)] fp64 out
     n,
     adv_tau,
@@ -147,8 +148,17 @@ def _row_algebra_kernel(
     CHECK: tl.constexpr,
     LP_GIVEN: tl.constexpr,
     CHECK_LABELS: tl.constexpr,
+    HAS_ENV: tl.constexpr,
+    NUM_STATS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Program 0 computes everything over all rows; program e + 1 (one per env, HAS_ENV) walks
+    # the same rows but keeps only env e's in the RL and echo masks and writes only its row of
+    # STATS: the per-env metrics, in parallel with the main program.
+    pid = tl.program_id(0)
+    main = pid == 0
+    env = pid - 1
+    n_main = tl.where(main, n, 0)  # rows program 0 writes derivatives for: all of them, or none
     offs = tl.arange(0, BLOCK)
     # ---- loop 1: the counts every denominator and metric needs
     rl_count = tl.full([BLOCK], 0, tl.int32)
@@ -156,8 +166,14 @@ def _row_algebra_kernel(
     for start in range(0, n, BLOCK):
         idx = start + offs
         m = idx < n
-        rl_count += (tl.load(RL + idx, mask=m, other=0) != 0).to(tl.int32)
-        echo_count += (tl.load(ECHO + idx, mask=m, other=0) != 0).to(tl.int32)
+        rl_c = tl.load(RL + idx, mask=m, other=0) != 0
+        echo_c = tl.load(ECHO + idx, mask=m, other=0) != 0
+        if HAS_ENV:
+            in_env = (tl.load(ENV + idx, mask=m, other=-1).to(tl.int32) == env) | main
+            rl_c = rl_c & in_env
+            echo_c = echo_c & in_env
+        rl_count += rl_c.to(tl.int32)
+        echo_count += echo_c.to(tl.int32)
     n_rl = tl.reduce(rl_count, 0, _sum).to(tl.float32)
     n_echo = tl.reduce(echo_count, 0, _sum).to(tl.float32)
     if RL_DIV_MODE == 0:
@@ -201,6 +217,10 @@ def _row_algebra_kernel(
         m = idx < n
         rl = tl.load(RL + idx, mask=m, other=0) != 0
         echo = tl.load(ECHO + idx, mask=m, other=0) != 0
+        if HAS_ENV:
+            in_env = (tl.load(ENV + idx, mask=m, other=-1).to(tl.int32) == env) | main
+            rl = rl & in_env
+            echo = echo & in_env
         lp = tl.load(LP + idx, mask=m, other=0.0)
         lp_rl = tl.where(rl, lp, 0.0)
         lp_echo = tl.where(echo, lp, 0.0)
@@ -329,7 +349,7 @@ def _row_algebra_kernel(
                 d = d + tl.where(rl, kl_tau * dpen, 0.0)
             if TRAIN_ENT:  # (HAS_ENT is then true: op.py requires the entropy)
                 per = per - ent_coef * ent_rl
-                tl.store(B + idx, tl.where(rl, -ent_coef / rl_div, 0.0), mask=m)
+                tl.store(B + idx, tl.where(rl, -ent_coef / rl_div, 0.0), mask=idx < n_main)
                 if CHECK:
                     first_e, value_e = _first_bad(
                         rl & _not_finite(ent), idx, ent, first_e, value_e, n
@@ -345,7 +365,7 @@ def _row_algebra_kernel(
                 kl_acc += tl.where(rl, k3.to(tl.float32).to(tl.float64), 0.0)
         rl_acc += per
         a = tl.where(rl, d / rl_div, a)
-        tl.store(A + idx, a, mask=m)
+        tl.store(A + idx, a, mask=idx < n_main)
 
     rl_term = tl.reduce(rl_acc, 0, _sum) / rl_div
     if ECHO_MODE == 2:
@@ -353,50 +373,52 @@ def _row_algebra_kernel(
     else:
         echo_term = tl.reduce(echo_acc, 0, _sum) / echo_div
     loss = rl_term + echo_term
-    tl.store(LOSS, loss)
+    tl.store(LOSS, loss, mask=main)
     rl_den = tl.maximum(n_rl, 1.0)
-    tl.store(STATS + 0, loss)
-    tl.store(STATS + 1, rl_term)
-    tl.store(STATS + 2, echo_term)
-    tl.store(STATS + 3, n_rl)
-    tl.store(STATS + 4, n_echo)
-    tl.store(STATS + 5, tl.reduce(nll_acc, 0, _sum) / tl.maximum(n_echo, 1.0))
+    ROW_STATS = STATS + pid * NUM_STATS
+    # an env's row holds metrics only: its loss slots are 0
+    tl.store(ROW_STATS + 0, tl.where(main, loss, 0.0))
+    tl.store(ROW_STATS + 1, tl.where(main, rl_term, 0.0))
+    tl.store(ROW_STATS + 2, tl.where(main, echo_term, 0.0))
+    tl.store(ROW_STATS + 3, n_rl)
+    tl.store(ROW_STATS + 4, n_echo)
+    tl.store(ROW_STATS + 5, tl.reduce(nll_acc, 0, _sum) / tl.maximum(n_echo, 1.0))
     # the maximum of the lanes, NaN if one is (the reductions' fast max drops NaN)
     nll_nan = tl.reduce(tl.where(nll_max != nll_max, 1, 0), 0, _sum) > 0
     nll_top = tl.where(nll_nan, float("nan"), tl.reduce(nll_max, 0, _max))
-    tl.store(STATS + 6, tl.where(n_echo > 0, nll_top, 0.0))
-    tl.store(STATS + 7, (tl.reduce(kl_acc, 0, _sum) / rl_den).to(tl.float32))
-    tl.store(STATS + 8, tl.reduce(ent_acc, 0, _sum) / rl_den)
-    tl.store(STATS + 9, tl.reduce(f0, 0, _sum).to(tl.float32) / rl_den)
-    tl.store(STATS + 10, tl.reduce(f1, 0, _sum).to(tl.float32) / rl_den)
-    tl.store(STATS + 11, tl.reduce(f2, 0, _sum).to(tl.float32) / rl_den)
-    tl.store(STATS + 12, tl.reduce(f3, 0, _sum).to(tl.float32) / rl_den)
+    tl.store(ROW_STATS + 6, tl.where(n_echo > 0, nll_top, 0.0))
+    tl.store(ROW_STATS + 7, (tl.reduce(kl_acc, 0, _sum) / rl_den).to(tl.float32))
+    tl.store(ROW_STATS + 8, tl.reduce(ent_acc, 0, _sum) / rl_den)
+    tl.store(ROW_STATS + 9, tl.reduce(f0, 0, _sum).to(tl.float32) / rl_den)
+    tl.store(ROW_STATS + 10, tl.reduce(f1, 0, _sum).to(tl.float32) / rl_den)
+    tl.store(ROW_STATS + 11, tl.reduce(f2, 0, _sum).to(tl.float32) / rl_den)
+    tl.store(ROW_STATS + 12, tl.reduce(f3, 0, _sum).to(tl.float32) / rl_den)
     if CHECK:
         s_bad = first_s < n
         row_s = tl.where(s_bad, first_s, 0)
-        tl.store(CHECKS + 0, tl.where(s_bad, 1, 0).to(tl.float64))
-        tl.store(CHECKS + 1, row_s.to(tl.float64))
-        tl.store(CHECKS + 2, tl.reduce(bad_count, 0, _sum).to(tl.float64))
-        tl.store(CHECKS + 3, value_s.to(tl.float64))  # type: ignore[attr-defined]
+        tl.store(CHECKS + 0, tl.where(s_bad, 1, 0).to(tl.float64), mask=main)
+        tl.store(CHECKS + 1, row_s.to(tl.float64), mask=main)
+        tl.store(CHECKS + 2, tl.reduce(bad_count, 0, _sum).to(tl.float64), mask=main)
+        tl.store(CHECKS + 3, value_s.to(tl.float64), mask=main)  # type: ignore[attr-defined]
         rl_at = tl.load(RL + row_s, mask=n > 0, other=0) != 0
-        tl.store(CHECKS + 4, tl.where(rl_at, 1.0, 0.0).to(tl.float64))
+        tl.store(CHECKS + 4, tl.where(rl_at, 1.0, 0.0).to(tl.float64), mask=main)
         p_bad = first_p < n
-        tl.store(CHECKS + 5, tl.where(p_bad, 1, 0).to(tl.float64))
-        tl.store(CHECKS + 6, tl.where(p_bad, first_p, 0).to(tl.float64))
-        tl.store(CHECKS + 7, value_p.to(tl.float64))  # type: ignore[attr-defined]
+        tl.store(CHECKS + 5, tl.where(p_bad, 1, 0).to(tl.float64), mask=main)
+        tl.store(CHECKS + 6, tl.where(p_bad, first_p, 0).to(tl.float64), mask=main)
+        tl.store(CHECKS + 7, value_p.to(tl.float64), mask=main)  # type: ignore[attr-defined]
         e_bad = first_e < n
-        tl.store(CHECKS + 8, tl.where(e_bad, 1, 0).to(tl.float64))
-        tl.store(CHECKS + 9, tl.where(e_bad, first_e, 0).to(tl.float64))
-        tl.store(CHECKS + 10, value_e.to(tl.float64))  # type: ignore[attr-defined]
-        tl.store(CHECKS + 11, tl.where(_not_finite(loss), 1.0, 0.0).to(tl.float64))
-        tl.store(CHECKS + 12, loss.to(tl.float64))
-        tl.store(CHECKS + 13, rl_term.to(tl.float64))
-        tl.store(CHECKS + 14, echo_term.to(tl.float64))
+        tl.store(CHECKS + 8, tl.where(e_bad, 1, 0).to(tl.float64), mask=main)
+        tl.store(CHECKS + 9, tl.where(e_bad, first_e, 0).to(tl.float64), mask=main)
+        tl.store(CHECKS + 10, value_e.to(tl.float64), mask=main)  # type: ignore[attr-defined]
+        tl.store(CHECKS + 11, tl.where(_not_finite(loss), 1.0, 0.0).to(tl.float64), mask=main)
+        tl.store(CHECKS + 12, loss.to(tl.float64), mask=main)
+        tl.store(CHECKS + 13, rl_term.to(tl.float64), mask=main)
+        tl.store(CHECKS + 14, echo_term.to(tl.float64), mask=main)
     if CHECK_LABELS:
         l_bad = first_l < n
-        tl.store(CHECKS + 15, tl.where(l_bad, 1, 0).to(tl.float64))
-        tl.store(CHECKS + 16, tl.where(l_bad, first_l, 0).to(tl.float64))
-        tl.store(CHECKS + 17, value_l.to(tl.float64))
+        tl.store(CHECKS + 15, tl.where(l_bad, 1, 0).to(tl.float64), mask=main)
+        tl.store(CHECKS + 16, tl.where(l_bad, first_l, 0).to(tl.float64), mask=main)
+        tl.store(CHECKS + 17, value_l.to(tl.float64), mask=main)
 
 
 def interpreter_active() -> bool:
@@ -435,7 +457,8 @@ def _mask(t: torch.Tensor) -> torch.Tensor:
 def forward(
     lp: torch.Tensor, ent: torch.Tensor | None, rows: RowInputs, p: RowAlgebraParams
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """``(loss, a [N], b [N] or None, stats, checks)`` in one launch: see ``op.py``."""
+    """``(loss, a [N], b [N] or None, stats [1 + envs, K], checks)`` in one launch: see
+    ``op.py``. With envs the grid has one program more per env (their metrics, in parallel)."""
     _check_device(lp)
     n = lp.numel()
     dev = lp.device
@@ -443,7 +466,8 @@ def forward(
     train_ent = p.entropy_coef != 0
     b = torch.empty(n, dtype=torch.float32, device=dev) if train_ent else None
     loss = torch.empty((), dtype=torch.float32, device=dev)
-    stats = torch.empty(len(STAT_SLOTS), dtype=torch.float32, device=dev)
+    envs = rows.num_envs if rows.env_of_row is not None else 0
+    stats = torch.empty(1 + envs, len(STAT_SLOTS), dtype=torch.float32, device=dev)
     checks = torch.empty(len(CHECK_SLOTS), dtype=torch.float64, device=dev)
     if not p.check_finite or rows.labels is None:
         checks.zero_()  # slots of the checks not computed read "passed"
@@ -453,7 +477,7 @@ def forward(
     echo_div = 1.0 if p.echo_divisor is None else float(p.echo_divisor)
     clamp = p.log_ratio_clamp
     with _launch_ctx(lp):
-        _row_algebra_kernel[(1,)](
+        _row_algebra_kernel[(1 + envs,)](
             lp,
             _flat(ent, lp),
             _mask(rows.rl),
@@ -464,6 +488,7 @@ def forward(
             _flat(rows.inference_logprobs, lp),
             _flat(rows.rl_divisor, lp),
             _flat(rows.labels, lp),
+            _flat(rows.env_of_row, lp),
             a,
             a if b is None else b,
             loss,
@@ -499,6 +524,8 @@ def forward(
             CHECK=p.check_finite,
             LP_GIVEN=p.logprobs_given,
             CHECK_LABELS=rows.labels is not None,
+            HAS_ENV=envs > 0,
+            NUM_STATS=len(STAT_SLOTS),
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,
         )

@@ -93,6 +93,33 @@ def _first(bad: torch.Tensor, values: torch.Tensor) -> tuple[float, float, float
     return float(flag), float(row), float(values[row]) if flag else 0.0
 
 
+def _stats(
+    rl: torch.Tensor,
+    echo: torch.Tensor,
+    nll: torch.Tensor,
+    lp_rl: torch.Tensor,
+    lq: torch.Tensor | None,
+    ent: torch.Tensor | None,
+    flags: list[torch.Tensor],
+    p: RowAlgebraParams,
+    device: torch.device,
+) -> torch.Tensor:
+    """The metric slots over the rows of ``rl`` and ``echo`` (the loss slots left 0)."""
+    stats = torch.zeros(len(STAT_SLOTS), dtype=F32, device=device)
+    n_rl, n_echo = rl.sum().to(F32), echo.sum().to(F32)
+    rlf = n_rl.clamp(min=1)
+    stats[3], stats[4] = n_rl, n_echo
+    stats[5] = torch.where(echo, nll, 0.0).sum() / n_echo.clamp(min=1)
+    stats[6] = torch.where(echo, nll, -math.inf).max() if bool(echo.any()) else 0.0
+    if lq is not None:
+        stats[7] = torch.where(rl, _k3(lp_rl - lq, p.log_ratio_clamp), 0.0).sum() / rlf
+    if p.entropy_metric and ent is not None:
+        stats[8] = torch.where(rl, ent.to(F32), 0.0).sum() / rlf
+    for i, flagged in enumerate(flags):
+        stats[9 + i] = (flagged & rl).sum().to(F32) / rlf
+    return stats
+
+
 def forward(
     lp: torch.Tensor, ent: torch.Tensor | None, rows: RowInputs, p: RowAlgebraParams
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -150,19 +177,20 @@ def forward(
         b = grads[1] if grads[1] is not None else torch.zeros_like(leaf)
     with torch.no_grad():
         nll = -lp_echo.detach()
-        rlf = n_rl.clamp(min=1)
-        stats = torch.zeros(len(STAT_SLOTS), dtype=F32, device=lp.device)
+        lq = _on(rl, rows.inference_logprobs) if p.mismatch_metric else None
+        stats = _stats(rl, echo, nll, lp_rl.detach(), lq, ent, flags, p, lp.device)
         stats[0], stats[1], stats[2] = loss.detach(), rl_term.detach(), echo_term.detach()
-        stats[3], stats[4] = n_rl, n_echo
-        stats[5] = nll.sum() / n_echo.clamp(min=1)
-        stats[6] = torch.where(echo, nll, -math.inf).max() if bool(echo.any()) else 0.0
-        if p.mismatch_metric:
-            lq = _on(rl, rows.inference_logprobs)
-            stats[7] = torch.where(rl, _k3(lp_rl.detach() - lq, p.log_ratio_clamp), 0.0).sum() / rlf
-        if p.entropy_metric and ent is not None:
-            stats[8] = torch.where(rl, ent.to(F32), 0.0).sum() / rlf
-        for i, flagged in enumerate(flags):
-            stats[9 + i] = (flagged & rl).sum().to(F32) / rlf
+        env_rows = []
+        if rows.env_of_row is not None:
+            env = rows.env_of_row.reshape(-1)
+            for env_index in range(rows.num_envs):
+                here = env == env_index
+                env_rows.append(
+                    _stats(
+                        rl & here, echo & here, nll, lp_rl.detach(), lq, ent, flags, p, lp.device
+                    )
+                )
+        stats = torch.stack([stats, *env_rows])
         checks: list[float] = [0.0] * len(CHECK_SLOTS)
         if p.check_finite:
             part = rl | echo

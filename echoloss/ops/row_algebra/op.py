@@ -49,12 +49,14 @@ __all__ = [
 
 
 class RowAlgebraOutput(NamedTuple):
-    """``loss`` (0-dim, differentiable), ``stats [len(STAT_SLOTS)]`` fp32 and
-    ``checks [len(CHECK_SLOTS)]`` fp64 (both detached)."""
+    """``loss`` (0-dim, differentiable), ``stats [len(STAT_SLOTS)]`` fp32 over all rows,
+    ``checks [len(CHECK_SLOTS)]`` fp64 and ``env_stats [num_envs, len(STAT_SLOTS)]`` fp32, the
+    metrics of each env (``[0, K]`` without envs; their loss slots are unused), all detached."""
 
     loss: torch.Tensor
     stats: torch.Tensor
     checks: torch.Tensor
+    env_stats: torch.Tensor
 
 
 class _RowAlgebraFn(torch.autograd.Function):
@@ -121,7 +123,7 @@ def row_algebra(
             or ``"naive"`` (plain PyTorch with autograd, reading values on the host: for tests).
 
     Returns:
-        `RowAlgebraOutput` ``(loss, stats, checks)``; ``loss.backward()`` gives ``logprobs``
+        `RowAlgebraOutput` ``(loss, stats, checks, env_stats)``; ``loss.backward()`` gives ``logprobs``
         (and ``entropy``) the saved per-row derivatives times the incoming gradient.
 
     Examples:
@@ -151,5 +153,7 @@ def row_algebra(
             )
         )
     ent = entropy if params.entropy_coef != 0 else (None if entropy is None else entropy.detach())
-    out = _RowAlgebraFn.apply(logprobs, ent, rows, params, _impl(backend))  # type: ignore[no-untyped-call]
-    return RowAlgebraOutput(*out)
+    if rows.env_of_row is not None and rows.num_envs < 0:
+        raise ValueError(problem("rows.num_envs", "≥ 0", describe(rows.num_envs)))
+    loss, stats, checks = _RowAlgebraFn.apply(logprobs, ent, rows, params, _impl(backend))  # type: ignore[no-untyped-call]
+    return RowAlgebraOutput(loss, stats[0], checks, stats[1:])
