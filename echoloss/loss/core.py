@@ -958,6 +958,14 @@ def _row_algebra_params(
     )
 
 
+def _check_slots(check: str) -> list[int]:
+    """Positions of one check's numbers in the row algebra's ``checks`` (`CHECK_SLOTS` names
+    them ``<check>_...``), in the order its message reads them."""
+    from echoloss.ops.row_algebra import CHECK_SLOTS
+
+    return [i for i, name in enumerate(CHECK_SLOTS) if name.split("_")[0] == check]
+
+
 def _fused_algebra(
     lp: torch.Tensor,
     ent: torch.Tensor | None,
@@ -993,12 +1001,12 @@ def _fused_algebra(
     )
     out = row_algebra(lp, ent, rows, params, backend="triton")
     s = out.stats
-    first: list[tuple[Callable[[Sequence[float]], Exception | None], range]] = []
+    first: list[tuple[Callable[[Sequence[float]], Exception | None], list[int]]] = []
     if label_check is not None:
-        first.append((label_range_message(label_check[1]), range(15, 18)))
+        first.append((label_range_message(label_check[1]), _check_slots("label")))
     if cfg.check_finite:
-        first.append((_scored_rows_message(source), range(5)))
-    later: list[tuple[Callable[[Sequence[float]], Exception | None], range]] = []
+        first.append((_scored_rows_message(source), _check_slots("scored")))
+    later: list[tuple[Callable[[Sequence[float]], Exception | None], list[int]]] = []
     if normalizers is not None:  # the given counts must cover this call's own
         checks.add_packed(out.checks, first)
         first = []
@@ -1009,13 +1017,18 @@ def _fused_algebra(
         if cfg.mode == "rl":
             name = f"the loss of policy {cfg.policy!r}"
             why = "a policy's per-token loss; with log_ratio_clamp=None a ratio can overflow"
-            later.append((_first_bad_row_message(_not_finite_error(name, why)), range(5, 8)))
+            later.append(
+                (_first_bad_row_message(_not_finite_error(name, why)), _check_slots("policy"))
+            )
             if params.entropy_coef != 0:
                 why = "the entropy bonus (entropy_coef) reads it"
                 later.append(
-                    (_first_bad_row_message(_not_finite_error("entropy", why)), range(8, 11))
+                    (
+                        _first_bad_row_message(_not_finite_error("entropy", why)),
+                        _check_slots("entropy"),
+                    )
                 )
-        later.append((_final_loss_message(x, ent, cfg, rl_constant), range(11, 15)))
+        later.append((_final_loss_message(x, ent, cfg, rl_constant), _check_slots("loss")))
     if first or later:  # one block, no launch (two around the normalisers' checks)
         checks.add_packed(out.checks, first + later)
     # The keys in `loss_metrics`' order: per key (all, then each env) the counts, the echo NLL,
