@@ -163,3 +163,22 @@ def paused() -> Iterator[None]:
     finally:
         for c in _ACTIVE:
             c.paused -= 1
+
+
+def uncounted_reference_phases() -> Any:
+    """The two vocabulary-sized phases as the PyTorch reference with the counter paused: a
+    stand-in for ``resolve_backend``'s result (on CUDA they are two Triton launches, not aten
+    ops), so that a count sees only what a GPU runs besides them."""
+    import types
+
+    from echoloss.ops.selective_logprobs import reference
+
+    def forward(*a: Any, **k: Any) -> Any:
+        with paused():
+            return reference.forward(*a, **k)
+
+    def backward(*a: Any, **k: Any) -> Any:
+        with paused():
+            return reference.backward(*a, **k)
+
+    return types.SimpleNamespace(forward=forward, backward=backward)

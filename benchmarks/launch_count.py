@@ -14,13 +14,12 @@ Prints one Markdown table.
 from __future__ import annotations
 
 import argparse
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from benchmarks.counting import count_ops, paused
+from benchmarks.counting import count_ops, uncounted_reference_phases
 
 
 def _record(n: int, v: int, device: torch.device) -> Any:
@@ -89,18 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         # The phases are not counted on CPU (they are two Triton launches on CUDA).
         import importlib
 
-        from echoloss.ops.selective_logprobs import reference
-
-        def fwd(*a: Any, **k: Any) -> Any:
-            with paused():
-                return reference.forward(*a, **k)
-
-        def bwd(*a: Any, **k: Any) -> Any:
-            with paused():
-                return reference.backward(*a, **k)
-
+        phases = uncounted_reference_phases()
         op = importlib.import_module("echoloss.ops.selective_logprobs.op")
-        op.resolve_backend = lambda b, d: types.SimpleNamespace(forward=fwd, backward=bwd)
+        op.resolve_backend = lambda b, d: phases
     rows = [measure(args.n, args.v, device, False)]
     if not args.no_compile:
         rows.append(measure(args.n, args.v, device, True))

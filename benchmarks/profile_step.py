@@ -4,8 +4,8 @@
 
 For each shape and provider (the benchmark's own, ``benchmarks/providers.py``, bf16 logits):
 
-* **median ms**: CUDA-event time of forward+backward (15 calls after 3 warm-ups), as the
-  benchmark times it;
+* **median ms**: CUDA-event time of forward+backward (15 calls after 3 warm-ups; the
+  benchmark's harness also flushes L2 before each call, this does not);
 * **host ms**: the host time of issuing one forward+backward (the GPU idle at the start); when
   it is close to the median, the host, not the GPU, sets the speed;
 * **kernels** and **kernel ms**: the CUDA kernels one call runs and their summed GPU time

@@ -958,6 +958,21 @@ def _row_algebra_params(
     )
 
 
+def row_inputs(x: LossInputs) -> Any:
+    """The record's per-row fields as the fused row algebra reads them
+    (`echoloss.ops.row_algebra.RowInputs`, flat ``[N]``; divisors, labels and envs unset)."""
+    from echoloss.ops.row_algebra import RowInputs
+
+    return RowInputs(
+        rl=x.rl,
+        echo=x.echo,
+        echo_weights=x.flat("echo_weights"),
+        advantages=x.flat("advantages"),
+        old_logprobs=x.flat("old_logprobs"),
+        inference_logprobs=x.flat("inference_logprobs"),
+    )
+
+
 def _check_slots(check: str) -> list[int]:
     """Positions of one check's numbers in the row algebra's ``checks`` (`CHECK_SLOTS` names
     them ``<check>_...``), in the order its message reads them."""
@@ -980,19 +995,13 @@ def _fused_algebra(
     """`_algebra` for a call `fused_algebra_applies` to: one launch of the row algebra, its
     check numbers queued with the messages of the PyTorch algebra's checks, in its order
     (the labels' range first, as the logprob op queues it before the loss)."""
-    from echoloss.ops.row_algebra import RowInputs, row_algebra
+    from echoloss.ops.row_algebra import row_algebra
 
     params = dataclasses.replace(
         _row_algebra_params(cfg, ent, x, normalizers), logprobs_given=source == "logprobs"
     )
     env_of_row, env_list = _env_of_rows(x, lp.device)  # per-env metrics: one program per env
-    rows = RowInputs(
-        rl=x.rl,
-        echo=x.echo,
-        echo_weights=x.flat("echo_weights"),
-        advantages=x.flat("advantages"),
-        old_logprobs=x.flat("old_logprobs"),
-        inference_logprobs=x.flat("inference_logprobs"),
+    rows = row_inputs(x)._replace(
         rl_divisor=rl_constant if cfg.rl_normalization == "token_sum_constant" else None,
         labels=None if label_check is None else label_check[0],
         vocab_size=0 if label_check is None else label_check[1],

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.counting import count_ops, paused  # noqa: E402
+from benchmarks.counting import count_ops, uncounted_reference_phases  # noqa: E402
 from echoloss._deferred import (  # noqa: E402
     device_code_path,
     pending_count,
@@ -45,7 +44,6 @@ from echoloss.loss import (  # noqa: E402
     echo_loss_from_logprobs,
 )
 from echoloss.loss.core import compile_loss_algebra  # noqa: E402
-from echoloss.ops.selective_logprobs import reference  # noqa: E402
 
 N, V, H = 48, 37, 8
 
@@ -81,15 +79,7 @@ def _nothing_pending():
 def phases_uncounted(monkeypatch):
     """The two vocabulary-sized phases run the reference with the counter paused."""
 
-    def fwd(*a, **k):
-        with paused():
-            return reference.forward(*a, **k)
-
-    def bwd(*a, **k):
-        with paused():
-            return reference.backward(*a, **k)
-
-    fake = types.SimpleNamespace(forward=fwd, backward=bwd)
+    fake = uncounted_reference_phases()
     for name in ("echoloss.ops.selective_logprobs.op", "echoloss.ops.fused_linear.op"):
         monkeypatch.setattr(importlib.import_module(name), "resolve_backend", lambda b, d: fake)
 

@@ -22,7 +22,6 @@ import contextlib
 import importlib
 import math
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -44,15 +43,13 @@ from echoloss.loss import (
 )
 from echoloss.loss.core import fuse_loss_algebra, fused_algebra_applies
 from echoloss.loss.policy import PolicyOutput
-from echoloss.ops.row_algebra import RowInputs
 from echoloss.ops.row_algebra import fused as fused_module
-from echoloss.ops.selective_logprobs import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.counting import count_ops, paused  # noqa: E402
+from benchmarks.counting import count_ops, paused, uncounted_reference_phases  # noqa: E402
 
 pytestmark = [
     # The interpreted phases meet -inf and 0/0 on masked lanes, the overflow test inf - inf.
@@ -199,15 +196,7 @@ def _from_logits(cfg, x, *, mode, device_path, backend="reference", normalizers=
 def _case(lp, ent, x, cfg, normalizers) -> Case:
     """The row-algebra call the loss makes (for the tolerances' bounds)."""
     params = core._row_algebra_params(cfg, ent, x, normalizers)
-    rows = RowInputs(
-        rl=x.rl,
-        echo=x.echo,
-        echo_weights=x.flat("echo_weights"),
-        advantages=x.flat("advantages"),
-        old_logprobs=x.flat("old_logprobs"),
-        inference_logprobs=x.flat("inference_logprobs"),
-    )
-    return Case(lp.detach().reshape(-1).float(), ent, rows, params)
+    return Case(lp.detach().reshape(-1).float(), ent, core.row_inputs(x), params)
 
 
 #: Metrics that are sums over rows (compared within ``sum_tol``), for "all" and every env;
@@ -586,15 +575,7 @@ def phases_uncounted(monkeypatch):
     are two Triton launches, not aten ops); so does the launch of the fused program, whose
     interpreter copies to numpy stand for one Triton launch (everything around it is counted)."""
 
-    def fwd(*a, **k):
-        with paused():
-            return reference.forward(*a, **k)
-
-    def bwd(*a, **k):
-        with paused():
-            return reference.backward(*a, **k)
-
-    fake = types.SimpleNamespace(forward=fwd, backward=bwd)
+    fake = uncounted_reference_phases()
     op = importlib.import_module("echoloss.ops.selective_logprobs.op")
     monkeypatch.setattr(op, "resolve_backend", lambda b, d: fake)
     kernel = fused_module._row_algebra_kernel

@@ -101,6 +101,19 @@ def _first_bad(bad, idx, values, first, first_value, n):
 
 
 @triton.jit
+def _rows_of(RL, ECHO, ENV, idx, m, env, main, HAS_ENV: tl.constexpr):
+    """The RL and echo rows of block ``idx``: all of them for the main program, those of env
+    ``env`` for an env's program (HAS_ENV)."""
+    rl = tl.load(RL + idx, mask=m, other=0) != 0
+    echo = tl.load(ECHO + idx, mask=m, other=0) != 0
+    if HAS_ENV:
+        in_env = (tl.load(ENV + idx, mask=m, other=-1).to(tl.int32) == env) | main
+        rl = rl & in_env
+        echo = echo & in_env
+    return rl, echo
+
+
+@triton.jit
 def _row_algebra_kernel(
     LP,  # [N] fp32
     ENT,  # [N] float (unused unless HAS_ENT)
@@ -166,12 +179,7 @@ def _row_algebra_kernel(
     for start in range(0, n, BLOCK):
         idx = start + offs
         m = idx < n
-        rl_c = tl.load(RL + idx, mask=m, other=0) != 0
-        echo_c = tl.load(ECHO + idx, mask=m, other=0) != 0
-        if HAS_ENV:
-            in_env = (tl.load(ENV + idx, mask=m, other=-1).to(tl.int32) == env) | main
-            rl_c = rl_c & in_env
-            echo_c = echo_c & in_env
+        rl_c, echo_c = _rows_of(RL, ECHO, ENV, idx, m, env, main, HAS_ENV)
         rl_count += rl_c.to(tl.int32)
         echo_count += echo_c.to(tl.int32)
     n_rl = tl.reduce(rl_count, 0, _sum).to(tl.float32)
@@ -215,12 +223,7 @@ def _row_algebra_kernel(
     for start in range(0, n, BLOCK):
         idx = start + offs
         m = idx < n
-        rl = tl.load(RL + idx, mask=m, other=0) != 0
-        echo = tl.load(ECHO + idx, mask=m, other=0) != 0
-        if HAS_ENV:
-            in_env = (tl.load(ENV + idx, mask=m, other=-1).to(tl.int32) == env) | main
-            rl = rl & in_env
-            echo = echo & in_env
+        rl, echo = _rows_of(RL, ECHO, ENV, idx, m, env, main, HAS_ENV)
         lp = tl.load(LP + idx, mask=m, other=0.0)
         lp_rl = tl.where(rl, lp, 0.0)
         lp_echo = tl.where(echo, lp, 0.0)
