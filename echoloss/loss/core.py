@@ -860,11 +860,11 @@ def fused_algebra_applies(
     """Whether this call's algebra runs fused (`fuse_loss_algebra`).
 
     Covered: ``mode="sft"`` and the policies ``dppo``, ``ppo_clip``, ``cispo`` and
-    ``reinforce`` without a mismatch correction or reference KL (``kl_tau`` and the entropy
-    bonus included), RL normalisation ``token_mean`` or ``token_sum_constant``, echo
-    normalisation ``token_mean``, ``sum`` or ``batch_token_mean``, fp32 logprobs (the per-env
-    metrics of ``env_names`` too: one program more per env). Everything else runs the PyTorch algebra, which is also
-    the definition the fused one is tested against.
+    ``reinforce`` with ``kl_tau``, the entropy bonus, the reference KL (``kl_coef``) and a
+    token-level mismatch correction or none, every RL and echo normalisation (the per-sequence ones with one sort of
+    the sequence ids and one launch more), fp32 logprobs (the per-env metrics of
+    ``env_names`` too: one program more per env). Everything else runs the PyTorch algebra,
+    which is also the definition the fused one is tested against.
 
     Examples:
         >>> lp = torch.zeros(2)
@@ -897,14 +897,21 @@ def _fused_algebra_covers(
         return False
     if policy_fn is not None or (cfg.mode == "rl" and cfg.policy not in _FUSED_POLICIES):
         return False
-    if cfg.mode == "rl" and (cfg.mismatch is not None or cfg.kl_coef != 0):
-        return False
+    if (
+        cfg.mode == "rl"
+        and cfg.mismatch is not None
+        and (not cfg.mismatch.startswith("token") or x.inference_logprobs is None)
+    ):
+        return False  # a sequence-level weight; or the PyTorch algebra reports the field
+    if cfg.mode == "rl" and cfg.kl_coef != 0 and x.ref_logprobs is None:
+        return False  # the PyTorch algebra reports the missing reference logprobs
     if cfg.mode == "rl" and cfg.entropy_coef != 0 and not has_entropy:
         return False  # the PyTorch algebra reports the missing entropy
-    if cfg.rl_normalization not in ("token_mean", "token_sum_constant"):
-        return False
-    if cfg.echo_normalization not in ("token_mean", "sum", "batch_token_mean"):
-        return False
+    if cfg.rl_normalization.startswith("sequence") or cfg.echo_normalization == "sequence_mean":
+        if x.sequence_ids is None:
+            return False  # the PyTorch algebra reports the missing ids
+        if cfg.echo_normalization == "sequence_mean" and x.observation_mask is None:
+            return False  # ... and the missing observation mask
     # a normalizers of the wrong type: the PyTorch algebra raises the TypeError
     return normalizers is None or isinstance(normalizers, Normalizers)
 
@@ -929,12 +936,19 @@ def _row_algebra_params(
         policy, low, high = "reinforce", None, 0.0
     rl_divisor: float | None = None
     echo_divisor: float | None = None
+    rl_normalization = "token"
     if cfg.rl_normalization == "token_sum_constant":
         rl_divisor = cfg.rl_normalization_constant
+    elif cfg.rl_normalization.startswith("sequence"):
+        rl_normalization = cfg.rl_normalization
+        if normalizers is not None:
+            rl_divisor = float(max(normalizers.rl_sequences, 1))
     elif normalizers is not None:
         rl_divisor = float(max(normalizers.rl_tokens, 1))
     if cfg.echo_normalization == "token_mean" and normalizers is not None:
         echo_divisor = float(max(normalizers.echo_tokens, 1))
+    elif cfg.echo_normalization == "sequence_mean" and normalizers is not None:
+        echo_divisor = float(max(normalizers.echo_sequences, 1))
     elif cfg.echo_normalization == "batch_token_mean":
         # this call alone: max(1 if echo rows else 0, 1) = 1
         echo_divisor = 1.0 if normalizers is None else float(max(normalizers.echo_batches, 1))
@@ -949,9 +963,16 @@ def _row_algebra_params(
         entropy_coef=cfg.entropy_coef if rl_mode else 0.0,
         entropy_metric=ent is not None and (cfg.compute_entropy or cfg.entropy_coef != 0),
         mismatch_metric=rl_mode and x.inference_logprobs is not None,
+        mismatch=cfg.mismatch if rl_mode else None,
+        mismatch_max=cfg.mismatch_max,
+        mismatch_min=cfg.mismatch_min,
+        kl_coef=cfg.kl_coef if rl_mode else 0.0,
+        kl_estimator=cfg.kl_estimator,
+        rl_normalization=rl_normalization,
         rl_divisor=rl_divisor,
         echo_normalization=cfg.echo_normalization,
         echo_divisor=echo_divisor,
+        echo_z_epsilon=cfg.echo_z_epsilon,
         check_finite=cfg.check_finite,
         logprobs_given=False,
         logprob_tolerance=LOGPROB_TOLERANCE,
@@ -960,7 +981,8 @@ def _row_algebra_params(
 
 def row_inputs(x: LossInputs) -> Any:
     """The record's per-row fields as the fused row algebra reads them
-    (`echoloss.ops.row_algebra.RowInputs`, flat ``[N]``; divisors, labels and envs unset)."""
+    (`echoloss.ops.row_algebra.RowInputs`, flat ``[N]``; divisors, labels and envs unset;
+    the sequence ids and observation rows are read only by per-sequence normalisers)."""
     from echoloss.ops.row_algebra import RowInputs
 
     return RowInputs(
@@ -970,6 +992,9 @@ def row_inputs(x: LossInputs) -> Any:
         advantages=x.flat("advantages"),
         old_logprobs=x.flat("old_logprobs"),
         inference_logprobs=x.flat("inference_logprobs"),
+        sequence_ids=x.flat("sequence_ids"),
+        observation=x.flat("observation_mask"),
+        ref_logprobs=x.flat("ref_logprobs"),
     )
 
 
@@ -995,7 +1020,7 @@ def _fused_algebra(
     """`_algebra` for a call `fused_algebra_applies` to: one launch of the row algebra, its
     check numbers queued with the messages of the PyTorch algebra's checks, in its order
     (the labels' range first, as the logprob op queues it before the loss)."""
-    from echoloss.ops.row_algebra import row_algebra
+    from echoloss.ops.row_algebra import STAT_SLOTS, row_algebra
 
     params = dataclasses.replace(
         _row_algebra_params(cfg, ent, x, normalizers), logprobs_given=source == "logprobs"
@@ -1019,8 +1044,14 @@ def _fused_algebra(
     if normalizers is not None:  # the given counts must cover this call's own
         checks.add_packed(out.checks, first)
         first = []
-        n_echo = s[4]
-        local = _Counts(s[3], n_echo, (n_echo > 0).float(), 0, 0)
+        n_echo = s[STAT_SLOTS.index("echo_tokens")]
+        local = _Counts(
+            s[STAT_SLOTS.index("rl_tokens")],
+            n_echo,
+            (n_echo > 0).float(),
+            s[STAT_SLOTS.index("rl_sequences")],
+            s[STAT_SLOTS.index("echo_sequences")],
+        )
         _resolve_normalizers(normalizers, local, cfg, checks)
     if cfg.check_finite:
         if cfg.mode == "rl":
@@ -1041,22 +1072,37 @@ def _fused_algebra(
     if first or later:  # one block, no launch (two around the normalisers' checks)
         checks.add_packed(out.checks, first + later)
     # The keys in `loss_metrics`' order: per key (all, then each env) the counts, the echo NLL,
-    # the means and the flags; the two terms after the "all" ones.
+    # the means (mismatch weight, reference KL, mismatch KL, entropy) and the flags (the
+    # policy's, then the mismatch correction's); the two terms after the "all" ones.
+    means = [
+        ("is_weight", params.mismatch is not None),
+        ("ref_kl", params.kl_coef != 0),
+        ("mismatch_kl", params.mismatch_metric),
+        ("entropy", params.entropy_metric),
+    ]
+    slots = [
+        (name, STAT_SLOTS.index(slot))
+        for name, slot in [
+            ("rl_tokens", "rl_tokens"),
+            ("echo_tokens", "echo_tokens"),
+            ("echo_nll_mean", "echo_nll_mean"),
+            ("echo_nll_max", "echo_nll_max"),
+            *((name, name) for name, on in means if on),
+            *((f"{flag}_frac", f"flag{i}") for i, flag in enumerate(params.flag_names)),
+            *(
+                [(f"{params.mismatch_flag_name}_frac", "mismatch_flag")]
+                if params.mismatch_flag_name is not None
+                else []
+            ),
+        ]
+    ]
     metrics: dict[str, torch.Tensor] = {}
     for key, row in [(RESERVED_ENV, s), *zip(env_list, out.env_stats, strict=True)]:
-        metrics[f"rl_tokens/{key}"] = row[3]
-        metrics[f"echo_tokens/{key}"] = row[4]
-        metrics[f"echo_nll_mean/{key}"] = row[5]
-        metrics[f"echo_nll_max/{key}"] = row[6]
-        if params.mismatch_metric:
-            metrics[f"mismatch_kl/{key}"] = row[7]
-        if params.entropy_metric:
-            metrics[f"entropy/{key}"] = row[8]
-        for i, flag in enumerate(params.flag_names):
-            metrics[f"{flag}_frac/{key}"] = row[9 + i]
+        for name, i in slots:
+            metrics[f"{name}/{key}"] = row[i]
         if key == RESERVED_ENV:
-            metrics[f"loss_rl/{key}"] = s[1]
-            metrics[f"loss_echo/{key}"] = s[2]
+            metrics[f"loss_rl/{key}"] = s[STAT_SLOTS.index("loss_rl")]
+            metrics[f"loss_echo/{key}"] = s[STAT_SLOTS.index("loss_echo")]
     return out.loss, metrics
 
 

@@ -24,22 +24,56 @@ class Case:
         return self.lp.numel()
 
 
-def divisors(case: Case) -> tuple[float, float]:
+def _sequence_divisors(case: Case) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Per row (fp64): its sequence's RL rows and ``Z_i + ε``; the RL and echo sequences.
+    Counted in Python over the ids (a third way, beside the kernel's and the gold's)."""
+    rows, p = case.rows, case.params
+    ids = rows.sequence_ids.reshape(-1).tolist()
+    rl, echo = rows.rl.tolist(), rows.echo.tolist()
+    obs = rows.observation.tolist() if rows.observation is not None else [False] * len(ids)
+    n_rl: dict[int, int] = {}
+    z: dict[int, int] = {}
+    n_echo: dict[int, int] = {}
+    for i, sid in enumerate(ids):
+        n_rl[sid] = n_rl.get(sid, 0) + rl[i]
+        z[sid] = z.get(sid, 0) + (echo[i] or obs[i])
+        n_echo[sid] = n_echo.get(sid, 0) + echo[i]
+    per_rl = torch.tensor([float(max(n_rl[s], 1)) for s in ids], dtype=torch.float64)
+    per_z = torch.tensor([max(z[s], 1) + p.echo_z_epsilon for s in ids], dtype=torch.float64)
+    s_rl = sum(1 for v in n_rl.values() if v > 0)
+    s_echo = sum(1 for v in n_echo.values() if v > 0)
+    return per_rl, per_z, s_rl, s_echo
+
+
+def divisors(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's divisor of its RL term and of its echo term, ``[N]`` fp64."""
     p, rows = case.params, case.rows
     n_rl, n_echo = int(rows.rl.sum()), int(rows.echo.sum())
-    if rows.rl_divisor is not None:
+    ones = torch.ones(case.n, dtype=torch.float64)
+    per_rl, per_z, s_rl, s_echo = (
+        _sequence_divisors(case) if p.reads_sequences else (ones, ones, 0, 0)
+    )
+    if p.rl_normalization != "token":
+        rl_div = max(s_rl, 1) if p.rl_divisor is None else p.rl_divisor
+    elif rows.rl_divisor is not None:
         rl_div = float(rows.rl_divisor)
     elif p.rl_divisor is not None:
         rl_div = p.rl_divisor
     else:
         rl_div = max(n_rl, 1)
+    if p.rl_normalization != "sequence_mean_token_mean":
+        per_rl = ones
     if p.echo_normalization == "sum":
         echo_div = 1.0
     elif p.echo_normalization == "token_mean":
         echo_div = max(n_echo, 1) if p.echo_divisor is None else p.echo_divisor
+    elif p.echo_normalization == "sequence_mean":
+        echo_div = max(s_echo, 1) if p.echo_divisor is None else p.echo_divisor
     else:
         echo_div = max(n_echo, 1) * (p.echo_divisor or 1.0)
-    return float(rl_div), float(echo_div)
+    if p.echo_normalization != "sequence_mean":
+        per_z = ones
+    return float(rl_div) * per_rl, float(echo_div) * per_z
 
 
 def bounds(case: Case) -> tuple[float, torch.Tensor]:
@@ -54,7 +88,7 @@ def bounds(case: Case) -> tuple[float, torch.Tensor]:
 
     if rows.old_logprobs is not None:
         base = on(rl, rows.old_logprobs)
-    elif rows.inference_logprobs is not None:
+    elif rows.inference_logprobs is not None and p.mismatch is None:
         base = on(rl, rows.inference_logprobs)
     else:
         base = on(rl, lp)
@@ -77,8 +111,23 @@ def bounds(case: Case) -> tuple[float, torch.Tensor]:
             if p.dual_clip is not None:
                 m = torch.where(pos, m, m.clamp(max=p.dual_clip))
             with_lp = False
+        if p.mismatch is not None:  # the policy term times a weight in [mismatch_min, max]
+            lq = on(rl, rows.inference_logprobs)
+            weight = torch.exp((base - lq).clamp(-c, c))
+            m = m * weight.clamp(min=p.mismatch_min or 0.0, max=p.mismatch_max)
         t_rl = adv * m * (1 + lp.abs() if with_lp else 1)
         g_rl = adv * m
+        if p.kl_coef:  # the estimate of d = ref - lp and its derivative
+            d = torch.where(rl, on(rl, rows.ref_logprobs) - lp, 0.0)
+            if p.kl_estimator == "k1":
+                kl, dkl = d.abs(), torch.ones_like(d)
+            elif p.kl_estimator == "k2":
+                kl, dkl = 0.5 * d * d, d.abs()
+            else:
+                x = d.clamp(-c, c)
+                kl, dkl = torch.expm1(x) - x, torch.expm1(x).abs()
+            t_rl = t_rl + abs(p.kl_coef) * kl
+            g_rl = g_rl + abs(p.kl_coef) * dkl
         if p.kl_tau:
             t_rl = t_rl + p.kl_tau * rho * rho
             g_rl = g_rl + 2 * p.kl_tau * rho.abs().clamp(max=c)
@@ -89,9 +138,20 @@ def bounds(case: Case) -> tuple[float, torch.Tensor]:
     t_echo = w * lp.abs()
     # a non-finite row makes its sum non-finite (compared exactly); the other sum's scale stays
     t_rl, t_echo = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (t_rl, t_echo))
-    s = float(t_rl.sum() / rl_div + t_echo.sum() / echo_div)
+    s = float((t_rl / rl_div).sum() + (t_echo / echo_div).sum())
     g = torch.where(rl, g_rl / rl_div, torch.where(echo, w / echo_div, 0.0))
     return s, g
+
+
+def ref_kl_scale(case: Case) -> float:
+    """A bound of the mean |estimate| over RL rows of every KL estimator of ``d = ref - lp``
+    (``|d| + d²/2 + expm1(|d|)``: k1 is signed, so its mean does not bound its terms)."""
+    rl = case.rows.rl
+    if case.rows.ref_logprobs is None or not bool(rl.any()):
+        return 0.0
+    d = (case.rows.ref_logprobs.double() - case.lp.double())[rl].abs()
+    d = torch.nan_to_num(d, nan=0.0, posinf=0.0)
+    return float((d + 0.5 * d * d + torch.expm1(d.clamp(max=700))).mean())
 
 
 def sum_tol(n: int, s: float) -> float:

@@ -19,6 +19,7 @@ rounding of ``|a_i|`` (a few ulps): ``32·eps·G_i`` per row. Counts and flag fr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import math
 import sys
@@ -30,7 +31,7 @@ import torch
 pytest.importorskip("triton")
 
 from _fused_cases import HAS_CUDA
-from _row_algebra_cases import EPS, Case, bounds, sum_tol
+from _row_algebra_cases import EPS, Case, bounds, ref_kl_scale, sum_tol
 
 from echoloss._deferred import device_code_path, pending_count, raise_deferred_errors
 from echoloss.loss import (
@@ -38,6 +39,7 @@ from echoloss.loss import (
     LossInputs,
     Normalizers,
     core,
+    count_normalizers,
     echo_loss,
     echo_loss_from_logprobs,
 )
@@ -82,15 +84,34 @@ ACCEPTED = {
     "reinforce-no-entropy-metric": LossConfig(policy="reinforce", compute_entropy=False),
     "reinforce-unchecked": LossConfig(policy="reinforce", check_finite=False),
     "sft": LossConfig(mode="sft"),
+    "dppo-sequence-means": LossConfig(
+        rl_normalization="sequence_mean_token_mean",
+        echo_normalization="sequence_mean",
+        echo_z_epsilon=1e-3,
+    ),
+    "ppo_clip-sequence-token-sum": LossConfig(
+        policy="ppo_clip", rl_normalization="sequence_mean_token_sum", entropy_coef=0.01
+    ),
+    "sft-sequence-mean": LossConfig(mode="sft", rl_normalization="sequence_mean_token_mean"),
+    "reinforce-token-mask-k3": LossConfig(
+        policy="reinforce", mismatch="token_mask", mismatch_min=0.5, kl_coef=0.1
+    ),
+    "ppo_clip-token-truncate-k1": LossConfig(
+        policy="ppo_clip", mismatch="token_truncate", kl_coef=0.05, kl_estimator="k1"
+    ),
+    "cispo-k2-sequence-mean": LossConfig(
+        policy="cispo",
+        kl_coef=0.2,
+        kl_estimator="k2",
+        rl_normalization="sequence_mean_token_mean",
+        entropy_coef=0.01,
+    ),
 }
 
 #: Configurations it leaves to the PyTorch algebra.
 REJECTED = {
     "gspo": LossConfig(policy="gspo"),
-    "sequence-rl-mean": LossConfig(rl_normalization="sequence_mean_token_mean"),
-    "sequence-echo-mean": LossConfig(echo_normalization="sequence_mean"),
-    "mismatch": LossConfig(mismatch="token_mask"),
-    "kl_coef": LossConfig(kl_coef=0.1),
+    "sequence-mismatch": LossConfig(mismatch="sequence_truncate"),
 }
 
 
@@ -140,7 +161,11 @@ def _record(cfg: LossConfig, *, n: int = N, seed: int = 0, **changes) -> LossInp
         advantages=torch.where(rl, torch.randn(n, generator=g), 0.0),
         old_logprobs=torch.where(rl, -3 * torch.rand(n, generator=g) - 0.01, 0.0),
         inference_logprobs=torch.where(rl, -3 * torch.rand(n, generator=g) - 0.01, NAN),
-        sequence_ids=torch.arange(n) // 50,
+        ref_logprobs=torch.where(rl, -3 * torch.rand(n, generator=g) - 0.01, NAN),
+        # 53 sequences, the ids cycling over the rows: each sequence's rows spread over the
+        # whole record (none adjacent)
+        sequence_ids=(torch.arange(n) * 17) % 53,
+        observation_mask=torch.rand(n, generator=g) < 0.2,
     )
     values.update(changes)
     return LossInputs(**values)
@@ -201,7 +226,7 @@ def _case(lp, ent, x, cfg, normalizers) -> Case:
 
 #: Metrics that are sums over rows (compared within ``sum_tol``), for "all" and every env;
 #: every other one (counts, fractions of counts, maxima) exactly.
-SUMS = ("loss_rl", "loss_echo", "echo_nll_mean", "mismatch_kl", "entropy")
+SUMS = ("loss_rl", "loss_echo", "echo_nll_mean", "mismatch_kl", "entropy", "is_weight", "ref_kl")
 
 
 def assert_same_loss(fused, ref, case: Case, what: str) -> None:
@@ -219,6 +244,8 @@ def assert_same_loss(fused, ref, case: Case, what: str) -> None:
         assert fv.dtype == rv.dtype and fv.shape == rv.shape, (what, k, fv, rv)
         if k.split("/")[0] in SUMS:
             scale = s if k.startswith("loss") else abs(float(rv))  # terms ≥ 0: their sum
+            if k.startswith("ref_kl"):
+                scale = ref_kl_scale(case)
             assert abs(float(fv) - float(rv)) <= sum_tol(case.n, scale), (what, k, fv, rv)
         else:
             assert float(fv) == float(rv), (what, k, fv, rv)
@@ -322,6 +349,41 @@ def test_normalizers_given(program_calls):
         _, g = bounds(case)
         assert_same_rows(a_f, a_r, 16 * EPS * g, "normalizers")
     assert program_calls[0] == 2
+
+
+def test_sequence_normalizers_given(program_calls):
+    """Given sequence counts (larger than the call's) divide the per-sequence terms, in both
+    algebras; the call's own counts come from the program (its check numbers)."""
+    cfg = ACCEPTED["dppo-sequence-means"]
+    x = _record(cfg)
+    norms = Normalizers(rl_tokens=1, echo_tokens=1, rl_sequences=170, echo_sequences=90)
+    for device_path in (True, False):
+        fused, a_f, _ = _from_logprobs(
+            cfg, x, mode="always", device_path=device_path, normalizers=norms
+        )
+        ref, a_r, _ = _from_logprobs(
+            cfg, x, mode="never", device_path=device_path, normalizers=norms
+        )
+        case = _case(_logprobs_of(x), None, x, cfg, norms)
+        assert case.params.rl_divisor == 170 and case.params.echo_divisor == 90
+        assert_same_loss(fused, ref, case, "sequence normalizers")
+        _, g = bounds(case)
+        assert_same_rows(a_f, a_r, 16 * EPS * g, "sequence normalizers")
+    assert program_calls[0] == 2
+
+
+@pytest.mark.parametrize("count", ["rl_sequences", "echo_sequences"])
+def test_same_error_for_too_small_sequence_normalizers(count, program_calls):
+    cfg = ACCEPTED["dppo-sequence-means"]
+    x = _record(cfg)
+    local = count_normalizers(x)
+    norms = dataclasses.replace(local, **{count: getattr(local, count) - 1})
+
+    def call():
+        lp = _logprobs_of(x).requires_grad_()
+        echo_loss_from_logprobs(lp, x.replace(labels=None), config=cfg, normalizers=norms)
+
+    _assert_same_error(call, f"normalizers.{count}={getattr(local, count) - 1}", program_calls)
 
 
 @pytest.mark.parametrize("module", ["EchoGRPOLoss", "EchoFusedLinearGRPOLoss"])
@@ -441,8 +503,6 @@ def test_rejected_configs_run_the_pytorch_algebra(name, program_calls):
     policy_fn = extra.pop("policy_fn", None)
     n = 500
     x = _record(cfg, n=n, **extra)
-    if cfg.kl_coef:
-        x = x.replace(ref_logprobs=torch.where(x.rl, -0.5, 0.0))
     if cfg.echo_normalization == "sequence_mean":
         x = x.replace(observation_mask=x.echo)
     lp0 = torch.where(x.rl | x.echo, -torch.rand(n) - 0.01, NAN).to(dtype)
@@ -593,9 +653,10 @@ def phases_uncounted(monkeypatch):
     monkeypatch.setattr(fused_module, "_row_algebra_kernel", Launch())
 
 
+@pytest.mark.parametrize("name", ["dppo-kl-entropy", "dppo-sequence-means"])
 @pytest.mark.parametrize("entry", ["logits", "logprobs"])
-def test_no_host_sync_on_the_fused_device_path(entry, phases_uncounted, monkeypatch):
-    cfg = ACCEPTED["dppo-kl-entropy"]
+def test_no_host_sync_on_the_fused_device_path(entry, name, phases_uncounted, monkeypatch):
+    cfg = ACCEPTED[name]
     x = _record(cfg, n=300)
     runs = [0]
     program = fused_module.forward

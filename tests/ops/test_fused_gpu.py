@@ -247,6 +247,14 @@ _FUSED_CONFIGS = {
         rl_normalization_constant=100.0,
         echo_normalization="batch_token_mean",
     ),
+    "dppo-sequence-means": LossConfig(
+        rl_normalization="sequence_mean_token_mean",
+        echo_normalization="sequence_mean",
+        echo_z_epsilon=1e-3,
+    ),
+    "reinforce-token-mask-k3": LossConfig(
+        policy="reinforce", mismatch="token_mask", mismatch_min=0.5, kl_coef=0.1
+    ),
 }
 
 
@@ -264,6 +272,10 @@ def _fused_record(n, v, *, sft=False):
         else torch.where(echo, torch.rand(n, generator=g, device=CUDA), 0.0),
         advantages=torch.randn(n, generator=g, device=CUDA),
         inference_logprobs=-torch.rand(n, generator=g, device=CUDA) * 12,
+        ref_logprobs=-torch.rand(n, generator=g, device=CUDA) * 12,
+        # 97 sequences, each row's id cycling: a sequence's rows spread over the record
+        sequence_ids=(torch.arange(n, device=CUDA) * 31) % 97,
+        observation_mask=torch.rand(n, generator=g, device=CUDA) < 0.2,
     )
 
 
@@ -283,7 +295,11 @@ def test_fused_row_algebra_matches_the_pytorch_algebra_on_cuda(name, given):
     n, v = 5000, 32000
     cfg = _FUSED_CONFIGS[name]
     x = _fused_record(n, v, sft=cfg.mode == "sft")
-    norms = Normalizers(rl_tokens=9000, echo_tokens=4000, echo_batches=2) if given else None
+    norms = None
+    if given:
+        norms = Normalizers(
+            rl_tokens=9000, echo_tokens=4000, echo_batches=2, rl_sequences=300, echo_sequences=250
+        )
     g = torch.Generator(device=CUDA).manual_seed(2)
     logits = (torch.randn(n, v, generator=g, device=CUDA) * 2).bfloat16()
     lp = torch.zeros(n, device=CUDA)

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from _fused_cases import DEVICE
-from _row_algebra_cases import EPS, Case, bounds, sum_tol
+from _row_algebra_cases import EPS, Case, bounds, ref_kl_scale, sum_tol
 
 from echoloss.loss import LossConfig, LossInputs
 from echoloss.loss.core import echo_loss_from_logprobs, fuse_loss_algebra
@@ -78,13 +78,23 @@ OPTIONS: dict[str, tuple[Any, ...]] = {
     "entropy_metric": (False, True),
     "mismatch_metric": (False, True),
     "rl_divisor": ("count", "host", "device"),
+    "rl_normalization": ("token", "sequence_mean_token_mean", "sequence_mean_token_sum"),
     "echo": (
         ("token_mean", None),
         ("token_mean", 5000.0),
         ("sum", None),
         ("batch_token_mean", None),
         ("batch_token_mean", 4.0),
+        ("sequence_mean", None),
+        ("sequence_mean", 40.0),
     ),
+    "echo_z_epsilon": (0.0, 1e-3),
+    "mismatch": (None, None, "token_truncate", "token_mask"),
+    "mismatch_min": (None, 0.5),
+    "kl": ((None, 0.0), ("k1", 0.1), ("k2", 0.2), ("k3", 0.1)),
+    # how rows group into sequences: runs of consecutive rows, ids scattered over the rows
+    # (a sequence's rows far apart), one sequence over every block
+    "sequences": ("runs", "scattered", "one"),
     "base": ("old", "inference", "none"),
     "echo_weights": (True, False),
     "advantages": (True, True, False),
@@ -104,14 +114,24 @@ def _option_sets(variant: str) -> list[dict[str, Any]]:
         columns[name] = cycle
     sets = []
     for k in range(SETS_PER_VARIANT):
-        o = {name: col[k] for name, col in columns.items()}
-        if o["base"] == "none":
-            o["mismatch_metric"] = False  # no inference logprobs to read
-        if variant == "sft":  # the NLL of the RL rows: no policy terms (RowAlgebraParams)
-            o.update(kl_tau=0.0, entropy_coef=0.0, mismatch_metric=False)
+        o = _consistent(variant, {name: col[k] for name, col in columns.items()})
         o["n"] = NS[k % len(NS)]
         sets.append(o)
     return sets
+
+
+def _consistent(variant: str, o: dict[str, Any]) -> dict[str, Any]:
+    """``o`` with the options that cannot go together resolved (what `RowAlgebraParams` and
+    the op reject)."""
+    o = dict(o)
+    if o["base"] == "none":  # no inference logprobs to read
+        o["mismatch_metric"] = False
+        o["mismatch"] = None
+    if o["rl_divisor"] == "device":  # a device divisor is token_sum_constant's alone
+        o["rl_normalization"] = "token"
+    if variant == "sft":  # the NLL of the RL rows: no policy terms (RowAlgebraParams)
+        o.update(kl_tau=0.0, entropy_coef=0.0, mismatch_metric=False, mismatch=None, kl=(None, 0.0))
+    return o
 
 
 def _masks(n: int, g: torch.Generator, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +142,20 @@ def _masks(n: int, g: torch.Generator, seed: int) -> tuple[torch.Tensor, torch.T
     rl = u < 0.45
     echo = (u >= 0.45) & (u < 0.8)  # the rest (20 %) is padding
     return rl, echo
+
+
+def _sequence_ids(n: int, layout: str, part: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """``[N]`` int64 sequence ids; rows that do not participate get -1 or a participating
+    sequence's id (a prompt token of that sequence) at random."""
+    if layout == "runs":  # runs of 1-80 rows, ids increasing
+        lengths = torch.randint(1, 81, (n,), generator=g)
+        sid = torch.repeat_interleave(torch.arange(n), lengths)[:n]
+    elif layout == "scattered":  # ids in random order, each sequence's rows spread out
+        sid = torch.randint(0, max(n // 25, 1), (n,), generator=g) * 7 + 3
+    else:
+        sid = torch.full((n,), 5)
+    padding = torch.rand(n, generator=g) < 0.5
+    return torch.where(part | ~padding, sid, -1)
 
 
 def _make_case(variant: str, o: dict[str, Any], seed: int) -> Case:
@@ -142,14 +176,18 @@ def _make_case(variant: str, o: dict[str, Any], seed: int) -> Case:
     shift = shift * o.get("shift_scale", 1.0)
     old = (lp - shift).clamp(max=0.0)
     lq = (lp - torch.randn(n, generator=g) * 0.3).clamp(max=0.0)
+    ref = (lp - torch.randn(n, generator=g) * 0.5).clamp(max=0.0)
+    ref[::11] = lp[::11]  # d = 0: k3's series branch, k1/k2 at their zero
     adv = torch.randn(n, generator=g) * o.get("adv_scale", 1.0)
     adv[::7] = 0.0
     w = 0.1 + 2 * torch.rand(n, generator=g)
     ent = 3 * torch.rand(n, generator=g)
     nan = torch.tensor(NAN)
     lp = torch.where(part, lp, nan)
-    old, lq, adv, ent = (torch.where(rl, t, nan) for t in (old, lq, adv, ent))
+    old, lq, adv, ent, ref = (torch.where(rl, t, nan) for t in (old, lq, adv, ent, ref))
     w = torch.where(echo, w, nan)
+    sid = _sequence_ids(n, o["sequences"], part, g)
+    observation = torch.rand(n, generator=g) < 0.3
 
     base = o["base"]
     echo_norm, echo_div = o["echo"]
@@ -168,14 +206,30 @@ def _make_case(variant: str, o: dict[str, Any], seed: int) -> Case:
         old_logprobs=old if base == "old" else None,
         inference_logprobs=lq if base in ("old", "inference") else None,
         rl_divisor=rl_div_dev,
+        sequence_ids=sid,
+        observation=observation,
+        ref_logprobs=ref,
     )
-    keys = ("log_ratio_clamp", "kl_tau", "entropy_coef", "entropy_metric", "mismatch_metric")
+    kl_estimator, kl_coef = o["kl"]
+    keys = (
+        "log_ratio_clamp",
+        "kl_tau",
+        "entropy_coef",
+        "entropy_metric",
+        "mismatch_metric",
+        "rl_normalization",
+        "echo_z_epsilon",
+        "mismatch",
+        "mismatch_min",
+    )
     params = RowAlgebraParams(
         **VARIANTS[variant],
         **{k: o[k] for k in keys},
         rl_divisor=rl_div_host,
         echo_normalization=echo_norm,
         echo_divisor=echo_div,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator or "k3",
     )
     need_ent = params.entropy_coef != 0 or params.entropy_metric
     return Case(lp, ent if need_ent else None, rows, params)
@@ -255,6 +309,8 @@ def assert_same_as_naive(case: Case, what: str = "") -> None:
         "echo_nll_mean": float(lp_echo.abs().sum()) / n_echo,
         "mismatch_kl": float(naive.stats[STAT_SLOTS.index("mismatch_kl")]),  # Σ of terms ≥ 0
         "entropy": float(naive.stats[STAT_SLOTS.index("entropy")]),  # Σ of terms ≥ 0
+        "is_weight": float(naive.stats[STAT_SLOTS.index("is_weight")]),  # Σ of terms ≥ 0
+        "ref_kl": ref_kl_scale(case),
     }
     for i, name in enumerate(STAT_SLOTS):
         fv, nv = float(fused.stats[i]), float(naive.stats[i])
@@ -295,7 +351,13 @@ def test_options_cover_every_value():
         for name, values in OPTIONS.items():
             seen = {repr(o[name]) for o in sets}
             expected = {repr(v) for v in values}
-            if variant == "sft" and name in ("kl_tau", "entropy_coef", "mismatch_metric"):
+            if variant == "sft" and name in (
+                "kl_tau",
+                "entropy_coef",
+                "mismatch_metric",
+                "mismatch",
+                "kl",
+            ):
                 expected = {repr(values[0])}
             assert expected <= seen, (variant, name, seen)
         assert {o["n"] for o in sets} == set(NS)
@@ -498,6 +560,148 @@ def test_echo_normalizations_by_hand():
             assert stat(out, "loss_rl") == 0.0 and stat(out, "rl_tokens") == 0.0
 
 
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("mismatch", ["token_truncate", "token_mask"])
+def test_mismatch_correction_and_reference_kl_by_hand(mismatch, estimator):
+    """reinforce on three RL rows with ``w = exp(old - lq)`` = 2, 1, 0.5 against the bounds
+    [0.6, 1.5] (rows 0 and 2 outside: truncated to 1.5 and 0.6, or masked to 0) and
+    ``d = ref - lp`` = -0.5, 0, 1 under ``kl_coef = 0.1``; a padding row of NaN."""
+    ln2 = math.log(2.0)
+    lp = torch.tensor([-1.0, -0.5, -2.0, NAN])
+    rows = RowInputs(
+        rl=torch.tensor([True, True, True, False]),
+        echo=torch.tensor([False, False, False, False]),
+        advantages=torch.tensor([1.0, 2.0, -1.0, NAN]),
+        old_logprobs=torch.tensor([-1.0, -0.5, -2.0, NAN]),
+        inference_logprobs=torch.tensor([-1.0 - ln2, -0.5, -2.0 + ln2, NAN]),
+        ref_logprobs=torch.tensor([-1.5, -0.5, -1.0, NAN]),
+    )
+    w = [1.5, 1.0, 0.6] if mismatch == "token_truncate" else [0.0, 1.0, 0.0]
+    d = [-0.5, 0.0, 1.0]
+    kl, dkl = {  # the estimate and its derivative with respect to lp
+        "k1": ([-x for x in d], [1.0, 1.0, 1.0]),
+        "k2": ([0.5 * x * x for x in d], [-x for x in d]),
+        "k3": ([math.expm1(x) - x for x in d], [-math.expm1(x) for x in d]),
+    }[estimator]
+    adv, lps = [1.0, 2.0, -1.0], [-1.0, -0.5, -2.0]
+    loss = sum(-adv[i] * lps[i] * w[i] + 0.1 * kl[i] for i in range(3)) / 3
+    a = [(-adv[i] * w[i] + 0.1 * dkl[i]) / 3 for i in range(3)]
+    p = RowAlgebraParams(
+        "reinforce",
+        low=None,
+        high=0.0,
+        mismatch=mismatch,
+        mismatch_max=1.5,
+        mismatch_min=0.6,
+        kl_coef=0.1,
+        kl_estimator=estimator,
+    )
+    for (out, grad, _), backend in _both(Case(lp, None, rows, p)):
+        what = (mismatch, estimator, backend)
+        assert float(out.loss.detach()) == pytest.approx(loss, rel=8 * EPS, abs=8 * EPS), what
+        assert grad.tolist() == pytest.approx([*a, 0.0], rel=8 * EPS, abs=8 * EPS), what
+        assert stat(out, "is_weight") == pytest.approx(sum(w) / 3, rel=4 * EPS), what
+        assert stat(out, "ref_kl") == pytest.approx(sum(kl) / 3, rel=4 * EPS, abs=4 * EPS), what
+        assert stat(out, "mismatch_flag") == pytest.approx(2 / 3, rel=EPS), what
+
+
+def test_sequence_normalizations_by_hand():
+    """Per-sequence normalisers on three sequences whose rows are interleaved (ids 9, 4, 9,
+    2, 4, 9 ...): reinforce RL rows, echo rows, observation rows counted in ``Z_i``.
+
+    Sequence 9: RL rows 0 (A = 1, lp = -0.5) and 2 (A = 2, lp = -1), echo row 5 (w = 0.5,
+    lp = -2), observation row 7: Z = 2. Sequence 4: RL row 1 (A = -1, lp = -0.25), echo row 4
+    (w = 1, lp = -1.5): Z = 1. Sequence 2: echo row 3 (w = 2, lp = -3; also an observation
+    row, counted once): Z = 1. Row 6 (id 4) and row 7 take no part; row 8 is padding (-1).
+    """
+    lp = torch.tensor([-0.5, -0.25, -1.0, -3.0, -1.5, -2.0, NAN, NAN, NAN])
+    rows = RowInputs(
+        rl=torch.tensor([True, True, True, False, False, False, False, False, False]),
+        echo=torch.tensor([False, False, False, True, True, True, False, False, False]),
+        echo_weights=torch.tensor([NAN, NAN, NAN, 2.0, 1.0, 0.5, NAN, NAN, NAN]),
+        advantages=torch.tensor([1.0, -1.0, 2.0, NAN, NAN, NAN, NAN, NAN, NAN]),
+        sequence_ids=torch.tensor([9, 4, 9, 2, 4, 9, 4, 9, -1]),
+        observation=torch.tensor([False, False, False, True, False, False, False, True, True]),
+    )
+    # RL per-token loss -A·lp: 0.5 and 2 (sequence 9), -0.25 (sequence 4); 2 RL sequences
+    rl_cases = {
+        "sequence_mean_token_mean": ((2.5 / 2 - 0.25) / 2, [-1 / 4, 1 / 2, -2 / 4]),
+        "sequence_mean_token_sum": ((2.5 - 0.25) / 2, [-1 / 2, 1 / 2, -2 / 2]),
+    }
+    # echo w·nll / Z: 0.5·2 / 2 (sequence 9), 1·1.5 / 1, 2·3 / 1; 3 echo sequences
+    echo_loss = (0.5 + 1.5 + 6.0) / 3
+    echo_a = [-2 / 1 / 3, -1 / 1 / 3, -0.5 / 2 / 3]  # rows 3, 4, 5
+    for rl_norm, (rl_loss, rl_a) in rl_cases.items():
+        p = RowAlgebraParams(
+            "reinforce",
+            low=None,
+            high=0.0,
+            rl_normalization=rl_norm,
+            echo_normalization="sequence_mean",
+        )
+        for (out, a, _), backend in _both(Case(lp, None, rows, p)):
+            what = (rl_norm, backend)
+            assert float(out.loss.detach()) == pytest.approx(rl_loss + echo_loss, rel=4 * EPS)
+            assert stat(out, "loss_rl") == pytest.approx(rl_loss, rel=4 * EPS), what
+            assert stat(out, "loss_echo") == pytest.approx(echo_loss, rel=4 * EPS), what
+            assert a.tolist() == pytest.approx([*rl_a, *echo_a, 0, 0, 0], rel=4 * EPS), what
+            assert (stat(out, "rl_sequences"), stat(out, "echo_sequences")) == (2.0, 3.0), what
+    # ε added to Z; given sequence counts replace the call's
+    p = RowAlgebraParams(
+        "reinforce",
+        low=None,
+        high=0.0,
+        rl_normalization="sequence_mean_token_sum",
+        rl_divisor=5.0,
+        echo_normalization="sequence_mean",
+        echo_divisor=8.0,
+        echo_z_epsilon=0.5,
+    )
+    for (out, a, _), backend in _both(Case(lp, None, rows, p)):
+        expected = 2.25 / 5 + (1.0 / 2.5 + 1.5 / 1.5 + 6.0 / 1.5) / 8
+        assert float(out.loss.detach()) == pytest.approx(expected, rel=4 * EPS), backend
+        e = [-2 / 1.5 / 8, -1 / 1.5 / 8, -0.5 / 2.5 / 8]
+        assert a.tolist() == pytest.approx([-1 / 5, 1 / 5, -2 / 5, *e, 0, 0, 0], rel=4 * EPS)
+
+
+def test_sequence_normalizers_need_their_inputs():
+    lp = torch.tensor([-0.5])
+    rows = RowInputs(rl=torch.tensor([True]), echo=torch.tensor([False]))
+    seq = RowAlgebraParams("sft", low=None, high=0.0, rl_normalization="sequence_mean_token_sum")
+    with pytest.raises(ValueError, match=r"rows\.sequence_ids"):
+        row_algebra_op(lp, None, rows, seq, backend="naive")
+    echo = RowAlgebraParams("sft", low=None, high=0.0, echo_normalization="sequence_mean")
+    with pytest.raises(ValueError, match=r"rows\.observation"):
+        row_algebra_op(lp, None, rows._replace(sequence_ids=torch.tensor([0])), echo)
+    with pytest.raises(ValueError, match=r"rows\.rl_divisor"):
+        row_algebra_op(
+            lp,
+            None,
+            rows._replace(sequence_ids=torch.tensor([0]), rl_divisor=torch.tensor(2.0)),
+            seq,
+        )
+    with pytest.raises(ValueError, match="rl_normalization"):
+        RowAlgebraParams("sft", low=None, high=0.0, rl_normalization="sequence")
+    with pytest.raises(ValueError, match="echo_z_epsilon"):
+        RowAlgebraParams("sft", low=None, high=0.0, echo_z_epsilon=-1.0)
+
+
+@pytest.mark.parametrize("layout", ["runs", "scattered", "one"])
+def test_sequence_groups_across_blocks(layout):
+    """Sequences that cross the program's blocks (``3·BLOCK + 5`` rows), kernel vs gold."""
+    n = 3 * BLOCK + 5
+    o = dict(_option_sets("ppo_clip")[0])
+    o.update(
+        n=n,
+        sequences=layout,
+        rl_divisor="count",
+        rl_normalization="sequence_mean_token_mean",
+        echo=("sequence_mean", None),
+        echo_z_epsilon=1e-3,
+    )
+    assert_same_as_naive(_make_case("ppo_clip", o, seed=77), layout)
+
+
 # ---------------------------------------------------------------- fp64 derivatives
 
 
@@ -509,11 +713,21 @@ def _loss_config(p: RowAlgebraParams) -> LossConfig:
         kl_tau=p.kl_tau,
         entropy_coef=p.entropy_coef,
         echo_normalization=p.echo_normalization,
+        echo_z_epsilon=p.echo_z_epsilon,
+        kl_coef=p.kl_coef,
+        kl_estimator=p.kl_estimator,
+        mismatch=p.mismatch,
+        mismatch_max=p.mismatch_max,
+        mismatch_min=p.mismatch_min,
     )
-    if p.rl_divisor is not None:
+    if p.rl_normalization != "token":
+        assert p.rl_divisor is None  # the call's own sequence counts
+        kw.update(rl_normalization=p.rl_normalization)
+    elif p.rl_divisor is not None:
         kw.update(rl_normalization="token_sum_constant", rl_normalization_constant=p.rl_divisor)
     if p.policy == "sft":
-        return LossConfig(mode="sft", **{k: v for k, v in kw.items() if k != "kl_tau"})
+        drop = ("kl_tau", "kl_coef", "mismatch", "mismatch_max", "mismatch_min", "kl_estimator")
+        return LossConfig(mode="sft", **{k: v for k, v in kw.items() if k not in drop})
     if p.policy == "dppo":
         kw.update(dppo_low=p.low, dppo_high=p.high)
     elif p.policy == "ppo_clip":
@@ -531,10 +745,40 @@ FP64_CASES = {
     "reinforce": dict(echo_normalization="batch_token_mean"),
     "sft": dict(),
 }
+#: The same with per-sequence normalisers (`test_derivatives_against_fp64_autograd_of_the_loss_module`).
+FP64_SEQUENCE_CASES = {
+    "dppo": dict(
+        kl_tau=0.3,
+        entropy_coef=0.05,
+        rl_normalization="sequence_mean_token_mean",
+        echo_normalization="sequence_mean",
+        echo_z_epsilon=1e-3,
+    ),
+    "ppo_clip_dual": dict(
+        rl_normalization="sequence_mean_token_sum", echo_normalization="sequence_mean"
+    ),
+    "sft": dict(rl_normalization="sequence_mean_token_mean"),
+}
+#: The same with a mismatch correction and the reference KL.
+FP64_CORRECTION_CASES = {
+    "cispo": dict(mismatch="token_truncate", mismatch_min=0.5, kl_coef=0.2, kl_estimator="k3"),
+    "ppo_clip": dict(mismatch="token_mask", kl_coef=0.1, kl_estimator="k2"),
+    "reinforce": dict(kl_coef=0.3, kl_estimator="k1"),
+}
 
 
-@pytest.mark.parametrize("variant", sorted(FP64_CASES))
-def test_derivatives_against_fp64_autograd_of_the_loss_module(variant):
+@pytest.mark.parametrize(
+    ("variant", "extra"),
+    [(v, FP64_CASES[v]) for v in sorted(FP64_CASES)]
+    + [(v, FP64_SEQUENCE_CASES[v]) for v in sorted(FP64_SEQUENCE_CASES)]
+    + [(v, FP64_CORRECTION_CASES[v]) for v in sorted(FP64_CORRECTION_CASES)],
+    ids=[
+        *sorted(FP64_CASES),
+        *(f"{v}-sequences" for v in sorted(FP64_SEQUENCE_CASES)),
+        *(f"{v}-mismatch-kl" for v in sorted(FP64_CORRECTION_CASES)),
+    ],
+)
+def test_derivatives_against_fp64_autograd_of_the_loss_module(variant, extra):
     """``a`` and ``b`` of both backends vs ``torch.autograd.grad`` of the loss module's PyTorch
     algebra in fp64 (``fuse_loss_algebra("never")``) on the same (fp32-representable) inputs:
     within 16·eps·G_i per row (fp32 rounding of a handful of operations; the fp64 gold is exact
@@ -550,10 +794,12 @@ def test_derivatives_against_fp64_autograd_of_the_loss_module(variant):
         echo_weights=True,
         mismatch_metric=False,
         rl_divisor="count",
+        rl_normalization="token",
         echo=("token_mean", None),
+        sequences="scattered",
     )
     case = _make_case(variant, o, seed=7)
-    p = dataclasses.replace(case.params, entropy_metric=False, **FP64_CASES[variant])
+    p = dataclasses.replace(case.params, entropy_metric=False, **extra)
     rows = case.rows
     if variant == "sft":  # mode="sft" has no echo rows
         rows = rows._replace(echo=torch.zeros_like(rows.echo))
@@ -566,6 +812,12 @@ def test_derivatives_against_fp64_autograd_of_the_loss_module(variant):
         echo_weights=torch.where(rows.echo, rows.echo_weights, 0.0).double(),
         advantages=torch.where(rows.rl, rows.advantages, 0.0).double(),
         old_logprobs=torch.where(rows.rl, rows.old_logprobs, -1.0).double(),
+        sequence_ids=rows.sequence_ids,
+        observation_mask=rows.observation,
+        inference_logprobs=torch.where(rows.rl, rows.inference_logprobs, -1.0).double()
+        if p.mismatch is not None
+        else None,
+        ref_logprobs=torch.where(rows.rl, rows.ref_logprobs, -1.0).double() if p.kl_coef else None,
     )
     ent64 = None
     if p.entropy_coef:
@@ -1017,9 +1269,18 @@ def test_per_row_fields_in_other_dtypes(dtype):
         "advantages": True,
         "echo_weights": True,
         "rl_divisor": "device",
+        "rl_normalization": "token",
+        "kl": ("k3", 0.1),
     }
     case = _make_case("ppo_clip_dual", o, seed=11)
-    fields = ("echo_weights", "advantages", "old_logprobs", "inference_logprobs", "rl_divisor")
+    fields = (
+        "echo_weights",
+        "advantages",
+        "old_logprobs",
+        "inference_logprobs",
+        "ref_logprobs",
+        "rl_divisor",
+    )
     case.rows = case.rows._replace(**{f: getattr(case.rows, f).to(dtype) for f in fields})
     assert_same_as_naive(case, str(dtype))
 
@@ -1037,11 +1298,7 @@ def test_per_row_fields_in_other_dtypes(dtype):
 )
 def test_fused_equals_naive_property(variant, n, seed, options, adv_scale, shift_scale):
     """Any option set, row count, advantage scale and ratio spread (0: every ratio exactly 1)."""
-    o = dict(options, n=n, adv_scale=adv_scale, shift_scale=shift_scale)
-    if o["base"] == "none":
-        o["mismatch_metric"] = False
-    if variant == "sft":
-        o.update(kl_tau=0.0, entropy_coef=0.0, mismatch_metric=False)
+    o = _consistent(variant, dict(options, n=n, adv_scale=adv_scale, shift_scale=shift_scale))
     assert_same_as_naive(_make_case(variant, o, seed), f"{variant} {o}")
 
 
@@ -1067,7 +1324,8 @@ def test_zero_rows(variant):
 
 
 @pytest.mark.parametrize("n", [2500, 700])
-def test_per_env_metrics_fused_equal_naive(n):
+@pytest.mark.parametrize("sequences", [False, True], ids=["token", "per-sequence"])
+def test_per_env_metrics_fused_equal_naive(n, sequences):
     """``env_of_row``/``num_envs``: program e + 1 writes env e's metrics (the main program
     still writes everything over all rows); against the gold, slot by slot: counts, fractions
     and maxima exactly, sums within `sum_tol`, the loss slots of an env row 0; an env with no
@@ -1084,11 +1342,24 @@ def test_per_env_metrics_fused_equal_naive(n):
         inference_logprobs=(-3 * torch.rand(n, generator=g) - 0.01).to(DEVICE),
         env_of_row=env.to(DEVICE),
         num_envs=4,
+        sequence_ids=(torch.arange(n) // 30).to(DEVICE),
+        observation=(torch.rand(n, generator=g) < 0.3).to(DEVICE),
     )
     lp = (-3 * torch.rand(n, generator=g) - 0.01).to(DEVICE)
     ent = (2 * torch.rand(n, generator=g)).to(DEVICE)
+    norms = {}
+    if sequences:  # the env programs read the sequence counts too; the main one writes them
+        norms = dict(
+            rl_normalization="sequence_mean_token_mean", echo_normalization="sequence_mean"
+        )
     params = RowAlgebraParams(
-        "ppo_clip", low=0.2, high=0.2, dual_clip=3.0, entropy_metric=True, mismatch_metric=True
+        "ppo_clip",
+        low=0.2,
+        high=0.2,
+        dual_clip=3.0,
+        entropy_metric=True,
+        mismatch_metric=True,
+        **norms,
     )
     fused = row_algebra_op(lp.clone().requires_grad_(), ent, rows, params, backend="triton")
     gold = row_algebra_op(lp.clone().requires_grad_(), ent, rows, params, backend="naive")
@@ -1105,6 +1376,10 @@ def test_per_env_metrics_fused_equal_naive(n):
                 assert abs(f - r) <= sum_tol(n, abs(r)), (e, name, f, r)
     assert fused.env_stats[3].abs().sum() == 0
     assert float(fused.stats[STAT_SLOTS.index("rl_tokens")]) == float(rl.sum())
+    for name in ("rl_sequences", "echo_sequences"):
+        i = STAT_SLOTS.index(name)
+        assert float(fused.stats[i]) == float(gold.stats[i]) == (n // 30 + (n % 30 > 0)) * sequences
+    assert abs(float(fused.loss) - float(gold.loss)) <= sum_tol(n, 10.0)
     assert float(fused.env_stats[:3, STAT_SLOTS.index("rl_tokens")].sum()) == float(
         (rl & (env >= 0)).sum()
     )

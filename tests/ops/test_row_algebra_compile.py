@@ -33,6 +33,11 @@ TYPES = {
     "RL_DIV": "*fp32",
     "LABELS": "*i64",
     "ENV": "*i64",
+    "GROUP": "*i32",
+    "CNT_RL": "*i32",
+    "CNT_Z": "*i32",
+    "SEQS": "*i32",
+    "REF": "*fp32",
     "A": "*fp32",
     "B": "*fp32",
     "LOSS": "*fp32",
@@ -50,6 +55,10 @@ TYPES = {
             "ent_coef",
             "rl_div_value",
             "echo_div_value",
+            "z_eps",
+            "mm_max",
+            "mm_min",
+            "kl_coef",
             "lp_tolerance",
         ],
         "fp32",
@@ -72,6 +81,9 @@ FLAGS = (
     "LP_GIVEN",
     "CHECK_LABELS",
     "HAS_ENV",
+    "SEQ",
+    "HAS_MM_MIN",
+    "HAS_KL_COEF",
 )
 
 
@@ -90,15 +102,31 @@ def _compiled(fn_obj):
         if type(value).__name__ in ("JITFunction", "InterpretedFunction") and name.startswith("_"):
             g[name] = rebuild(value)
     g["_sum"], g["_max"], g["_min"] = g["_sum_local"], g["_max_local"], g["_min_local"]
-    return g["_row_algebra_kernel"]
+    return g[getattr(fn_obj, "fn", fn_obj).__name__]
 
 
-def _compile(consts, arch):
-    kernel = _compiled(fused._row_algebra_kernel)
+#: The sequence-groups program: its arguments' types.
+GROUP_TYPES = {
+    "SKEY": "*i64",
+    "ORDER": "*i64",
+    "RL": "*u8",
+    "ECHO": "*u8",
+    "OBS": "*u8",
+    "GROUP": "*i32",
+    "CNT_RL": "*i32",
+    "CNT_Z": "*i32",
+    "SEQS": "*i32",
+    "n": "i32",
+}
+
+
+def _compile(consts, arch, kernel_obj=None, types_=None):
+    kernel = _compiled(fused._row_algebra_kernel if kernel_obj is None else kernel_obj)
+    types_ = TYPES if types_ is None else types_
     names = list(kernel.arg_names)  # the kernel's own order
-    assert set(names) == set(TYPES) | set(consts), set(names) ^ (set(TYPES) | set(consts))
-    sig = {n: ("constexpr" if n in consts else TYPES[n]) for n in names}
-    attrs = {(names.index(n),): _PTR_DIV16 for n in TYPES if TYPES[n].startswith("*")}
+    assert set(names) == set(types_) | set(consts), set(names) ^ (set(types_) | set(consts))
+    sig = {n: ("constexpr" if n in consts else types_[n]) for n in names}
+    attrs = {(names.index(n),): _PTR_DIV16 for n in types_ if types_[n].startswith("*")}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(
         src,
@@ -113,7 +141,10 @@ def _consts(policy, on, base=1, rl_div_mode=0, echo_mode=0):
         **dict.fromkeys(FLAGS, on),
         "BASE": base,
         "RL_DIV_MODE": rl_div_mode,
+        "RL_PER_SEQ": on,
         "ECHO_MODE": echo_mode,
+        "MISMATCH": 1 if on else 0,
+        "KL_EST": 3,
         "NUM_STATS": len(STAT_SLOTS),
         "BLOCK": fused.BLOCK,
     }
@@ -128,8 +159,24 @@ def test_every_policy_compiles(arch):
 
 @needs_nvidia_backend
 def test_modes_compile_for_sm90():
-    for base, rl_div, echo in itertools.product(range(3), range(3), range(3)):
+    for base, rl_div, echo in itertools.product(range(3), range(4), range(4)):
         assert _compile(_consts(1, True, base, rl_div, echo), 90).asm.get("cubin")
+
+
+@needs_nvidia_backend
+def test_corrections_compile_for_sm90():
+    for mismatch, kl_est in itertools.product(range(3), range(1, 4)):
+        consts = {**_consts(2, True), "MISMATCH": mismatch, "KL_EST": kl_est}
+        assert _compile(consts, 90).asm.get("cubin")
+
+
+@needs_nvidia_backend
+@pytest.mark.parametrize("arch", [80, 90])
+def test_sequence_groups_program_compiles_without_spills(arch, tmp_path):
+    for has_obs in (False, True):
+        consts = {"HAS_OBS": has_obs, "BLOCK": fused.BLOCK}
+        compiled = _compile(consts, arch, fused._sequence_groups_kernel, GROUP_TYPES)
+        assert "LOCAL:0" in _resources(compiled.asm["cubin"], tmp_path)
 
 
 @needs_nvidia_backend

@@ -16,7 +16,10 @@ __all__ = [
     "CHECK_SLOTS",
     "ECHO_NORMALIZATIONS",
     "FLAG_NAMES",
+    "KL_ESTIMATORS",
+    "MISMATCH_MODES",
     "POLICIES",
+    "RL_NORMALIZATIONS",
     "STAT_SLOTS",
     "RowAlgebraParams",
     "RowInputs",
@@ -35,7 +38,11 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 #: Slots of the fp32 ``stats`` output: the loss and its two terms, the metrics (means over RL
-#: rows for ``mismatch_kl`` and ``entropy``, fractions of RL rows for the flags).
+#: rows for ``mismatch_kl`` and ``entropy``, fractions of RL rows for the flags) and, with a
+#: sequence-level normaliser, the call's sequences with an RL row and with an echo row (0
+#: otherwise; what given normalisers are checked against); the means over RL rows of the
+#: mismatch weight and of the reference-KL estimate, and the fraction of RL rows the mismatch
+#: correction truncated or masked.
 STAT_SLOTS = (
     "loss",
     "loss_rl",
@@ -50,6 +57,11 @@ STAT_SLOTS = (
     "flag1",
     "flag2",
     "flag3",
+    "rl_sequences",
+    "echo_sequences",
+    "is_weight",
+    "ref_kl",
+    "mismatch_flag",
 )
 
 #: Slots of the fp64 ``checks`` output: per check a flag (1 = failed) and what its message
@@ -79,7 +91,19 @@ CHECK_SLOTS = (
     "label_value",
 )
 
-ECHO_NORMALIZATIONS = ("token_mean", "sum", "batch_token_mean")
+ECHO_NORMALIZATIONS = ("token_mean", "sum", "batch_token_mean", "sequence_mean")
+
+#: How the RL term is normalised: ``token`` (one divisor, `RowAlgebraParams.rl_divisor`), or
+#: per sequence (``docs/normalization.md``): ``sequence_mean_token_mean`` divides each row by
+#: its sequence's RL rows and the sum by the RL sequences, ``sequence_mean_token_sum`` the
+#: sum by the RL sequences alone.
+RL_NORMALIZATIONS = ("token", "sequence_mean_token_mean", "sequence_mean_token_sum")
+
+#: Per-token train/inference mismatch corrections (the sequence-level ones are not per row).
+MISMATCH_MODES = ("token_truncate", "token_mask")
+
+#: Per-token estimators of the reference KL.
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclass(frozen=True)
@@ -97,12 +121,32 @@ class RowAlgebraParams:
         entropy_coef: entropy bonus ``-entropy_coef · H`` on RL rows (0 = off).
         entropy_metric: report the ``entropy`` mean (needs the entropy).
         mismatch_metric: report ``mismatch_kl`` (needs the inference logprobs).
-        rl_divisor: divisor of the RL term: None = the call's RL rows (at least 1), else this
-            value (given normalisers, at least 1, or ``token_sum_constant``'s constant); a
-            device tensor in `RowInputs` replaces it when given.
-        echo_normalization: ``token_mean``, ``sum`` or ``batch_token_mean``.
+        mismatch: None, or a per-token mismatch correction (`MISMATCH_MODES`): the policy loss
+            of an RL row times the detached ``w = exp(clamp(b₀ − lq))``, ``b₀`` the old
+            logprobs (else the row's own, detached), clamped to ``[mismatch_min,
+            mismatch_max]`` (``token_truncate``) or 0 outside it (``token_mask``); needs the
+            inference logprobs.
+        mismatch_max, mismatch_min: the bounds (``mismatch_min`` None = none).
+        kl_coef: coefficient of the reference-KL estimate ``kl_estimator`` of ``d = ref − ℓ``
+            (``k1 = −d``, ``k2 = d²/2``, ``k3 = exp(d) − d − 1`` on the clamped ``d``); needs
+            ``RowInputs.ref_logprobs``.
+        kl_estimator: one of `KL_ESTIMATORS`.
+        rl_normalization: one of `RL_NORMALIZATIONS`; the sequence modes read
+            ``RowInputs.sequence_ids``.
+        rl_divisor: divisor of the RL term. ``token``: None = the call's RL rows (at least 1),
+            else this value (given normalisers, at least 1, or ``token_sum_constant``'s
+            constant); a device tensor in `RowInputs` replaces it when given. Sequence modes:
+            None = the call's sequences with an RL row (at least 1), else this value (the given
+            ``rl_sequences``, at least 1).
+        echo_normalization: ``token_mean``, ``sum``, ``batch_token_mean`` or
+            ``sequence_mean`` (each echo row divided by ``Z_i + echo_z_epsilon``, ``Z_i`` the
+            rows of its sequence that are observation (``RowInputs.observation``) or echo rows,
+            and the sum by the echo sequences).
         echo_divisor: ``token_mean``: None = the call's echo rows (at least 1), else this value;
-            ``batch_token_mean``: the divisor of the batch count (1 = this call alone).
+            ``batch_token_mean``: the divisor of the batch count (1 = this call alone);
+            ``sequence_mean``: None = the call's sequences with an echo row (at least 1), else
+            this value (the given ``echo_sequences``, at least 1).
+        echo_z_epsilon: added to ``Z_i`` by ``sequence_mean`` (≥ 0).
         check_finite: compute the value checks.
         logprobs_given: the logprobs come from the caller (a logprob > ``logprob_tolerance``
             then also fails the check).
@@ -119,9 +163,16 @@ class RowAlgebraParams:
     entropy_coef: float = 0.0
     entropy_metric: bool = False
     mismatch_metric: bool = False
+    mismatch: str | None = None
+    mismatch_max: float = 3.0
+    mismatch_min: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    rl_normalization: str = "token"
     rl_divisor: float | None = None
     echo_normalization: str = "token_mean"
     echo_divisor: float | None = None
+    echo_z_epsilon: float = 0.0
     check_finite: bool = True
     logprobs_given: bool = False
     logprob_tolerance: float = 0.0
@@ -134,6 +185,8 @@ class RowAlgebraParams:
                 ("kl_tau", self.kl_tau),
                 ("entropy_coef", self.entropy_coef),
                 ("mismatch_metric", self.mismatch_metric),
+                ("mismatch", self.mismatch),
+                ("kl_coef", self.kl_coef),
             ):
                 if value:
                     raise ValueError(
@@ -150,14 +203,41 @@ class RowAlgebraParams:
                     "echo_normalization", f"one of {ECHO_NORMALIZATIONS}", self.echo_normalization
                 )
             )
+        if self.rl_normalization not in RL_NORMALIZATIONS:
+            raise ValueError(
+                problem("rl_normalization", f"one of {RL_NORMALIZATIONS}", self.rl_normalization)
+            )
+        if self.mismatch is not None and self.mismatch not in MISMATCH_MODES:
+            raise ValueError(
+                problem("mismatch", f"None or one of {MISMATCH_MODES}", repr(self.mismatch))
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                problem("kl_estimator", f"one of {KL_ESTIMATORS}", repr(self.kl_estimator))
+            )
+        if not self.echo_z_epsilon >= 0:  # NaN fails too
+            raise ValueError(problem("echo_z_epsilon", "≥ 0", repr(self.echo_z_epsilon)))
+
+    @property
+    def reads_sequences(self) -> bool:
+        """Whether a normaliser is per sequence (``RowInputs.sequence_ids`` required)."""
+        return self.rl_normalization != "token" or self.echo_normalization == "sequence_mean"
 
     @property
     def flag_names(self) -> tuple[str, ...]:
-        """The flags reported, in order (``dual_clipped`` last when ppo_clip has a dual clip)."""
+        """The policy's flags, in order (``dual_clipped`` last when ppo_clip has a dual clip);
+        the mismatch correction's flag is `mismatch_flag_name`."""
         names = FLAG_NAMES[self.policy]
         if self.policy == "ppo_clip" and self.dual_clip is not None:
             names = (*names, "dual_clipped")
         return names
+
+    @property
+    def mismatch_flag_name(self) -> str | None:
+        """``is_truncated`` or ``is_masked`` (the ``mismatch_flag`` slot), or None."""
+        if self.mismatch is None:
+            return None
+        return "is_truncated" if self.mismatch.endswith("truncate") else "is_masked"
 
 
 class RowInputs(NamedTuple):
@@ -169,7 +249,11 @@ class RowInputs(NamedTuple):
     ``labels`` (int) with ``vocab_size``: check that every participating label is in
     ``[0, vocab_size)`` (the ``label`` check), for a caller whose logprob op did not.
     ``env_of_row`` (int, ``-1`` = no env) with ``num_envs``: the metrics also per env (env
-    ``e`` counts the RL and echo rows whose entry is ``e``).
+    ``e`` counts the RL and echo rows whose entry is ``e``). ``sequence_ids`` (int; rows with
+    equal ids form a sequence, in any order; participating rows have ids ≥ 0, which the caller
+    checked) for the per-sequence normalisers, and ``observation`` (bool), the rows besides
+    the echo rows that ``Z_i`` of echo ``sequence_mean`` counts. ``ref_logprobs``: the
+    reference policy's logprobs of ``kl_coef``.
     """
 
     rl: torch.Tensor
@@ -183,3 +267,6 @@ class RowInputs(NamedTuple):
     vocab_size: int = 0
     env_of_row: torch.Tensor | None = None
     num_envs: int = 0
+    sequence_ids: torch.Tensor | None = None
+    observation: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None

@@ -6,7 +6,9 @@ every row's loss terms and derivatives and accumulates the sums of the metrics a
 work is ``O(N)`` over a few ``[N]`` vectors (about 30 bytes a row): tens of microseconds for a
 64k-row micro-batch on one streaming multiprocessor, against the milliseconds of host time the
 hundred PyTorch launches it replaces cost. One program also keeps every sum in one fixed order:
-the result does not depend on the grid or on timing (no atomics).
+the result does not depend on the grid or on timing (no atomics). With a per-sequence
+normaliser, one sort of the sequence ids and a program before it (`_sequence_groups_kernel`)
+give each row its sequence and each sequence its counts.
 
 The derivatives are autograd's in closed form: ``clamp`` passes the gradient on its bounds,
 ``minimum``/``maximum`` of equal branches split it in half (ppo_clip's two branches are equal
@@ -36,7 +38,9 @@ BLOCK = 1024
 NUM_WARPS = 4
 
 _POLICY_CODE = {"dppo": 0, "ppo_clip": 1, "cispo": 2, "reinforce": 3, "sft": 4}
-_ECHO_CODE = {"token_mean": 0, "sum": 1, "batch_token_mean": 2}
+_ECHO_CODE = {"token_mean": 0, "sum": 1, "batch_token_mean": 2, "sequence_mean": 3}
+_MISMATCH_CODE = {None: 0, "token_truncate": 1, "token_mask": 2}
+_KL_CODE = {"k1": 1, "k2": 2, "k3": 3}
 
 
 @triton.jit
@@ -114,6 +118,84 @@ def _rows_of(RL, ECHO, ENV, idx, m, env, main, HAS_ENV: tl.constexpr):
 
 
 @triton.jit
+def _sequence_groups_kernel(
+    SKEY,  # [N] int sorted sequence ids
+    ORDER,  # [N] int64 row at each sorted position
+    RL,  # [N] uint8
+    ECHO,  # [N] uint8
+    OBS,  # [N] uint8 observation rows (unused unless HAS_OBS)
+    GROUP,  # [N] int32 out: per row, the sorted position where its sequence starts
+    CNT_RL,  # [N] int32 out: at a sequence's start position, its RL rows (else unwritten)
+    CNT_Z,  # [N] int32 out: at a sequence's start position, its observation-or-echo rows
+    SEQS,  # [2] int32 out: sequences with an RL row, sequences with an echo row
+    n,
+    HAS_OBS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Sorted, each sequence is a run of equal ids. Walking the sorted positions in order, a
+    # row's sequence starts at the last run start at or before it, and the rows of the run
+    # counted before it are a prefix count minus the prefix count at that start: both are
+    # non-decreasing along the positions, so a running maximum carries them across blocks.
+    # A run's totals are written once, at its last position, into the slot of its start.
+    offs = tl.arange(0, BLOCK)
+    g_carry = tl.full([], -1, tl.int32)
+    base_rl_carry = tl.full([], 0, tl.int32)
+    base_z_carry = tl.full([], 0, tl.int32)
+    base_echo_carry = tl.full([], 0, tl.int32)
+    total_rl = tl.full([], 0, tl.int32)
+    total_z = tl.full([], 0, tl.int32)
+    total_echo = tl.full([], 0, tl.int32)
+    seq_rl = tl.full([BLOCK], 0, tl.int32)
+    seq_echo = tl.full([BLOCK], 0, tl.int32)
+    for start in range(0, n, BLOCK):
+        pos = start + offs
+        m = pos < n
+        key = tl.load(SKEY + pos, mask=m, other=0)
+        prev = tl.load(SKEY + pos - 1, mask=m & (pos > 0), other=0)
+        nxt = tl.load(SKEY + pos + 1, mask=(pos + 1) < n, other=0)
+        first = m & ((pos == 0) | (key != prev))
+        last = m & ((pos == n - 1) | (key != nxt))
+        row = tl.load(ORDER + pos, mask=m, other=0)
+        rl = (tl.load(RL + row, mask=m, other=0) != 0).to(tl.int32)
+        echo_b = tl.load(ECHO + row, mask=m, other=0) != 0
+        echo = echo_b.to(tl.int32)
+        if HAS_OBS:  # noqa: SIM108 (a constexpr branch, not a runtime select)
+            z = (echo_b | (tl.load(OBS + row, mask=m, other=0) != 0)).to(tl.int32)
+        else:
+            z = echo
+        inc_rl = total_rl + tl.associative_scan(rl, 0, _sum_local)
+        inc_z = total_z + tl.associative_scan(z, 0, _sum_local)
+        inc_echo = total_echo + tl.associative_scan(echo, 0, _sum_local)
+        g = tl.maximum(tl.associative_scan(tl.where(first, pos, -1), 0, _max_local), g_carry)
+        base_rl = tl.maximum(
+            tl.associative_scan(tl.where(first, inc_rl - rl, -1), 0, _max_local), base_rl_carry
+        )
+        base_z = tl.maximum(
+            tl.associative_scan(tl.where(first, inc_z - z, -1), 0, _max_local), base_z_carry
+        )
+        base_echo = tl.maximum(
+            tl.associative_scan(tl.where(first, inc_echo - echo, -1), 0, _max_local),
+            base_echo_carry,
+        )
+        tl.store(GROUP + row, g, mask=m)
+        n_rl = inc_rl - base_rl
+        n_echo = inc_echo - base_echo
+        tl.store(CNT_RL + g, n_rl, mask=last)
+        tl.store(CNT_Z + g, inc_z - base_z, mask=last)
+        seq_rl += (last & (n_rl > 0)).to(tl.int32)
+        seq_echo += (last & (n_echo > 0)).to(tl.int32)
+        g_carry = tl.reduce(g, 0, _max)
+        base_rl_carry = tl.reduce(base_rl, 0, _max)
+        base_z_carry = tl.reduce(base_z, 0, _max)
+        base_echo_carry = tl.reduce(base_echo, 0, _max)
+        total_rl += tl.reduce(rl, 0, _sum)
+        total_z += tl.reduce(z, 0, _sum)
+        total_echo += tl.reduce(echo, 0, _sum)
+    tl.store(SEQS + 0, tl.reduce(seq_rl, 0, _sum))
+    tl.store(SEQS + 1, tl.reduce(seq_echo, 0, _sum))
+
+
+@triton.jit
 def _row_algebra_kernel(
     LP,  # [N] fp32
     ENT,  # [N] float (unused unless HAS_ENT)
@@ -126,6 +208,11 @@ def _row_algebra_kernel(
     RL_DIV,  # [1] float device divisor (unused unless RL_DIV_MODE == 2)
     LABELS,  # [N] int labels (unused unless CHECK_LABELS)
     ENV,  # [N] int env of each row, -1 = none (unused unless HAS_ENV)
+    GROUP,  # [N] int32 start of each row's sequence (unused unless SEQ)
+    CNT_RL,  # [N] int32 RL rows of the sequence starting there (unused unless RL_PER_SEQ)
+    CNT_Z,  # [N] int32 Z of the sequence starting there (unused unless ECHO_MODE == 3)
+    SEQS,  # [2] int32 sequences with an RL row, with an echo row (unused unless SEQ)
+    REF,  # [N] float reference logprobs (unused unless HAS_KL_COEF)
     A,  # [N] fp32 out: d loss / d logprob
     B,  # [N] fp32 out: d loss / d entropy (unused unless TRAIN_ENT)
     LOSS,  # [] fp32 out
@@ -141,6 +228,10 @@ def _row_algebra_kernel(
     ent_coef,
     rl_div_value,
     echo_div_value,
+    z_eps,
+    mm_max,
+    mm_min,
+    kl_coef,
     lp_tolerance,
     vocab,
     POLICY: tl.constexpr,
@@ -155,8 +246,15 @@ def _row_algebra_kernel(
     HAS_ADV: tl.constexpr,
     BASE: tl.constexpr,  # 0: the row's own logprob (on-policy), 1: OLD, 2: LQ
     HAS_LQ: tl.constexpr,
-    RL_DIV_MODE: tl.constexpr,  # 0: the call's RL rows (≥ 1), 1: rl_div_value, 2: RL_DIV
-    ECHO_MODE: tl.constexpr,  # 0: token_mean, 1: sum, 2: batch_token_mean
+    RL_DIV_MODE: tl.constexpr,  # 0: the call's RL rows (≥ 1), 1: rl_div_value, 2: RL_DIV,
+    # 3: the call's RL sequences (≥ 1)
+    RL_PER_SEQ: tl.constexpr,  # each RL row also divided by its sequence's RL rows
+    ECHO_MODE: tl.constexpr,  # 0: token_mean, 1: sum, 2: batch_token_mean, 3: sequence_mean
+    SEQ: tl.constexpr,  # a per-sequence normaliser: GROUP and SEQS are read
+    MISMATCH: tl.constexpr,  # 0: none, 1: token_truncate, 2: token_mask (LQ read)
+    HAS_MM_MIN: tl.constexpr,
+    HAS_KL_COEF: tl.constexpr,
+    KL_EST: tl.constexpr,  # 1: k1, 2: k2, 3: k3
     ECHO_DIV_GIVEN: tl.constexpr,
     CHECK: tl.constexpr,
     LP_GIVEN: tl.constexpr,
@@ -188,8 +286,10 @@ def _row_algebra_kernel(
         rl_div = tl.maximum(n_rl, 1.0)
     elif RL_DIV_MODE == 1:
         rl_div = rl_div_value
-    else:
+    elif RL_DIV_MODE == 2:
         rl_div = tl.load(RL_DIV).to(tl.float32)
+    else:
+        rl_div = tl.maximum(tl.load(SEQS + 0).to(tl.float32), 1.0)
     if ECHO_MODE == 0:
         if ECHO_DIV_GIVEN:  # noqa: SIM108 (a constexpr branch, not a runtime select)
             echo_div = echo_div_value
@@ -197,8 +297,12 @@ def _row_algebra_kernel(
             echo_div = tl.maximum(n_echo, 1.0)
     elif ECHO_MODE == 1:
         echo_div = 1.0
-    else:
+    elif ECHO_MODE == 2:
         echo_div = tl.maximum(n_echo, 1.0) * echo_div_value
+    elif ECHO_DIV_GIVEN:
+        echo_div = echo_div_value
+    else:
+        echo_div = tl.maximum(tl.load(SEQS + 1).to(tl.float32), 1.0)
 
     # ---- loop 2: per-row terms, derivatives, sums
     rl_acc = tl.full([BLOCK], 0, tl.float32)
@@ -211,6 +315,9 @@ def _row_algebra_kernel(
     f1 = tl.full([BLOCK], 0, tl.int32)
     f2 = tl.full([BLOCK], 0, tl.int32)
     f3 = tl.full([BLOCK], 0, tl.int32)
+    fm = tl.full([BLOCK], 0, tl.int32)
+    w_acc = tl.full([BLOCK], 0, tl.float32)
+    ref_acc = tl.full([BLOCK], 0, tl.float32)
     bad_count = tl.full([BLOCK], 0, tl.int32)
     first_s = n
     value_s = 0.0
@@ -227,16 +334,28 @@ def _row_algebra_kernel(
         lp = tl.load(LP + idx, mask=m, other=0.0)
         lp_rl = tl.where(rl, lp, 0.0)
         lp_echo = tl.where(echo, lp, 0.0)
+        # per-row divisors of the per-sequence normalisers: every row has a sequence (its
+        # start position) and every sequence its counts (written by the groups program)
+        if SEQ:
+            grp = tl.load(GROUP + idx, mask=m, other=0)
+        if RL_PER_SEQ:
+            rl_seq = tl.maximum(tl.load(CNT_RL + grp, mask=m, other=1).to(tl.float32), 1.0)
         # echo rows: w · (-log p), no ratio, trust region or advantage
         if HAS_W:
             w = tl.where(echo, tl.load(W + idx, mask=m, other=0.0).to(tl.float32), 0.0)
         else:
             w = tl.full([BLOCK], 0, tl.float32)
         nll = -lp_echo
-        echo_acc += w * nll
+        if ECHO_MODE == 3:  # sequence_mean: over Z_i + ε of the row's sequence (≥ 1: its own row)
+            z_row = tl.load(CNT_Z + grp, mask=m, other=1).to(tl.float32) + z_eps
+            z_seq = tl.where(echo, z_row, 1.0)  # other rows: 0 / 1, never 0 / 0
+            echo_acc += w * nll / z_seq
+            a = tl.where(echo, -w / z_seq / echo_div, 0.0)
+        else:
+            echo_acc += w * nll
+            a = tl.where(echo, -w / echo_div, 0.0)
         nll_acc += nll
         nll_max = _nan_max(nll_max, tl.where(echo, nll, float("-inf")))
-        a = tl.where(echo, -w / echo_div, 0.0)
         if CHECK:
             part = rl | echo
             bad = part & _not_finite(lp)
@@ -337,6 +456,25 @@ def _row_algebra_kernel(
             if CHECK:
                 first_p, value_p = _first_bad(rl & _not_finite(pol), idx, pol, first_p, value_p, n)
             per = pol
+            if MISMATCH != 0:
+                # the detached weight exp(clamp(b₀ − lq)) of the policy loss, truncated or masked
+                lq_m = tl.where(rl, tl.load(LQ + idx, mask=m, other=0.0).to(tl.float32), 0.0)
+                xw, _ = _clamp_grad(base - lq_m, clamp, HAS_CLAMP)
+                wm = tl.exp(xw)
+                outside = wm > mm_max
+                if HAS_MM_MIN:
+                    outside = outside | (wm < mm_min)
+                if MISMATCH == 1:
+                    if HAS_MM_MIN:
+                        wm = _nan_min(_nan_max(wm, mm_min), mm_max)
+                    else:
+                        wm = _nan_min(wm, mm_max)
+                else:
+                    wm = tl.where(outside, 0.0, wm)
+                per = per * wm
+                d = d * wm
+                fm += (outside & rl).to(tl.int32)
+                w_acc += tl.where(rl, wm, 0.0)
             if HAS_KL_TAU:
                 # kl_tau · ρ², continued linearly beyond the clamp (d = 2ρ, or 2c·sign(ρ))
                 if HAS_CLAMP:
@@ -350,9 +488,39 @@ def _row_algebra_kernel(
                     dpen = 2.0 * log_ratio
                 per = per + kl_tau * pen
                 d = d + tl.where(rl, kl_tau * dpen, 0.0)
+            if HAS_KL_COEF:
+                # the reference KL of dr = ref − ℓ; d/dℓ = −d/d(dr)
+                ref = tl.where(rl, tl.load(REF + idx, mask=m, other=0.0).to(tl.float32), 0.0)
+                dr = ref - lp_rl
+                if KL_EST == 1:
+                    kl = -dr
+                    dkl = tl.full([BLOCK], 1.0, tl.float32)
+                elif KL_EST == 2:
+                    kl = 0.5 * dr * dr
+                    dkl = -dr
+                else:
+                    # exp(x) − x − 1 and its derivative exp(x) − 1 in fp64, series below 1e-3
+                    xr, gr = _clamp_grad(dr, clamp, HAS_CLAMP)
+                    x64 = xr.to(tl.float64)
+                    small = tl.abs(x64) < 1e-3
+                    em1 = tl.where(
+                        small,
+                        x64 * (1.0 + x64 * (0.5 + x64 * (1.0 / 6.0 + x64 * (1.0 / 24.0)))),
+                        tl.exp(x64) - 1.0,
+                    )
+                    series = x64 * x64 * (0.5 + x64 * (1.0 / 6.0 + x64 * (1.0 / 24.0)))
+                    kl = tl.where(small, series, em1 - x64).to(tl.float32)
+                    dkl = -(em1.to(tl.float32)) * gr
+                per = per + kl_coef * kl
+                d = d + tl.where(rl, kl_coef * dkl, 0.0)
+                ref_acc += tl.where(rl, kl, 0.0)
             if TRAIN_ENT:  # (HAS_ENT is then true: op.py requires the entropy)
                 per = per - ent_coef * ent_rl
-                tl.store(B + idx, tl.where(rl, -ent_coef / rl_div, 0.0), mask=idx < n_main)
+                if RL_PER_SEQ:
+                    b_row = -ent_coef / rl_div / rl_seq
+                else:
+                    b_row = tl.full([BLOCK], -ent_coef / rl_div, tl.float32)
+                tl.store(B + idx, tl.where(rl, b_row, 0.0), mask=idx < n_main)
                 if CHECK:
                     first_e, value_e = _first_bad(
                         rl & _not_finite(ent), idx, ent, first_e, value_e, n
@@ -366,8 +534,12 @@ def _row_algebra_kernel(
                 series = x64 * x64 * (0.5 + x64 * (1.0 / 6.0 + x64 * (1.0 / 24.0)))
                 k3 = tl.where(tl.abs(x64) < 1e-3, series, tl.exp(x64) - x64 - 1.0)
                 kl_acc += tl.where(rl, k3.to(tl.float32).to(tl.float64), 0.0)
-        rl_acc += per
-        a = tl.where(rl, d / rl_div, a)
+        if RL_PER_SEQ:
+            rl_acc += per / rl_seq
+            a = tl.where(rl, d / rl_div / rl_seq, a)
+        else:
+            rl_acc += per
+            a = tl.where(rl, d / rl_div, a)
         tl.store(A + idx, a, mask=idx < n_main)
 
     rl_term = tl.reduce(rl_acc, 0, _sum) / rl_div
@@ -396,6 +568,15 @@ def _row_algebra_kernel(
     tl.store(ROW_STATS + 10, tl.reduce(f1, 0, _sum).to(tl.float32) / rl_den)
     tl.store(ROW_STATS + 11, tl.reduce(f2, 0, _sum).to(tl.float32) / rl_den)
     tl.store(ROW_STATS + 12, tl.reduce(f3, 0, _sum).to(tl.float32) / rl_den)
+    if SEQ:  # the call's sequence counts (the main program's row; an env's reads 0)
+        tl.store(ROW_STATS + 13, tl.where(main, tl.load(SEQS + 0).to(tl.float32), 0.0))
+        tl.store(ROW_STATS + 14, tl.where(main, tl.load(SEQS + 1).to(tl.float32), 0.0))
+    else:
+        tl.store(ROW_STATS + 13, 0.0)
+        tl.store(ROW_STATS + 14, 0.0)
+    tl.store(ROW_STATS + 15, tl.reduce(w_acc, 0, _sum) / rl_den)
+    tl.store(ROW_STATS + 16, tl.reduce(ref_acc, 0, _sum) / rl_den)
+    tl.store(ROW_STATS + 17, tl.reduce(fm, 0, _sum).to(tl.float32) / rl_den)
     if CHECK:
         s_bad = first_s < n
         row_s = tl.where(s_bad, first_s, 0)
@@ -457,6 +638,39 @@ def _mask(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)  # bool → uint8 without a copy or a launch
 
 
+def _sequence_groups(
+    rows: RowInputs, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(GROUP, CNT_RL, CNT_Z, SEQS)`` of the per-sequence normalisers: one sort of the ids
+    and one launch (`_sequence_groups_kernel`); no host read."""
+    assert rows.sequence_ids is not None  # op.py
+    sid = rows.sequence_ids.reshape(-1)
+    dev = sid.device
+    sorted_ids, order = torch.sort(sid)  # equal ids end up adjacent; their order is free
+    group = torch.empty(n, dtype=torch.int32, device=dev)
+    cnt_rl = torch.empty(n, dtype=torch.int32, device=dev)
+    cnt_z = torch.empty(n, dtype=torch.int32, device=dev)
+    seqs = torch.empty(2, dtype=torch.int32, device=dev)
+    obs = rows.observation
+    with _launch_ctx(sid):
+        _sequence_groups_kernel[(1,)](
+            sorted_ids,
+            order,
+            _mask(rows.rl),
+            _mask(rows.echo),
+            _mask(obs) if obs is not None else _mask(rows.echo),
+            group,
+            cnt_rl,
+            cnt_z,
+            seqs,
+            n,
+            HAS_OBS=obs is not None,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
+    return group, cnt_rl, cnt_z, seqs
+
+
 def forward(
     lp: torch.Tensor, ent: torch.Tensor | None, rows: RowInputs, p: RowAlgebraParams
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -474,8 +688,19 @@ def forward(
     checks = torch.empty(len(CHECK_SLOTS), dtype=torch.float64, device=dev)
     if not p.check_finite or rows.labels is None:
         checks.zero_()  # slots of the checks not computed read "passed"
-    base = 1 if rows.old_logprobs is not None else 2 if rows.inference_logprobs is not None else 0
-    rl_div_mode = 2 if rows.rl_divisor is not None else (0 if p.rl_divisor is None else 1)
+    # the ratio's base: the old logprobs, else the inference logprobs (prime-rl), else the
+    # row's own (on-policy; with a mismatch correction the inference logprobs only weigh)
+    if rows.old_logprobs is not None:
+        base = 1
+    elif rows.inference_logprobs is not None and p.mismatch is None:
+        base = 2
+    else:
+        base = 0
+    groups = _sequence_groups(rows, n) if p.reads_sequences else None
+    if p.rl_normalization != "token":
+        rl_div_mode = 3 if p.rl_divisor is None else 1
+    else:
+        rl_div_mode = 2 if rows.rl_divisor is not None else (0 if p.rl_divisor is None else 1)
     echo_div_given = p.echo_divisor is not None
     echo_div = 1.0 if p.echo_divisor is None else float(p.echo_divisor)
     clamp = p.log_ratio_clamp
@@ -492,6 +717,8 @@ def forward(
             _flat(rows.rl_divisor, lp),
             _flat(rows.labels, lp),
             _flat(rows.env_of_row, lp),
+            *(groups if groups is not None else (lp, lp, lp, lp)),
+            _flat(rows.ref_logprobs, lp),
             a,
             a if b is None else b,
             loss,
@@ -507,6 +734,10 @@ def forward(
             float(p.entropy_coef),
             1.0 if p.rl_divisor is None else float(p.rl_divisor),
             echo_div,
+            float(p.echo_z_epsilon),
+            float(p.mismatch_max),
+            float(p.mismatch_min or 0.0),
+            float(p.kl_coef),
             float(p.logprob_tolerance),
             int(rows.vocab_size),
             POLICY=_POLICY_CODE[p.policy],
@@ -522,7 +753,13 @@ def forward(
             BASE=base,
             HAS_LQ=p.mismatch_metric,
             RL_DIV_MODE=rl_div_mode,
+            RL_PER_SEQ=p.rl_normalization == "sequence_mean_token_mean",
             ECHO_MODE=_ECHO_CODE[p.echo_normalization],
+            SEQ=groups is not None,
+            MISMATCH=_MISMATCH_CODE[p.mismatch],
+            HAS_MM_MIN=p.mismatch_min is not None,
+            HAS_KL_COEF=p.kl_coef != 0,
+            KL_EST=_KL_CODE[p.kl_estimator],
             ECHO_DIV_GIVEN=echo_div_given,
             CHECK=p.check_finite,
             LP_GIVEN=p.logprobs_given,

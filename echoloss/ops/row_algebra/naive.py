@@ -86,6 +86,46 @@ def _k3(x: torch.Tensor, clamp: float | None) -> torch.Tensor:
     return (torch.expm1(x64) - x64).to(F32)
 
 
+def _ref_kl(lp_rl: torch.Tensor, ref: torch.Tensor, p: RowAlgebraParams) -> torch.Tensor:
+    """The reference-KL estimate of ``d = ref - lp`` (differentiable in ``lp``)."""
+    d = ref - lp_rl
+    if p.kl_estimator == "k1":
+        return -d
+    if p.kl_estimator == "k2":
+        return 0.5 * d * d
+    return _k3(d, p.log_ratio_clamp)
+
+
+def _mismatch_weight(
+    base: torch.Tensor, lq: torch.Tensor, p: RowAlgebraParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w [N] detached, outside [N] bool)`` of the per-token mismatch correction."""
+    with torch.no_grad():
+        w = torch.exp(_clamp(base - lq, p.log_ratio_clamp))
+        outside = w > p.mismatch_max
+        if p.mismatch_min is not None:
+            outside = outside | (w < p.mismatch_min)
+        if p.mismatch == "token_truncate":
+            return w.clamp(min=p.mismatch_min, max=p.mismatch_max), outside
+        return torch.where(outside, torch.zeros_like(w), w), outside
+
+
+def _sequence_counts(
+    rows: RowInputs, p: RowAlgebraParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """``(sequence of each row [N], its RL rows [S], its Z [S], RL sequences, echo sequences)``
+    by ``unique`` on the ids (sequences numbered in id order)."""
+    rl, echo = rows.rl.reshape(-1), rows.echo.reshape(-1)
+    assert rows.sequence_ids is not None  # op.py
+    uniq, seq = torch.unique(rows.sequence_ids.reshape(-1), return_inverse=True)
+    s = uniq.numel()
+    counted = echo if rows.observation is None else echo | rows.observation.reshape(-1)
+    rl_rows = torch.zeros(s, dtype=F32, device=rl.device).index_add_(0, seq, rl.to(F32))
+    z = torch.zeros(s, dtype=F32, device=rl.device).index_add_(0, seq, counted.to(F32))
+    echo_rows = torch.zeros(s, dtype=F32, device=rl.device).index_add_(0, seq, echo.to(F32))
+    return seq, rl_rows, z, int((rl_rows > 0).sum()), int((echo_rows > 0).sum())
+
+
 def _first(bad: torch.Tensor, values: torch.Tensor) -> tuple[float, float, float]:
     """(flag, first bad row, its value) as floats (row 0 and its value when none)."""
     flag = bool(bad.any())
@@ -103,6 +143,7 @@ def _stats(
     flags: list[torch.Tensor],
     p: RowAlgebraParams,
     device: torch.device,
+    extra: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """The metric slots over the rows of ``rl`` and ``echo`` (the loss slots left 0)."""
     stats = torch.zeros(len(STAT_SLOTS), dtype=F32, device=device)
@@ -117,6 +158,12 @@ def _stats(
         stats[8] = torch.where(rl, ent.to(F32), 0.0).sum() / rlf
     for i, flagged in enumerate(flags):
         stats[9 + i] = (flagged & rl).sum().to(F32) / rlf
+    if "is_weight" in extra:
+        stats[STAT_SLOTS.index("is_weight")] = torch.where(rl, extra["is_weight"], 0.0).sum() / rlf
+        flagged = extra["mismatch_flag"] & rl
+        stats[STAT_SLOTS.index("mismatch_flag")] = flagged.sum().to(F32) / rlf
+    if "ref_kl" in extra:
+        stats[STAT_SLOTS.index("ref_kl")] = torch.where(rl, extra["ref_kl"], 0.0).sum() / rlf
     return stats
 
 
@@ -131,6 +178,7 @@ def forward(
     if ent is not None:
         ent_leaf = ent.detach().to(F32).requires_grad_(train_ent)
     n_rl, n_echo = rl.sum().to(F32), echo.sum().to(F32)
+    extra: dict[str, torch.Tensor] = {}
     with torch.enable_grad():
         lp_rl = torch.where(rl, leaf, 0.0)
         flags: list[torch.Tensor] = []
@@ -141,27 +189,52 @@ def forward(
             adv = _on(rl, rows.advantages) * p.adv_tau
             if rows.old_logprobs is not None:
                 base = _on(rl, rows.old_logprobs)
-            elif rows.inference_logprobs is not None:
+            elif rows.inference_logprobs is not None and p.mismatch is None:
                 base = _on(rl, rows.inference_logprobs)
-            else:
+            else:  # on-policy (with a mismatch correction: the inference logprobs weigh)
                 base = lp_rl.detach()
             out, flags = _policy(lp_rl, base, adv, p)
             policy_loss = torch.where(rl, out, 0.0)
             per_rl = policy_loss
+            if p.mismatch is not None:
+                w_m, outside = _mismatch_weight(base, _on(rl, rows.inference_logprobs), p)
+                per_rl = per_rl * w_m
+                extra["is_weight"], extra["mismatch_flag"] = w_m, outside
             if p.kl_tau != 0:
                 per_rl = per_rl + p.kl_tau * _kl_tau_penalty(lp_rl - base, p.log_ratio_clamp)
+            if p.kl_coef != 0:
+                kl = _ref_kl(lp_rl, _on(rl, rows.ref_logprobs), p)
+                per_rl = per_rl + p.kl_coef * kl
+                extra["ref_kl"] = kl.detach()
             if train_ent:
                 assert ent_leaf is not None
                 per_rl = per_rl - p.entropy_coef * torch.where(rl, ent_leaf, 0.0)
-        if p.rl_divisor is None and rows.rl_divisor is None:
+        seq_counts = _sequence_counts(rows, p) if p.reads_sequences else None
+        if seq_counts is not None and p.rl_normalization != "token":
+            # as the loss module: per-sequence sums (index_add), then over the sequences
+            seq, rl_rows, _, s_rl, _ = seq_counts
+            s_div = float(max(s_rl, 1)) if p.rl_divisor is None else float(p.rl_divisor)
+            per_seq = torch.zeros_like(rl_rows).index_add(0, seq, per_rl)
+            if p.rl_normalization == "sequence_mean_token_mean":
+                per_seq = per_seq / rl_rows.clamp(min=1)
+            rl_term = per_seq.sum() / s_div
+        elif p.rl_divisor is None and rows.rl_divisor is None:
             rl_term = per_rl.sum() / n_rl.clamp(min=1)
         elif rows.rl_divisor is not None:
             rl_term = per_rl.sum() / rows.rl_divisor.to(F32)
         else:
             rl_term = per_rl.sum() / float(p.rl_divisor or 1.0)
         lp_echo = torch.where(echo, leaf, 0.0)
-        echo_sum = (_on(echo, rows.echo_weights) * -lp_echo).sum()
-        if p.echo_normalization == "sum":
+        echo_per = _on(echo, rows.echo_weights) * -lp_echo
+        echo_sum = echo_per.sum()
+        if p.echo_normalization == "sequence_mean":
+            assert seq_counts is not None
+            seq, _, z, _, s_echo = seq_counts
+            s_div = float(max(s_echo, 1)) if p.echo_divisor is None else float(p.echo_divisor)
+            per_seq = torch.zeros_like(z).index_add(0, seq, echo_per)
+            denom = (z + p.echo_z_epsilon).masked_fill(z == 0, 1.0)
+            echo_term = (per_seq / denom).sum() / s_div
+        elif p.echo_normalization == "sum":
             echo_term = echo_sum
         elif p.echo_normalization == "token_mean":
             d = n_echo.clamp(min=1) if p.echo_divisor is None else p.echo_divisor
@@ -178,8 +251,10 @@ def forward(
     with torch.no_grad():
         nll = -lp_echo.detach()
         lq = _on(rl, rows.inference_logprobs) if p.mismatch_metric else None
-        stats = _stats(rl, echo, nll, lp_rl.detach(), lq, ent, flags, p, lp.device)
+        stats = _stats(rl, echo, nll, lp_rl.detach(), lq, ent, flags, p, lp.device, extra)
         stats[0], stats[1], stats[2] = loss.detach(), rl_term.detach(), echo_term.detach()
+        if seq_counts is not None:
+            stats[13], stats[14] = float(seq_counts[3]), float(seq_counts[4])
         env_rows = []
         if rows.env_of_row is not None:
             env = rows.env_of_row.reshape(-1)
@@ -187,7 +262,16 @@ def forward(
                 here = env == env_index
                 env_rows.append(
                     _stats(
-                        rl & here, echo & here, nll, lp_rl.detach(), lq, ent, flags, p, lp.device
+                        rl & here,
+                        echo & here,
+                        nll,
+                        lp_rl.detach(),
+                        lq,
+                        ent,
+                        flags,
+                        p,
+                        lp.device,
+                        extra,
                     )
                 )
         stats = torch.stack([stats, *env_rows])

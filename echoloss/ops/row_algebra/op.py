@@ -6,8 +6,9 @@ metrics and the value checks. Written as PyTorch ops it is about a hundred small
 forward+backward, each paying a launch and the host's dispatch; on a GPU the host time of those
 launches, not the GPU time, sets the speed at every realistic shape. This op computes all of it
 in one pass over the rows for the losses whose derivative with respect to a row's logprob comes
-from that row alone (the per-token built-in policies ``dppo``, ``ppo_clip``, ``cispo``,
-``reinforce`` and ``mode="sft"``, token-level normalisers):
+from that row and the counts of its sequence (the per-token built-in policies ``dppo``,
+``ppo_clip``, ``cispo``, ``reinforce`` and ``mode="sft"``, token- or sequence-level
+normalisers):
 
 * forward: the loss, ``a = d loss / d logprob [N]`` and ``b = d loss / d entropy [N]`` (when the
   entropy is trained), the metrics (`STAT_SLOTS`) and the numbers of the value checks
@@ -150,6 +151,49 @@ def row_algebra(
                 "rows.inference_logprobs",
                 "[N] inference logprobs for mismatch_metric",
                 describe(rows.inference_logprobs),
+            )
+        )
+    if params.mismatch is not None and rows.inference_logprobs is None:
+        raise ValueError(
+            problem(
+                "rows.inference_logprobs",
+                f"[N] inference logprobs for mismatch={params.mismatch!r}",
+                describe(rows.inference_logprobs),
+            )
+        )
+    if params.kl_coef != 0 and rows.ref_logprobs is None:
+        raise ValueError(
+            problem(
+                "rows.ref_logprobs",
+                f"[N] reference logprobs for kl_coef={params.kl_coef}",
+                describe(rows.ref_logprobs),
+            )
+        )
+    if params.reads_sequences and rows.sequence_ids is None:
+        raise ValueError(
+            problem(
+                "rows.sequence_ids",
+                f"[N] int sequence ids for rl_normalization={params.rl_normalization!r}, "
+                f"echo_normalization={params.echo_normalization!r}",
+                describe(rows.sequence_ids),
+            )
+        )
+    if params.rl_normalization != "token" and rows.rl_divisor is not None:
+        raise ValueError(
+            problem(
+                "rows.rl_divisor",
+                f"None with rl_normalization={params.rl_normalization!r} (a per-sequence "
+                "normaliser divides by sequence counts: the given count goes in "
+                "params.rl_divisor)",
+                describe(rows.rl_divisor),
+            )
+        )
+    if params.echo_normalization == "sequence_mean" and rows.observation is None:
+        raise ValueError(
+            problem(
+                "rows.observation",
+                "[N] bool observation rows (counted in Z_i) for echo_normalization='sequence_mean'",
+                describe(rows.observation),
             )
         )
     ent = entropy if params.entropy_coef != 0 else (None if entropy is None else entropy.detach())
