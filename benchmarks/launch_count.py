@@ -8,7 +8,9 @@ compiled row are counted on the same code eagerly). On CPU (no profiler kernels)
 the eager row come from the counter on the CUDA code path, the phases' ops not counted; the
 compiled row's launches are not counted there (the counter would see the eager fallback):
 ``tests/loss/test_launch_counts.py`` counts the launches left outside the compiled regions.
-Prints one Markdown table.
+Three loss configurations (`CONFIGS`): the default, ``echoloss-train``'s per-sequence
+normalisers, and ``gspo`` with them and a sequence-level mismatch correction (the compiled
+algebra for the default only). Prints one Markdown table.
 """
 
 from __future__ import annotations
@@ -20,6 +22,21 @@ from typing import Any
 import torch
 
 from benchmarks.counting import count_ops, uncounted_reference_phases
+
+
+def _configs() -> dict[str, Any]:
+    from echoloss.loss import LossConfig
+
+    sequence_means = dict(
+        rl_normalization="sequence_mean_token_mean", echo_normalization="sequence_mean"
+    )
+    return {
+        "dppo": LossConfig(),
+        "dppo-sequence-means": LossConfig(**sequence_means),
+        "gspo-sequence-means": LossConfig(
+            policy="gspo", mismatch="sequence_truncate", **sequence_means
+        ),
+    }
 
 
 def _record(n: int, v: int, device: torch.device) -> Any:
@@ -35,6 +52,7 @@ def _record(n: int, v: int, device: torch.device) -> Any:
         advantages=(torch.randn(n, generator=g) * rl).to(device),
         inference_logprobs=(-torch.rand(n, generator=g)).to(device),
         sequence_ids=(torch.arange(n) // max(1, n // 8)).to(device),
+        observation_mask=echo.to(device),
     )
 
 
@@ -47,7 +65,9 @@ def _cuda_kernels(fn: Callable[[], None]) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def measure(n: int, v: int, device: torch.device, compiled: bool) -> dict[str, Any]:
+def measure(
+    n: int, v: int, device: torch.device, compiled: bool, config: str = "dppo"
+) -> dict[str, Any]:
     """Syncs and launches of one forward+backward after a warm-up call."""
     from echoloss._deferred import device_code_path, raise_deferred_errors
     from echoloss.loss import echo_loss
@@ -56,8 +76,10 @@ def measure(n: int, v: int, device: torch.device, compiled: bool) -> dict[str, A
     x = _record(n, v, device)
     logits = torch.randn(n, v, device=device, dtype=torch.bfloat16, requires_grad=True)
 
+    cfg = _configs()[config]
+
     def step() -> None:
-        echo_loss(logits, x).loss.backward()
+        echo_loss(logits, x, config=cfg).loss.backward()
 
     compile_loss_algebra(compiled)
     try:
@@ -74,7 +96,12 @@ def measure(n: int, v: int, device: torch.device, compiled: bool) -> dict[str, A
             raise_deferred_errors()
     finally:
         compile_loss_algebra(False)
-    return {"compiled": compiled, "host_syncs": c.num_syncs, "launches": launches}
+    return {
+        "config": config,
+        "compiled": compiled,
+        "host_syncs": c.num_syncs,
+        "launches": launches,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,16 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         phases = uncounted_reference_phases()
         op = importlib.import_module("echoloss.ops.selective_logprobs.op")
         op.resolve_backend = lambda b, d: phases
-    rows = [measure(args.n, args.v, device, False)]
+    rows = [measure(args.n, args.v, device, False, config) for config in _configs()]
     if not args.no_compile:
-        rows.append(measure(args.n, args.v, device, True))
+        rows.insert(1, measure(args.n, args.v, device, True))
     print(f"echo_loss forward+backward, N = {args.n}, V = {args.v}, bf16, {device.type}")
-    print("| algebra | host syncs | launches |")
-    print("|---|---|---|")
+    print("| config | algebra | host syncs | launches |")
+    print("|---|---|---|---|")
     for r in rows:
         name = "compiled" if r["compiled"] else "eager"
         launches = "not counted on CPU" if r["launches"] is None else r["launches"]
-        print(f"| {name} | {r['host_syncs']} | {launches} |")
+        print(f"| {r['config']} | {name} | {r['host_syncs']} | {launches} |")
     return 0
 
 

@@ -311,8 +311,9 @@ def test_launch_count_runs_on_cpu(capsys):
 
     assert launch_count.main(["--n", "32", "--v", "64", "--no-compile"]) == 0
     out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if x.startswith("| eager |"))
-    assert line.split("|")[2].strip() == "0"
+    rows = [x.split("|") for x in out.splitlines() if "| eager |" in x]
+    assert [r[1].strip() for r in rows] == list(launch_count._configs())
+    assert all(r[3].strip() == "0" for r in rows), rows  # no host sync
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")

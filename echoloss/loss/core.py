@@ -834,8 +834,8 @@ def fuse_loss_algebra(mode: str = "auto") -> None:
     _FUSE["mode"] = mode
 
 
-#: The per-token built-in policies the fused algebra computes.
-_FUSED_POLICIES = frozenset({"dppo", "ppo_clip", "cispo", "reinforce"})
+#: The built-in policies the fused algebra computes (registered ones run the PyTorch algebra).
+_FUSED_POLICIES = frozenset({"dppo", "ppo_clip", "cispo", "reinforce", "gspo"})
 
 
 def _triton_row_algebra_runs(device: torch.device) -> bool:
@@ -859,12 +859,13 @@ def fused_algebra_applies(
 ) -> bool:
     """Whether this call's algebra runs fused (`fuse_loss_algebra`).
 
-    Covered: ``mode="sft"`` and the policies ``dppo``, ``ppo_clip``, ``cispo`` and
-    ``reinforce`` with ``kl_tau``, the entropy bonus, the reference KL (``kl_coef``) and a
-    token-level mismatch correction or none, every RL and echo normalisation (the per-sequence ones with one sort of
-    the sequence ids and one launch more), fp32 logprobs (the per-env metrics of
-    ``env_names`` too: one program more per env). Everything else runs the PyTorch algebra,
-    which is also the definition the fused one is tested against.
+    Covered: ``mode="sft"`` and every built-in policy (``dppo``, ``ppo_clip``, ``cispo``,
+    ``reinforce``, ``gspo``) with ``kl_tau``, the entropy bonus, the reference KL
+    (``kl_coef``) and any mismatch correction or none, every RL and echo normalisation (what
+    is per sequence, with one sort of the sequence ids and one launch more), fp32 logprobs,
+    with or without the per-env metrics of ``env_names`` (one program more per env). Custom
+    policies run the PyTorch algebra, which is also the definition the fused one is tested
+    against.
 
     Examples:
         >>> lp = torch.zeros(2)
@@ -897,12 +898,13 @@ def _fused_algebra_covers(
         return False
     if policy_fn is not None or (cfg.mode == "rl" and cfg.policy not in _FUSED_POLICIES):
         return False
-    if (
-        cfg.mode == "rl"
-        and cfg.mismatch is not None
-        and (not cfg.mismatch.startswith("token") or x.inference_logprobs is None)
-    ):
-        return False  # a sequence-level weight; or the PyTorch algebra reports the field
+    if cfg.mode == "rl" and cfg.mismatch is not None and x.inference_logprobs is None:
+        return False  # the PyTorch algebra reports the missing inference logprobs
+    per_sequence = cfg.mode == "rl" and (
+        cfg.policy == "gspo" or (cfg.mismatch is not None and cfg.mismatch.startswith("sequence"))
+    )
+    if per_sequence and x.sequence_ids is None:
+        return False  # ... and the missing sequence ids
     if cfg.mode == "rl" and cfg.kl_coef != 0 and x.ref_logprobs is None:
         return False  # the PyTorch algebra reports the missing reference logprobs
     if cfg.mode == "rl" and cfg.entropy_coef != 0 and not has_entropy:
@@ -928,8 +930,8 @@ def _row_algebra_params(
         policy, low, high = "sft", None, 0.0
     elif cfg.policy == "dppo":
         policy, low, high = "dppo", cfg.dppo_low, cfg.dppo_high
-    elif cfg.policy == "ppo_clip":
-        policy, (low, high) = "ppo_clip", cfg.resolved_eps
+    elif cfg.policy in ("ppo_clip", "gspo"):
+        policy, (low, high) = cfg.policy, cfg.resolved_eps
     elif cfg.policy == "cispo":
         policy, low, high = "cispo", cfg.cispo_min, cfg.cispo_max
     else:

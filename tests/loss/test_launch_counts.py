@@ -198,7 +198,14 @@ def test_compiled_algebra_leaves_few_launches_outside(name, phases_uncounted):
 #: ``echoloss-train`` (the record is otherwise the same).
 FUSED_CONFIGS = {
     name: CONFIGS[name]
-    for name in ("cispo-batch-mean", "dppo", "ppo-kl-entropy", "reinforce-token-mismatch", "sft")
+    for name in (
+        "cispo-batch-mean",
+        "dppo",
+        "gspo-sequence-means",
+        "ppo-kl-entropy",
+        "reinforce-token-mismatch",
+        "sft",
+    )
 } | {
     "dppo-sequence-means": LossConfig(
         rl_normalization="sequence_mean_token_mean", echo_normalization="sequence_mean"
@@ -221,6 +228,7 @@ FUSED = tuple(FUSED_CONFIGS)
 FUSED_CEILING = {
     "cispo-batch-mean": 7,
     "dppo": 7,
+    "gspo-sequence-means": 8,
     "ppo-kl-entropy": 8,  # the entropy is trained: backward's b · g too
     "reinforce-token-mismatch": 7,
     "sft": 11,

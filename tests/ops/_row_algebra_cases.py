@@ -105,18 +105,31 @@ def bounds(case: Case) -> tuple[float, torch.Tensor]:
             m, with_lp = torch.full_like(r, p.high), True
         elif p.policy == "dppo":
             m, with_lp = r, False
+        elif p.policy == "gspo":  # the sequence's ratio s_i, ≤ max(s_i, 1 + high) per term
+            seq = torch.unique(rows.sequence_ids.reshape(-1), return_inverse=True)[1]
+            rl_rows = torch.zeros(int(seq.max()) + 1, dtype=torch.float64).index_add(
+                0, seq, rl.double()
+            )
+            mean = torch.zeros_like(rl_rows).index_add(0, seq, rho) / rl_rows.clamp(min=1)
+            s_i = torch.exp(mean.clamp(-c, c)).clamp(min=1 + p.high)
+            m, with_lp = s_i[seq], False
         else:  # ppo_clip: A > 0 is capped by 1 + high, A < 0 grows with r (up to the dual clip)
             pos = on(rl, rows.advantages) > 0
             m = torch.where(pos, torch.full_like(r, 1 + p.high), r.clamp(min=1 + p.high))
             if p.dual_clip is not None:
                 m = torch.where(pos, m, m.clamp(max=p.dual_clip))
             with_lp = False
-        if p.mismatch is not None:  # the policy term times a weight in [mismatch_min, max]
+        if p.mismatch is not None and p.mismatch.startswith("token"):  # a weight in [min, max]
             lq = on(rl, rows.inference_logprobs)
             weight = torch.exp((base - lq).clamp(-c, c))
             m = m * weight.clamp(min=p.mismatch_min or 0.0, max=p.mismatch_max)
+        elif p.mismatch is not None:  # the sequence's weight: at most mismatch_max
+            m = m * p.mismatch_max
         t_rl = adv * m * (1 + lp.abs() if with_lp else 1)
         g_rl = adv * m
+        if p.policy == "gspo":  # every row of a sequence gets Σ_t w_t·|A_t|·s_i / |RL_i|
+            seq_sum = torch.zeros_like(rl_rows).index_add(0, seq, g_rl)
+            g_rl = torch.where(rl, (seq_sum / rl_rows.clamp(min=1))[seq], 0.0)
         if p.kl_coef:  # the estimate of d = ref - lp and its derivative
             d = torch.where(rl, on(rl, rows.ref_logprobs) - lp, 0.0)
             if p.kl_estimator == "k1":

@@ -108,11 +108,22 @@ ACCEPTED = {
     ),
 }
 
-#: Configurations it leaves to the PyTorch algebra.
-REJECTED = {
-    "gspo": LossConfig(policy="gspo"),
-    "sequence-mismatch": LossConfig(mismatch="sequence_truncate"),
+ACCEPTED |= {
+    "gspo-sequence-means": LossConfig(
+        policy="gspo",
+        rl_normalization="sequence_mean_token_mean",
+        echo_normalization="sequence_mean",
+        mismatch="sequence_truncate",
+    ),
+    "gspo-wide-token-mask-kl": LossConfig(
+        policy="gspo", eps_low=0.2, eps_high=0.2, mismatch="token_mask", kl_coef=0.05
+    ),
+    "dppo-sequence-mask": LossConfig(mismatch="sequence_mask", mismatch_min=0.5),
 }
+
+#: Configurations it leaves to the PyTorch algebra (besides custom policies and fp64
+#: logprobs, `REJECTED_CALLS`): none of the built-in ones.
+REJECTED: dict[str, LossConfig] = {}
 
 
 @pytest.fixture(autouse=True)
@@ -283,7 +294,9 @@ def test_from_logprobs_fused_equals_pytorch(name, device_path, program_calls):
 
 
 @pytest.mark.parametrize("device_path", [True, False], ids=["device", "host"])
-@pytest.mark.parametrize("name", ["dppo-kl-entropy", "ppo_clip-entropy-sum", "sft"])
+@pytest.mark.parametrize(
+    "name", ["dppo-kl-entropy", "ppo_clip-entropy-sum", "sft", "dppo-sequence-means"]
+)
 def test_from_logits_fused_equals_pytorch(name, device_path, program_calls):
     cfg = ACCEPTED[name]
     x = _record(cfg, temperature=0.7)  # RL rows at 0.7, echo rows at 1 (echo_temperature)

@@ -67,6 +67,8 @@ VARIANTS = {
     "cispo_no_low": dict(policy="cispo", low=None, high=2.0),
     "reinforce": dict(policy="reinforce", low=None, high=0.0, adv_tau=0.7),
     "sft": dict(policy="sft", low=None, high=0.0),
+    "gspo": dict(policy="gspo", low=3e-4, high=4e-4),
+    "gspo_wide": dict(policy="gspo", low=0.2, high=0.28, adv_tau=0.7),
 }
 
 #: The options and their values; every value of every option runs for every variant
@@ -89,13 +91,22 @@ OPTIONS: dict[str, tuple[Any, ...]] = {
         ("sequence_mean", 40.0),
     ),
     "echo_z_epsilon": (0.0, 1e-3),
-    "mismatch": (None, None, "token_truncate", "token_mask"),
+    # the ratio's base (old, inference or no logprobs given) with the mismatch correction,
+    # which reads the inference logprobs
+    "base_mismatch": (
+        ("old", None),
+        ("inference", None),
+        ("none", None),
+        ("old", "token_truncate"),
+        ("inference", "token_mask"),
+        ("old", "sequence_truncate"),
+        ("inference", "sequence_mask"),
+    ),
     "mismatch_min": (None, 0.5),
     "kl": ((None, 0.0), ("k1", 0.1), ("k2", 0.2), ("k3", 0.1)),
     # how rows group into sequences: runs of consecutive rows, ids scattered over the rows
     # (a sequence's rows far apart), one sequence over every block
     "sequences": ("runs", "scattered", "one"),
-    "base": ("old", "inference", "none"),
     "echo_weights": (True, False),
     "advantages": (True, True, False),
     "far_ratios": (False, True),
@@ -124,9 +135,10 @@ def _consistent(variant: str, o: dict[str, Any]) -> dict[str, Any]:
     """``o`` with the options that cannot go together resolved (what `RowAlgebraParams` and
     the op reject)."""
     o = dict(o)
+    if "base_mismatch" in o:
+        o["base"], o["mismatch"] = o.pop("base_mismatch")
     if o["base"] == "none":  # no inference logprobs to read
         o["mismatch_metric"] = False
-        o["mismatch"] = None
     if o["rl_divisor"] == "device":  # a device divisor is token_sum_constant's alone
         o["rl_normalization"] = "token"
     if variant == "sft":  # the NLL of the RL rows: no policy terms (RowAlgebraParams)
@@ -349,16 +361,15 @@ def test_options_cover_every_value():
     for variant in VARIANTS:
         sets = _option_sets(variant)
         for name, values in OPTIONS.items():
-            seen = {repr(o[name]) for o in sets}
+            if name == "base_mismatch":
+                seen = {repr((o["base"], o["mismatch"])) for o in sets}
+            else:
+                seen = {repr(o[name]) for o in sets}
             expected = {repr(v) for v in values}
-            if variant == "sft" and name in (
-                "kl_tau",
-                "entropy_coef",
-                "mismatch_metric",
-                "mismatch",
-                "kl",
-            ):
+            if variant == "sft" and name in ("kl_tau", "entropy_coef", "mismatch_metric", "kl"):
                 expected = {repr(values[0])}
+            if variant == "sft" and name == "base_mismatch":
+                expected = {repr((b, None)) for b, _ in values}
             assert expected <= seen, (variant, name, seen)
         assert {o["n"] for o in sets} == set(NS)
 
@@ -605,6 +616,36 @@ def test_mismatch_correction_and_reference_kl_by_hand(mismatch, estimator):
         assert stat(out, "mismatch_flag") == pytest.approx(2 / 3, rel=EPS), what
 
 
+def test_gspo_by_hand():
+    """gspo (eps 0.2) on two sequences whose rows are interleaved (ids 7, 3, 7):
+
+    sequence 7, rows 0 (A = 1) and 2 (A = -1), ρ = 0.1 and 0.3: s = e^0.2 = 1.2214 > 1.2.
+    Row 0 is clipped high (term -1.2, nothing flows back); row 2's unclipped branch is the
+    smaller, -s·(-1) = s: its term s, and ∂s/∂ℓ = s/2 on both rows: a = s/2/3 on rows 0 and 2.
+    Sequence 3, row 1 (A = 2), ρ = -0.1: s = e^-0.1 inside the range: term -2s, a = -2s/3.
+    Row 3 is echo (w = 1, lp = -0.4: 0.4 over one echo row), row 4 padding."""
+    lp = torch.tensor([-1.0, -2.0, -0.5, -0.4, NAN])
+    rows = RowInputs(
+        rl=torch.tensor([True, True, True, False, False]),
+        echo=torch.tensor([False, False, False, True, False]),
+        echo_weights=torch.tensor([NAN, NAN, NAN, 1.0, NAN]),
+        advantages=torch.tensor([1.0, 2.0, -1.0, NAN, NAN]),
+        old_logprobs=torch.tensor([-1.1, -1.9, -0.8, NAN, NAN]),
+        sequence_ids=torch.tensor([7, 3, 7, 3, -1]),
+    )
+    s7, s3 = math.exp(0.2), math.exp(-0.1)
+    p = RowAlgebraParams("gspo", low=0.2, high=0.2)
+    loss = (-1.2 + s7 - 2 * s3) / 3 + 0.4
+    for (out, a, _), backend in _both(Case(lp, None, rows, p)):
+        # fp32 inputs: ρ = lp - old carries the rounding of -1.1, -0.8 (a few ulps of 1)
+        assert float(out.loss.detach()) == pytest.approx(loss, rel=1e-6), backend
+        expected = [s7 / 2 / 3, -2 * s3 / 3, s7 / 2 / 3, -1.0, 0.0]
+        assert a.tolist() == pytest.approx(expected, rel=1e-6), backend
+        assert stat(out, "flag0") == pytest.approx(1 / 3, rel=EPS), backend  # clipped
+        assert stat(out, "flag2") == pytest.approx(1 / 3, rel=EPS), backend  # clipped_high
+        assert stat(out, "flag1") == 0.0, backend
+
+
 def test_sequence_normalizations_by_hand():
     """Per-sequence normalisers on three sequences whose rows are interleaved (ids 9, 4, 9,
     2, 4, 9 ...): reinforce RL rows, echo rows, observation rows counted in ``Z_i``.
@@ -732,6 +773,8 @@ def _loss_config(p: RowAlgebraParams) -> LossConfig:
         kw.update(dppo_low=p.low, dppo_high=p.high)
     elif p.policy == "ppo_clip":
         kw.update(eps_low=p.low, eps_high=p.high, dual_clip=p.dual_clip)
+    elif p.policy == "gspo":
+        kw.update(eps_low=p.low, eps_high=p.high)
     elif p.policy == "cispo":
         kw.update(cispo_min=p.low, cispo_max=p.high)
     return LossConfig(policy=p.policy, **kw)
@@ -764,6 +807,8 @@ FP64_CORRECTION_CASES = {
     "cispo": dict(mismatch="token_truncate", mismatch_min=0.5, kl_coef=0.2, kl_estimator="k3"),
     "ppo_clip": dict(mismatch="token_mask", kl_coef=0.1, kl_estimator="k2"),
     "reinforce": dict(kl_coef=0.3, kl_estimator="k1"),
+    "gspo": dict(rl_normalization="sequence_mean_token_mean", kl_tau=0.2),
+    "gspo_wide": dict(mismatch="sequence_truncate", mismatch_min=0.5, kl_coef=0.1),
 }
 
 
@@ -855,6 +900,7 @@ def _small(policy="ppo_clip", n=2500, **kw):
         echo_weights=torch.where(echo, 0.5, NAN),
         advantages=torch.where(rl, torch.randn(n, generator=g), NAN),
         old_logprobs=torch.where(rl, lp + 0.1 * torch.randn(n, generator=g), NAN),
+        sequence_ids=idx // 37,
     )
     ent = torch.where(rl, torch.rand(n, generator=g), NAN)
     return Case(lp, ent, rows, RowAlgebraParams(policy, **kw))
@@ -1022,6 +1068,7 @@ def _nan_rows(n: int, rl, echo) -> RowInputs:
         advantages=torch.where(rl, torch.randn(n, generator=g), NAN),
         old_logprobs=torch.where(rl, -torch.rand(n, generator=g), NAN),
         inference_logprobs=torch.where(rl, -torch.rand(n, generator=g), NAN),
+        sequence_ids=torch.arange(n) // 37,
     )
 
 
@@ -1157,6 +1204,7 @@ def test_echo_rows_get_minus_w_over_n_echo_whatever_their_ratio():
         advantages=torch.where(rl, torch.randn(n, generator=g), NAN),
         old_logprobs=torch.where(rl, lp, lp + torch.where(idx % 4 == 1, 50.0, -50.0)),
         inference_logprobs=torch.where(rl, lp - 0.1, NAN),
+        sequence_ids=idx // 37,  # gspo's sequences: echo rows among their RL rows
     )
     n_echo = int(echo.sum())
     for variant in VARIANTS:

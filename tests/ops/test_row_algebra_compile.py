@@ -38,6 +38,7 @@ TYPES = {
     "CNT_Z": "*i32",
     "SEQS": "*i32",
     "REF": "*fp32",
+    "SUM_IN": "*fp32",
     "A": "*fp32",
     "B": "*fp32",
     "LOSS": "*fp32",
@@ -116,7 +117,16 @@ GROUP_TYPES = {
     "CNT_RL": "*i32",
     "CNT_Z": "*i32",
     "SEQS": "*i32",
+    "LP": "*fp32",
+    "OLD": "*fp32",
+    "LQ": "*fp32",
+    "ADV": "*fp32",
+    "SUM_OUT": "*fp32",
     "n": "i32",
+    "adv_tau": "fp32",
+    "clamp": "fp32",
+    "mm_max": "fp32",
+    "mm_min": "fp32",
 }
 
 
@@ -145,6 +155,7 @@ def _consts(policy, on, base=1, rl_div_mode=0, echo_mode=0):
         "ECHO_MODE": echo_mode,
         "MISMATCH": 1 if on else 0,
         "KL_EST": 3,
+        "SEQ": on or policy == 5,  # gspo reads its sequences' sums
         "NUM_STATS": len(STAT_SLOTS),
         "BLOCK": fused.BLOCK,
     }
@@ -153,7 +164,7 @@ def _consts(policy, on, base=1, rl_div_mode=0, echo_mode=0):
 @needs_nvidia_backend
 @pytest.mark.parametrize("arch", [80, 90])
 def test_every_policy_compiles(arch):
-    for policy, on in itertools.product(range(5), [False, True]):
+    for policy, on in itertools.product(range(6), [False, True]):
         assert _compile(_consts(policy, on), arch).asm.get("cubin")
 
 
@@ -165,16 +176,26 @@ def test_modes_compile_for_sm90():
 
 @needs_nvidia_backend
 def test_corrections_compile_for_sm90():
-    for mismatch, kl_est in itertools.product(range(3), range(1, 4)):
-        consts = {**_consts(2, True), "MISMATCH": mismatch, "KL_EST": kl_est}
+    for policy, mismatch, kl_est in itertools.product((2, 5), range(5), range(1, 4)):
+        consts = {**_consts(policy, True), "MISMATCH": mismatch, "KL_EST": kl_est}
         assert _compile(consts, 90).asm.get("cubin")
 
 
 @needs_nvidia_backend
 @pytest.mark.parametrize("arch", [80, 90])
 def test_sequence_groups_program_compiles_without_spills(arch, tmp_path):
-    for has_obs in (False, True):
-        consts = {"HAS_OBS": has_obs, "BLOCK": fused.BLOCK}
+    for on, base, token_mm in ((False, 0, 0), (True, 1, 1), (True, 0, 2), (True, 2, 0)):
+        consts = {
+            "HAS_OBS": on,
+            "SUMS": on,
+            "BASE": base,
+            "HAS_LQ": on,
+            "HAS_ADV": on,
+            "TOKEN_MM": token_mm,
+            "HAS_MM_MIN": on,
+            "HAS_CLAMP": on,
+            "BLOCK": fused.BLOCK,
+        }
         compiled = _compile(consts, arch, fused._sequence_groups_kernel, GROUP_TYPES)
         assert "LOCAL:0" in _resources(compiled.asm["cubin"], tmp_path)
 

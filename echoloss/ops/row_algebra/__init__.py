@@ -4,7 +4,8 @@
 entropy) of a loss call and returns the loss, its per-row derivatives, the metrics and the
 numbers of the value checks in one pass: one Triton launch (``fused.py``) instead of a hundred
 small PyTorch kernels (``naive.py``: the same contract in plain PyTorch, its gold). It covers the
-per-token built-in policies with token- and sequence-level normalisers (`RowAlgebraParams`); the loss module
+built-in policies with every normaliser, mismatch correction and reference KL
+(`RowAlgebraParams`); the loss module
 decides when it applies and falls back to its general algebra otherwise.
 """
 

@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 #: The per-token policies this op computes (``"sft"``: the NLL of the RL rows).
-POLICIES = ("dppo", "ppo_clip", "cispo", "reinforce", "sft")
+POLICIES = ("dppo", "ppo_clip", "cispo", "reinforce", "sft", "gspo")
 
 #: The flags each policy reports (``<flag>_frac`` metrics), in the order the policy sets them.
 FLAG_NAMES: dict[str, tuple[str, ...]] = {
@@ -35,6 +35,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "cispo": ("clipped", "clipped_low", "clipped_high"),
     "reinforce": (),
     "sft": (),
+    "gspo": ("clipped", "clipped_low", "clipped_high"),
 }
 
 #: Slots of the fp32 ``stats`` output: the loss and its two terms, the metrics (means over RL
@@ -99,8 +100,9 @@ ECHO_NORMALIZATIONS = ("token_mean", "sum", "batch_token_mean", "sequence_mean")
 #: sum by the RL sequences alone.
 RL_NORMALIZATIONS = ("token", "sequence_mean_token_mean", "sequence_mean_token_sum")
 
-#: Per-token train/inference mismatch corrections (the sequence-level ones are not per row).
-MISMATCH_MODES = ("token_truncate", "token_mask")
+#: Train/inference mismatch corrections: a weight per token, or per sequence (of the sum of its
+#: RL rows' log weights).
+MISMATCH_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 #: Per-token estimators of the reference KL.
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -111,21 +113,22 @@ class RowAlgebraParams:
     """What the algebra computes (from a ``LossConfig`` and the call's normalisers).
 
     Attributes:
-        policy: one of `POLICIES`.
+        policy: one of `POLICIES` (``gspo``: ppo_clip's objective on the sequence's ratio
+            ``exp(clamp(mean ρ))`` over its RL rows, bounds ``low``/``high``).
         adv_tau: advantage scale.
         low, high: the policy's bounds: ``dppo_low``/``dppo_high``, ``eps_low``/``eps_high``
-            (ppo_clip), ``cispo_min``/``cispo_max`` (``low`` None = no lower bound).
+            (ppo_clip, gspo), ``cispo_min``/``cispo_max`` (``low`` None = no lower bound).
         dual_clip: ppo_clip's dual-clip constant, or None.
         log_ratio_clamp: clamp of the log ratio before ``exp`` (None = none).
         kl_tau: coefficient of ``ρ²`` (continued linearly beyond the clamp).
         entropy_coef: entropy bonus ``-entropy_coef · H`` on RL rows (0 = off).
         entropy_metric: report the ``entropy`` mean (needs the entropy).
         mismatch_metric: report ``mismatch_kl`` (needs the inference logprobs).
-        mismatch: None, or a per-token mismatch correction (`MISMATCH_MODES`): the policy loss
-            of an RL row times the detached ``w = exp(clamp(b₀ − lq))``, ``b₀`` the old
-            logprobs (else the row's own, detached), clamped to ``[mismatch_min,
-            mismatch_max]`` (``token_truncate``) or 0 outside it (``token_mask``); needs the
-            inference logprobs.
+        mismatch: None, or a mismatch correction (`MISMATCH_MODES`): the policy loss of an RL
+            row times the detached ``w = exp(clamp(b₀ − lq))`` (``sequence_*``: of the sum of
+            ``b₀ − lq`` over the sequence's RL rows), ``b₀`` the old logprobs (else the row's
+            own, detached), clamped to ``[mismatch_min, mismatch_max]`` (``*_truncate``) or 0
+            outside it (``*_mask``); needs the inference logprobs.
         mismatch_max, mismatch_min: the bounds (``mismatch_min`` None = none).
         kl_coef: coefficient of the reference-KL estimate ``kl_estimator`` of ``d = ref − ℓ``
             (``k1 = −d``, ``k2 = d²/2``, ``k3 = exp(d) − d − 1`` on the clamped ``d``); needs
@@ -220,8 +223,14 @@ class RowAlgebraParams:
 
     @property
     def reads_sequences(self) -> bool:
-        """Whether a normaliser is per sequence (``RowInputs.sequence_ids`` required)."""
-        return self.rl_normalization != "token" or self.echo_normalization == "sequence_mean"
+        """Whether a normaliser, the policy (``gspo``) or the mismatch correction is per
+        sequence (``RowInputs.sequence_ids`` required)."""
+        return (
+            self.rl_normalization != "token"
+            or self.echo_normalization == "sequence_mean"
+            or self.policy == "gspo"
+            or (self.mismatch or "").startswith("sequence")
+        )
 
     @property
     def flag_names(self) -> tuple[str, ...]:

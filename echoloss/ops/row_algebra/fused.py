@@ -37,9 +37,15 @@ __all__ = ["BLOCK", "forward", "interpreter_active"]
 BLOCK = 1024
 NUM_WARPS = 4
 
-_POLICY_CODE = {"dppo": 0, "ppo_clip": 1, "cispo": 2, "reinforce": 3, "sft": 4}
+_POLICY_CODE = {"dppo": 0, "ppo_clip": 1, "cispo": 2, "reinforce": 3, "sft": 4, "gspo": 5}
 _ECHO_CODE = {"token_mean": 0, "sum": 1, "batch_token_mean": 2, "sequence_mean": 3}
-_MISMATCH_CODE = {None: 0, "token_truncate": 1, "token_mask": 2}
+_MISMATCH_CODE = {
+    None: 0,
+    "token_truncate": 1,
+    "token_mask": 2,
+    "sequence_truncate": 3,
+    "sequence_mask": 4,
+}
 _KL_CODE = {"k1": 1, "k2": 2, "k3": 3}
 
 
@@ -118,6 +124,74 @@ def _rows_of(RL, ECHO, ENV, idx, m, env, main, HAS_ENV: tl.constexpr):
 
 
 @triton.jit
+def _segmented_combine(f1, v1, f2, v2):
+    """A sum that restarts where the right operand's segment starts."""
+    return f1 | f2, tl.where(f2 != 0, v2, v1 + v2)
+
+
+@triton.jit
+def _segmented_sum(first, values, carry, offs, left, BLOCK: tl.constexpr):
+    """Per position of a block, the sum of ``values`` since its segment's start (``carry``
+    from the previous block before the block's first start), and the block's last value."""
+    starts, sums = tl.associative_scan((first, values), 0, _segmented_combine)
+    out = sums + tl.where(starts != 0, 0.0, carry)
+    last = tl.minimum(left, BLOCK) - 1
+    return out, tl.reduce(tl.where(offs == last, out, 0.0), 0, _sum)
+
+
+@triton.jit
+def _mismatch_weight(log_w, clamp, mm_max, mm_min, MODE: tl.constexpr, HAS_MM_MIN: tl.constexpr,
+                     HAS_CLAMP: tl.constexpr):  # fmt: skip
+    """``(w, outside)``: ``exp(clamp(log_w))`` truncated to ``[mm_min, mm_max]`` (MODE 1) or
+    0 outside it (MODE 2); NaN stays NaN."""
+    x, _ = _clamp_grad(log_w, clamp, HAS_CLAMP)
+    w = tl.exp(x)
+    outside = w > mm_max
+    if HAS_MM_MIN:
+        outside = outside | (w < mm_min)
+    if MODE == 1:
+        if HAS_MM_MIN:  # noqa: SIM108 (a constexpr branch, not a runtime select)
+            w = _nan_min(_nan_max(w, mm_min), mm_max)
+        else:
+            w = _nan_min(w, mm_max)
+    else:
+        w = tl.where(outside, 0.0, w)
+    return w, outside
+
+
+@triton.jit
+def _sequence_terms(LP, OLD, LQ, ADV, row, m, rl, adv_tau, clamp, mm_max, mm_min,
+                    BASE: tl.constexpr, HAS_LQ: tl.constexpr, HAS_ADV: tl.constexpr,
+                    TOKEN_MM: tl.constexpr, HAS_MM_MIN: tl.constexpr,
+                    HAS_CLAMP: tl.constexpr):  # fmt: skip
+    """What the sequences sum over their RL rows (0 elsewhere): ``ρ = ℓ − b₀``, ``w·A`` for
+    ``A > 0`` and for ``A < 0`` (``w`` the token-level mismatch weight, else 1), ``b₀ − lq``."""
+    lp = tl.where(rl, tl.load(LP + row, mask=m, other=0.0), 0.0)
+    if HAS_LQ:
+        lq = tl.where(rl, tl.load(LQ + row, mask=m, other=0.0).to(tl.float32), 0.0)
+    else:
+        lq = tl.full(lp.shape, 0.0, tl.float32)
+    if BASE == 1:
+        base = tl.where(rl, tl.load(OLD + row, mask=m, other=0.0).to(tl.float32), 0.0)
+    elif BASE == 2:
+        base = lq
+    else:
+        base = lp
+    if HAS_ADV:
+        adv = tl.where(rl, tl.load(ADV + row, mask=m, other=0.0).to(tl.float32), 0.0) * adv_tau
+    else:
+        adv = tl.full(lp.shape, 0.0, tl.float32)
+    if TOKEN_MM != 0:
+        w, _ = _mismatch_weight(base - lq, clamp, mm_max, mm_min, TOKEN_MM, HAS_MM_MIN, HAS_CLAMP)
+        wa = w * adv
+    else:
+        wa = adv
+    pos_a = tl.where(adv > 0, wa, 0.0)
+    neg_a = tl.where(adv < 0, wa, 0.0)
+    return lp - base, pos_a, neg_a, tl.where(rl, base - lq, 0.0)
+
+
+@triton.jit
 def _sequence_groups_kernel(
     SKEY,  # [N] int sorted sequence ids
     ORDER,  # [N] int64 row at each sorted position
@@ -128,8 +202,25 @@ def _sequence_groups_kernel(
     CNT_RL,  # [N] int32 out: at a sequence's start position, its RL rows (else unwritten)
     CNT_Z,  # [N] int32 out: at a sequence's start position, its observation-or-echo rows
     SEQS,  # [2] int32 out: sequences with an RL row, sequences with an echo row
+    LP,  # [N] fp32 logprobs (unused unless SUMS)
+    OLD,  # [N] float old logprobs (unused unless BASE == 1)
+    LQ,  # [N] float inference logprobs (unused unless HAS_LQ)
+    ADV,  # [N] float advantages (unused unless HAS_ADV)
+    SUM_OUT,  # [4, N] fp32 out: at a sequence's start, over its RL rows: Σ ρ, Σ w·A⁺, Σ w·A⁻,
+    # Σ (b₀ − lq) (unused unless SUMS)
     n,
+    adv_tau,
+    clamp,
+    mm_max,
+    mm_min,
     HAS_OBS: tl.constexpr,
+    SUMS: tl.constexpr,  # gspo or a sequence-level mismatch correction: the four sums
+    BASE: tl.constexpr,  # as the row program's
+    HAS_LQ: tl.constexpr,
+    HAS_ADV: tl.constexpr,
+    TOKEN_MM: tl.constexpr,  # the per-token weight w of Σ w·A: 0 none, 1 truncate, 2 mask
+    HAS_MM_MIN: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # Sorted, each sequence is a run of equal ids. Walking the sorted positions in order, a
@@ -137,7 +228,14 @@ def _sequence_groups_kernel(
     # counted before it are a prefix count minus the prefix count at that start: both are
     # non-decreasing along the positions, so a running maximum carries them across blocks.
     # A run's totals are written once, at its last position, into the slot of its start.
+    # Float sums cannot be differences of prefix sums (they would cancel): they are segmented
+    # scans (restarting at each run start), the last position's value carried to the next
+    # block.
     offs = tl.arange(0, BLOCK)
+    c_rho = tl.full([], 0.0, tl.float32)
+    c_pos = tl.full([], 0.0, tl.float32)
+    c_neg = tl.full([], 0.0, tl.float32)
+    c_lw = tl.full([], 0.0, tl.float32)
     g_carry = tl.full([], -1, tl.int32)
     base_rl_carry = tl.full([], 0, tl.int32)
     base_z_carry = tl.full([], 0, tl.int32)
@@ -177,6 +275,20 @@ def _sequence_groups_kernel(
             tl.associative_scan(tl.where(first, inc_echo - echo, -1), 0, _max_local),
             base_echo_carry,
         )
+        if SUMS:
+            rho, pos_a, neg_a, lw = _sequence_terms(
+                LP, OLD, LQ, ADV, row, m, rl != 0, adv_tau, clamp, mm_max, mm_min,
+                BASE, HAS_LQ, HAS_ADV, TOKEN_MM, HAS_MM_MIN, HAS_CLAMP,
+            )  # fmt: skip
+            is_first = first.to(tl.int32)
+            s_rho, c_rho = _segmented_sum(is_first, rho, c_rho, offs, n - start, BLOCK)
+            s_pos, c_pos = _segmented_sum(is_first, pos_a, c_pos, offs, n - start, BLOCK)
+            s_neg, c_neg = _segmented_sum(is_first, neg_a, c_neg, offs, n - start, BLOCK)
+            s_lw, c_lw = _segmented_sum(is_first, lw, c_lw, offs, n - start, BLOCK)
+            tl.store(SUM_OUT + g, s_rho, mask=last)
+            tl.store(SUM_OUT + n + g, s_pos, mask=last)
+            tl.store(SUM_OUT + 2 * n + g, s_neg, mask=last)
+            tl.store(SUM_OUT + 3 * n + g, s_lw, mask=last)
         tl.store(GROUP + row, g, mask=m)
         n_rl = inc_rl - base_rl
         n_echo = inc_echo - base_echo
@@ -213,6 +325,7 @@ def _row_algebra_kernel(
     CNT_Z,  # [N] int32 Z of the sequence starting there (unused unless ECHO_MODE == 3)
     SEQS,  # [2] int32 sequences with an RL row, with an echo row (unused unless SEQ)
     REF,  # [N] float reference logprobs (unused unless HAS_KL_COEF)
+    SUM_IN,  # [4, N] fp32 the sequences' sums (unused unless gspo or a sequence mismatch)
     A,  # [N] fp32 out: d loss / d logprob
     B,  # [N] fp32 out: d loss / d entropy (unused unless TRAIN_ENT)
     LOSS,  # [] fp32 out
@@ -251,7 +364,8 @@ def _row_algebra_kernel(
     RL_PER_SEQ: tl.constexpr,  # each RL row also divided by its sequence's RL rows
     ECHO_MODE: tl.constexpr,  # 0: token_mean, 1: sum, 2: batch_token_mean, 3: sequence_mean
     SEQ: tl.constexpr,  # a per-sequence normaliser: GROUP and SEQS are read
-    MISMATCH: tl.constexpr,  # 0: none, 1: token_truncate, 2: token_mask (LQ read)
+    MISMATCH: tl.constexpr,  # 0: none, 1: token_truncate, 2: token_mask (LQ read),
+    # 3: sequence_truncate, 4: sequence_mask (SUM_IN read)
     HAS_MM_MIN: tl.constexpr,
     HAS_KL_COEF: tl.constexpr,
     KL_EST: tl.constexpr,  # 1: k1, 2: k2, 3: k3
@@ -448,6 +562,31 @@ def _row_algebra_kernel(
                 f0 += ((hi_f | lo_f) & rl).to(tl.int32)
                 f1 += (lo_f & rl).to(tl.int32)
                 f2 += (hi_f & rl).to(tl.int32)
+            elif POLICY == 5:  # gspo: ppo_clip's objective on the sequence's ratio
+                cnt_g = tl.maximum(tl.load(CNT_RL + grp, mask=m, other=1).to(tl.float32), 1.0)
+                x, gx = _clamp_grad(tl.load(SUM_IN + grp, mask=m, other=0.0) / cnt_g, clamp,
+                                    HAS_CLAMP)  # fmt: skip
+                s = tl.exp(x)
+                lo_b = 1.0 - low
+                hi_b = 1.0 + high
+                obj = _nan_min(s * adv, _nan_min(_nan_max(s, lo_b), hi_b) * adv)
+                pol = -obj
+                hi_f = (adv > 0) & (s > hi_b)
+                lo_f = (adv < 0) & (s < lo_b)
+                f0 += ((hi_f | lo_f) & rl).to(tl.int32)
+                f1 += (lo_f & rl).to(tl.int32)
+                f2 += (hi_f & rl).to(tl.int32)
+                # Every RL row of the sequence gets d/dℓ of all its rows' losses through s:
+                # Σ_t w_t·∂obj_t/∂s = Σ w·A⁺·[s ≤ 1+ε_hi] + Σ w·A⁻·[s ≥ 1−ε_lo] (autograd's
+                # min/clamp conventions: equal branches inside the range give the full A),
+                # times ∂s/∂ℓ = s·gx/|RL_i| (the normaliser is the same for the whole sequence)
+                k_pos = tl.where(s <= hi_b, 1.0, 0.0)
+                k_neg = tl.where(s >= lo_b, 1.0, 0.0)
+                q = k_pos * tl.load(SUM_IN + n + grp, mask=m, other=0.0) + k_neg * tl.load(
+                    SUM_IN + 2 * n + grp, mask=m, other=0.0
+                )
+                q = tl.where(s != s, s, q)  # a NaN ratio: a NaN gradient, as autograd's
+                d = -q * s * gx / cnt_g
             else:  # reinforce
                 pol = -(adv * lp_rl)
                 d = -adv
@@ -457,22 +596,18 @@ def _row_algebra_kernel(
                 first_p, value_p = _first_bad(rl & _not_finite(pol), idx, pol, first_p, value_p, n)
             per = pol
             if MISMATCH != 0:
-                # the detached weight exp(clamp(b₀ − lq)) of the policy loss, truncated or masked
-                lq_m = tl.where(rl, tl.load(LQ + idx, mask=m, other=0.0).to(tl.float32), 0.0)
-                xw, _ = _clamp_grad(base - lq_m, clamp, HAS_CLAMP)
-                wm = tl.exp(xw)
-                outside = wm > mm_max
-                if HAS_MM_MIN:
-                    outside = outside | (wm < mm_min)
-                if MISMATCH == 1:
-                    if HAS_MM_MIN:
-                        wm = _nan_min(_nan_max(wm, mm_min), mm_max)
-                    else:
-                        wm = _nan_min(wm, mm_max)
+                # the detached weight exp(clamp(b₀ − lq)) of the policy loss (of the sequence's
+                # Σ (b₀ − lq) for the sequence modes), truncated or masked
+                if MISMATCH <= 2:
+                    lq_m = tl.where(rl, tl.load(LQ + idx, mask=m, other=0.0).to(tl.float32), 0.0)
+                    log_w = base - lq_m
                 else:
-                    wm = tl.where(outside, 0.0, wm)
+                    log_w = tl.where(rl, tl.load(SUM_IN + 3 * n + grp, mask=m, other=0.0), 0.0)
+                wm, outside = _mismatch_weight(log_w, clamp, mm_max, mm_min, 2 - MISMATCH % 2,
+                                               HAS_MM_MIN, HAS_CLAMP)  # fmt: skip
                 per = per * wm
-                d = d * wm
+                if POLICY != 5 or MISMATCH >= 3:  # gspo's token weights are inside its sums
+                    d = d * wm
                 fm += (outside & rl).to(tl.int32)
                 w_acc += tl.where(rl, wm, 0.0)
             if HAS_KL_TAU:
@@ -639,19 +774,25 @@ def _mask(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sequence_groups(
-    rows: RowInputs, n: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(GROUP, CNT_RL, CNT_Z, SEQS)`` of the per-sequence normalisers: one sort of the ids
-    and one launch (`_sequence_groups_kernel`); no host read."""
+    lp: torch.Tensor, rows: RowInputs, p: RowAlgebraParams, base: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(GROUP, CNT_RL, CNT_Z, SEQS, SUM)`` of the sequence-level quantities: one sort of the
+    ids and one launch (`_sequence_groups_kernel`); no host read. ``SUM`` ``[4, N]`` (written
+    for ``gspo`` and the sequence-level mismatch corrections only) holds each sequence's sums of
+    its RL rows' ``ρ``, ``w·A⁺``, ``w·A⁻`` and ``b₀ − lq``."""
     assert rows.sequence_ids is not None  # op.py
     sid = rows.sequence_ids.reshape(-1)
+    n = sid.numel()
     dev = sid.device
     sorted_ids, order = torch.sort(sid)  # equal ids end up adjacent; their order is free
     group = torch.empty(n, dtype=torch.int32, device=dev)
     cnt_rl = torch.empty(n, dtype=torch.int32, device=dev)
     cnt_z = torch.empty(n, dtype=torch.int32, device=dev)
     seqs = torch.empty(2, dtype=torch.int32, device=dev)
+    sums_needed = p.policy == "gspo" or (p.mismatch or "").startswith("sequence")
+    sums = torch.empty((4, n) if sums_needed else (0,), dtype=torch.float32, device=dev)
     obs = rows.observation
+    token_mm = p.mismatch if p.mismatch in ("token_truncate", "token_mask") else None
     with _launch_ctx(sid):
         _sequence_groups_kernel[(1,)](
             sorted_ids,
@@ -663,12 +804,28 @@ def _sequence_groups(
             cnt_rl,
             cnt_z,
             seqs,
+            lp,
+            _flat(rows.old_logprobs, lp),
+            _flat(rows.inference_logprobs, lp),
+            _flat(rows.advantages, lp),
+            sums if sums_needed else lp,
             n,
+            float(p.adv_tau),
+            float(p.log_ratio_clamp or 0.0),
+            float(p.mismatch_max),
+            float(p.mismatch_min or 0.0),
             HAS_OBS=obs is not None,
+            SUMS=sums_needed,
+            BASE=base,
+            HAS_LQ=rows.inference_logprobs is not None,
+            HAS_ADV=rows.advantages is not None,
+            TOKEN_MM=_MISMATCH_CODE[token_mm],
+            HAS_MM_MIN=p.mismatch_min is not None,
+            HAS_CLAMP=p.log_ratio_clamp is not None,
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,
         )
-    return group, cnt_rl, cnt_z, seqs
+    return group, cnt_rl, cnt_z, seqs, sums
 
 
 def forward(
@@ -696,7 +853,7 @@ def forward(
         base = 2
     else:
         base = 0
-    groups = _sequence_groups(rows, n) if p.reads_sequences else None
+    groups = _sequence_groups(lp, rows, p, base) if p.reads_sequences else None
     if p.rl_normalization != "token":
         rl_div_mode = 3 if p.rl_divisor is None else 1
     else:
@@ -717,8 +874,9 @@ def forward(
             _flat(rows.rl_divisor, lp),
             _flat(rows.labels, lp),
             _flat(rows.env_of_row, lp),
-            *(groups if groups is not None else (lp, lp, lp, lp)),
+            *(groups[:4] if groups is not None else (lp, lp, lp, lp)),
             _flat(rows.ref_logprobs, lp),
+            lp if groups is None else groups[4],
             a,
             a if b is None else b,
             loss,

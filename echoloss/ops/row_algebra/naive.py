@@ -36,12 +36,28 @@ def _clamp(x: torch.Tensor, c: float | None) -> torch.Tensor:
 
 
 def _policy(
-    lp_rl: torch.Tensor, base: torch.Tensor, adv: torch.Tensor, p: RowAlgebraParams
+    lp_rl: torch.Tensor,
+    base: torch.Tensor,
+    adv: torch.Tensor,
+    p: RowAlgebraParams,
+    seq_rl: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``(per-token policy loss [N], flags)`` on every row (neutral values off RL)."""
+    """``(per-token policy loss [N], flags)`` on every row (neutral values off RL);
+    ``seq_rl``: each RL row's sequence and the sequences' RL rows, for ``gspo``."""
     c = p.log_ratio_clamp
     if p.policy == "reinforce":
         return -(adv * lp_rl), []
+    if p.policy == "gspo":  # ppo_clip's objective on exp(clamp(mean ρ over the sequence))
+        assert seq_rl is not None
+        seq, rl_rows = seq_rl
+        sums = torch.zeros_like(rl_rows).index_add(0, seq, lp_rl - base)
+        ratio = torch.exp(_clamp(sums / rl_rows.clamp(min=1), c))[seq]
+        lo = p.low or 0.0
+        obj = torch.minimum(ratio * adv, ratio.clamp(1.0 - lo, 1.0 + p.high) * adv)
+        with torch.no_grad():
+            high = (adv > 0) & (ratio > 1.0 + p.high)
+            low = (adv < 0) & (ratio < 1.0 - lo)
+        return -obj, [high | low, low, high]
     if p.policy == "dppo":
         with torch.no_grad():
             delta = lp_rl.exp() - base.exp()
@@ -97,15 +113,24 @@ def _ref_kl(lp_rl: torch.Tensor, ref: torch.Tensor, p: RowAlgebraParams) -> torc
 
 
 def _mismatch_weight(
-    base: torch.Tensor, lq: torch.Tensor, p: RowAlgebraParams
+    base: torch.Tensor,
+    lq: torch.Tensor,
+    p: RowAlgebraParams,
+    seq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w [N] detached, outside [N] bool)`` of the per-token mismatch correction."""
+    """``(w [N] detached, outside [N] bool)`` of the mismatch correction (the sequence modes:
+    of the sum of ``base - lq`` over the RL rows of each row's sequence ``seq``)."""
     with torch.no_grad():
-        w = torch.exp(_clamp(base - lq, p.log_ratio_clamp))
+        log_w = base - lq
+        if p.mismatch is not None and p.mismatch.startswith("sequence"):
+            assert seq is not None
+            sums = torch.zeros(int(seq.max()) + 1 if seq.numel() else 0, dtype=F32)
+            log_w = sums.to(log_w.device).index_add(0, seq, log_w)[seq]
+        w = torch.exp(_clamp(log_w, p.log_ratio_clamp))
         outside = w > p.mismatch_max
         if p.mismatch_min is not None:
             outside = outside | (w < p.mismatch_min)
-        if p.mismatch == "token_truncate":
+        if (p.mismatch or "").endswith("truncate"):
             return w.clamp(min=p.mismatch_min, max=p.mismatch_max), outside
         return torch.where(outside, torch.zeros_like(w), w), outside
 
@@ -193,11 +218,18 @@ def forward(
                 base = _on(rl, rows.inference_logprobs)
             else:  # on-policy (with a mismatch correction: the inference logprobs weigh)
                 base = lp_rl.detach()
-            out, flags = _policy(lp_rl, base, adv, p)
+            seq_counts = _sequence_counts(rows, p) if p.reads_sequences else None
+            seq_rl = None if seq_counts is None else (seq_counts[0], seq_counts[1])
+            out, flags = _policy(lp_rl, base, adv, p, seq_rl)
             policy_loss = torch.where(rl, out, 0.0)
             per_rl = policy_loss
             if p.mismatch is not None:
-                w_m, outside = _mismatch_weight(base, _on(rl, rows.inference_logprobs), p)
+                w_m, outside = _mismatch_weight(
+                    base,
+                    _on(rl, rows.inference_logprobs),
+                    p,
+                    None if seq_counts is None else seq_counts[0],
+                )
                 per_rl = per_rl * w_m
                 extra["is_weight"], extra["mismatch_flag"] = w_m, outside
             if p.kl_tau != 0:

@@ -6,9 +6,9 @@ metrics and the value checks. Written as PyTorch ops it is about a hundred small
 forward+backward, each paying a launch and the host's dispatch; on a GPU the host time of those
 launches, not the GPU time, sets the speed at every realistic shape. This op computes all of it
 in one pass over the rows for the losses whose derivative with respect to a row's logprob comes
-from that row and the counts of its sequence (the per-token built-in policies ``dppo``,
-``ppo_clip``, ``cispo``, ``reinforce`` and ``mode="sft"``, token- or sequence-level
-normalisers):
+from that row and a few sums over its sequence (the built-in policies ``dppo``, ``ppo_clip``,
+``cispo``, ``reinforce``, ``gspo`` and ``mode="sft"``, every normaliser, mismatch correction
+and reference KL):
 
 * forward: the loss, ``a = d loss / d logprob [N]`` and ``b = d loss / d entropy [N]`` (when the
   entropy is trained), the metrics (`STAT_SLOTS`) and the numbers of the value checks
@@ -173,8 +173,9 @@ def row_algebra(
         raise ValueError(
             problem(
                 "rows.sequence_ids",
-                f"[N] int sequence ids for rl_normalization={params.rl_normalization!r}, "
-                f"echo_normalization={params.echo_normalization!r}",
+                f"[N] int sequence ids for policy={params.policy!r}, "
+                f"mismatch={params.mismatch!r}, rl_normalization={params.rl_normalization!r}, "
+                f"echo_normalization={params.echo_normalization!r} (something per sequence)",
                 describe(rows.sequence_ids),
             )
         )
