@@ -1118,13 +1118,12 @@ def chunk_additive(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:
     """Whether the loss is a sum of per-row terms over denominators known before any logprob.
 
     True for the per-token built-in policies (``dppo``, ``ppo_clip``, ``cispo``,
-    ``reinforce``) and ``mode="sft"``, with a token-level mismatch correction or none, RL
-    normalisation ``token_mean`` or ``token_sum_constant`` and echo normalisation
-    ``token_mean``, ``sum`` or ``batch_token_mean``: the denominators are then given
-    (``normalizers``, constants) or counted from the masks alone, so each row's derivative
-    ``d loss / d logprob`` can be formed from that row as soon as its logprob exists. False for
-    sequence-level policies and normalisers (``gspo``, ``sequence_*``), a sequence-level
-    mismatch correction and custom policies.
+    ``reinforce``) and ``mode="sft"``, with a token-level mismatch correction or none, and any
+    RL and echo normalisation: the denominators are then given (``normalizers``, constants) or
+    counted from the masks and sequence ids alone (a sequence's RL rows and ``Z_i`` too), so
+    each row's derivative ``d loss / d logprob`` can be formed from that row as soon as its
+    logprob exists. False for a sequence-level ratio (``gspo``) or mismatch correction, whose
+    weight of a row depends on the other rows' logprobs, and custom policies.
 
     Examples:
         >>> chunk_additive(LossConfig(), None), chunk_additive(LossConfig(policy="gspo"), None)
@@ -1132,11 +1131,7 @@ def chunk_additive(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:
     """
     if policy_fn is not None or (cfg.mode != "sft" and cfg.policy not in _ROW_SEPARABLE_POLICIES):
         return False
-    if cfg.mismatch is not None and not cfg.mismatch.startswith("token"):
-        return False
-    return cfg.rl_normalization in ("token_mean", "token_sum_constant") and (
-        cfg.echo_normalization in ("token_mean", "sum", "batch_token_mean")
-    )
+    return cfg.mismatch is None or cfg.mismatch.startswith("token")
 
 
 def _rows_of(x: LossInputs, idx: torch.Tensor) -> LossInputs:
@@ -1208,17 +1203,22 @@ def row_coefficients(
     row is its own logprob, detached (on-policy, as ``echoloss.nn`` without old logprobs, whose
     whole loss reads ``old_logprobs = logprobs.detach()``); ``x.old_logprobs`` is then unread.
     """
-    n_echo = x.echo.sum()  # 0-dim, as `row_counts` counts
+    # The whole record's sequences (only where a normaliser is per sequence), counted as the
+    # whole loss counts them (`local_sequences`, `row_counts`).
+    seqs_all = local_sequences(x) if _reads_sequences(cfg, None) else _no_sequences(x)
+    local = row_counts(x, seqs_all)
     counts = _Counts(
-        rl_tokens=x.rl.sum(),
-        echo_tokens=n_echo,
-        echo_batches=(n_echo > 0).long(),
-        rl_sequences=0,
-        echo_sequences=0,
+        rl_tokens=local.rl_tokens,
+        echo_tokens=local.echo_tokens,
+        echo_batches=local.echo_batches,
+        rl_sequences=local.rl_sequences,
+        echo_sequences=local.echo_sequences,
     )
+    n_echo = local.echo_tokens
     discard = DeferredChecks(x.device)
     discard.deferred = True  # never submitted: the whole loss runs (and reports) the checks
     norms = _resolve_normalizers(normalizers, counts, cfg, discard)
+    row_seq_counts = _sequence_counts_of_rows(x, cfg, seqs_all)  # [N] per row, or None
     fn = spec.fn
     assert fn is not None  # chunk_additive: a built-in policy (or sft)
 
@@ -1234,10 +1234,26 @@ def row_coefficients(
         if ent_leaf is not None and cfg.entropy_coef != 0:
             ent_leaf.requires_grad_()
         rl = _rl_per_token(lp_leaf, ent_leaf, sub, seqs, cfg, spec, None, discard)
-        rl_term = _rl_term(rl.per_token, sub.rl, cfg, norms, seqs, rl_constant)
         lp_echo = torch.where(sub.echo, lp_leaf, 0.0)
         w_echo = _on_rows(sub.echo, sub.echo_weights, lp_echo)
-        echo_term = _echo_term(w_echo * -lp_echo, sub, cfg, norms, n_echo, seqs)
+        rl_rows, z_rows = (None, None) if row_seq_counts is None else row_seq_counts
+        if cfg.rl_normalization == "sequence_mean_token_mean":
+            # Σ_i (Σ_t ℓ_t / |RL_i|) / S_RL, as `_rl_term` with each row's |RL_i| gathered:
+            # the same operations per row (a division by its sequence's count, then by S_RL)
+            assert rl_rows is not None
+            count = rl_rows.index_select(0, rows).to(lp_leaf.dtype).clamp(min=1)  # [c]
+            rl_term = (rl.per_token / count).sum() / _at_least_one(norms.rl_sequences)
+        elif cfg.rl_normalization == "sequence_mean_token_sum":
+            rl_term = rl.per_token.sum() / _at_least_one(norms.rl_sequences)
+        else:
+            rl_term = _rl_term(rl.per_token, sub.rl, cfg, norms, seqs, rl_constant)
+        if cfg.echo_normalization == "sequence_mean":  # Σ_i (Σ_t w·nll / (Z_i + ε)) / S_echo
+            assert z_rows is not None
+            z = z_rows.index_select(0, rows)  # [c]
+            denom = (z.to(lp_leaf.dtype) + cfg.echo_z_epsilon).masked_fill(z == 0, 1.0)
+            echo_term = ((w_echo * -lp_echo) / denom).sum() / _at_least_one(norms.echo_sequences)
+        else:
+            echo_term = _echo_term(w_echo * -lp_echo, sub, cfg, norms, n_echo, seqs)
         wrt = [lp_leaf] + ([ent_leaf] if ent_leaf is not None and ent_leaf.requires_grad else [])
         grads = torch.autograd.grad(rl_term + echo_term, wrt, allow_unused=True)
         a = torch.zeros_like(lp) if grads[0] is None else grads[0]
@@ -1245,6 +1261,28 @@ def row_coefficients(
         return a, (torch.zeros_like(lp) if b is None and len(grads) == 2 else b)
 
     return coefficients
+
+
+def _sequence_counts_of_rows(
+    x: LossInputs, cfg: LossConfig, seqs: LocalSequences
+) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """Per row, the per-sequence counts `_rl_term` and `_echo_term` divide by (``[N]`` int32:
+    its sequence's RL rows; its sequence's ``Z_i``), gathered from the same ``[S + 1]``
+    counts; None where no normaliser is per sequence."""
+    per_rl = cfg.rl_normalization == "sequence_mean_token_mean"
+    per_echo = cfg.echo_normalization == "sequence_mean"
+    if not (per_rl or per_echo):
+        return None
+    rl_rows = z_rows = None
+    if per_rl:
+        assert seqs.rl_index is not None  # check_requirements
+        ones = torch.ones_like(seqs.rl_index, dtype=torch.int32)
+        counts = torch.zeros(seqs.size, dtype=torch.int32, device=ones.device)
+        rl_rows = counts.index_add_(0, seqs.rl_index, ones * x.rl).index_select(0, seqs.rl_index)
+    if per_echo:
+        assert seqs.echo_index is not None  # check_requirements
+        z_rows = _observation_counts(x, seqs).index_select(0, seqs.echo_index)  # [N]
+    return rl_rows, z_rows
 
 
 def _reads_sequences(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:

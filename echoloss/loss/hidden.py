@@ -62,12 +62,12 @@ def echo_loss_from_hidden(
     matmul.
 
     When the loss is chunk-additive (`echoloss.loss.core.chunk_additive`: per-token policies
-    and token-level normalisers, whose denominators are known before any logprob) and a
+    with any normaliser, whose denominators are known before any logprob) and a
     gradient is recorded, the gradients are formed in the forward pass, chunk by chunk, while
     each chunk's logits are in memory: one LM-head GEMM per chunk instead of two (backward
     only scales them by the incoming gradient); the ``[V, H]`` weight gradient (fp32 for a
     bf16/fp16 weight) is then held from forward to backward, and the loss supports one
-    backward. Otherwise (sequence-level policies or normalisers, custom policies) backward
+    backward. Otherwise (a sequence-level ratio or mismatch weight, custom policies) backward
     recomputes each chunk's logits. Both give the same gradients (tested).
 
     Args:

@@ -103,6 +103,12 @@ _CALLER_NAMES = (
 )
 
 
+def _batch_rows(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` int64 sequence ids: the batch row of each position."""
+    b, t = mask.shape
+    return torch.arange(b, device=mask.device).unsqueeze(1).expand(b, t)
+
+
 def _record(source: str, **fields: Any) -> LossInputs:
     """``LossInputs(**fields)``, with errors naming the argument the caller passed."""
     try:
@@ -364,7 +370,6 @@ class EchoGRPOLoss(nn.Module):
         source: str = "logits",
     ) -> LossOutput:
         """The loss of one call from its ``[B, T]`` logprobs and entropy and its `_setup`."""
-        b, t = rl.shape
         cfg, norms, rl_constant, adv, obs, echo_w = setup
         if old_per_token_logps is None:
             # On-policy: the ratio's denominator is this pass's logprobs, so a non-finite one
@@ -383,7 +388,7 @@ class EchoGRPOLoss(nn.Module):
                 inference_logprobs=inference_logprobs,
                 old_logprobs=old,
                 ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
-                sequence_ids=torch.arange(b, device=lp.device).unsqueeze(1).expand(b, t),
+                sequence_ids=_batch_rows(rl),
                 observation_mask=obs,
                 env_names=None if env_names is None else tuple(env_names),
             )
@@ -561,14 +566,14 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
     one more column.
 
     Gradients: for a chunk-additive loss (`echoloss.loss.core.chunk_additive`: ``loss_type``
-    ``dapo``, ``bnpo``, ``dr_grpo``, ``luspo`` and token-level ``cispo``, or a ``config=`` with
-    a per-token policy and token-level normalisers) with ``_input`` or ``lin_weight`` requiring
+    ``grpo``, ``dapo``, ``bnpo``, ``dr_grpo``, ``luspo`` and token-level ``cispo``, or a
+    ``config=`` with a per-token policy and no sequence-level mismatch correction) with ``_input`` or ``lin_weight`` requiring
     a gradient, ``d _input`` and ``d lin_weight`` (and ``d bias``) are formed in the forward
     pass while each chunk's logits are in memory, as in
     [`echoloss.echo_loss_from_hidden`][echoloss.loss.echo_loss_from_hidden]: one LM-head GEMM per
     chunk instead of two, the ``[V, H]`` weight gradient held from forward to backward, one
-    backward per loss. ``grpo``, ``sapo`` and sequence-level ratios recompute each chunk's
-    logits in backward. Same loss, metrics and gradients either way
+    backward per loss. ``sapo`` and sequence-level ratios recompute each chunk's logits in
+    backward. Same loss, metrics and gradients either way
     (``tests/nn/test_fused_module_gradients.py``).
 
     Examples:
@@ -724,6 +729,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             old_logprobs=None if old_per_token_logps is None else old_per_token_logps.float(),
             ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
             observation_mask=setup.observation_mask,
+            sequence_ids=_batch_rows(rl),  # as `_loss`'s record: one sequence per batch row
         )
         return row_coefficients(
             x,

@@ -389,7 +389,8 @@ def test_modules_issue_no_host_sync(name, fused, phases_uncounted, monkeypatch):
 
     monkeypatch.setattr(modules, "linear_logprobs_with_gradients", counted)
     lt, level, _ = MODULE_CASES[name]
-    additive = lt in ("bnpo", "dr_grpo", "dapo", "luspo") or (lt == "cispo" and level == "token")
+    additive = lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo") and level == "token"
+    additive = additive or (lt == "cispo" and level == "token")
     batch = _module_batch()
     host, host_leaves = _run_module(fused, _options(name), batch)
     host.loss.backward()

@@ -27,7 +27,7 @@ from echoloss.ops.selective_logprobs import reference
 B, T, H, V = 3, 7, 5, 11
 CHUNK = 4
 
-#: Chunk-additive option sets (token-level policies and token-level or constant normalisers).
+#: Chunk-additive option sets (per-token policies; any normaliser).
 ADDITIVE = {
     "dapo": dict(loss_type="dapo", beta=0.0),
     "dapo-kl-delta": dict(loss_type="dapo", beta=0.04, delta=1.5),
@@ -41,9 +41,22 @@ ADDITIVE = {
         )
     ),
 }
-#: Not chunk-additive: sequence-level ratios or normalisers, custom policies.
-RECOMPUTE = {
+ADDITIVE |= {
+    # per-sequence normalisers: each row's divisor is counted from the masks
     "grpo": dict(loss_type="grpo", beta=0.0),
+    "grpo-kl": dict(loss_type="grpo", beta=0.04),
+    "config-sequence-means": dict(
+        config=LossConfig(
+            kl_tau=0.0,
+            rl_normalization="sequence_mean_token_mean",
+            echo_normalization="sequence_mean",
+            echo_z_epsilon=1e-3,
+            entropy_coef=0.01,
+        )
+    ),
+}
+#: Not chunk-additive: sequence-level ratios, custom policies.
+RECOMPUTE = {
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.0),
     "sapo": dict(loss_type="sapo", beta=0.0),
 }

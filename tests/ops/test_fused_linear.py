@@ -375,6 +375,15 @@ FORWARD_GRADIENT_CONFIGS = {
         echo_normalization="sum",
     ),
     "sft": LossConfig(mode="sft"),
+    "dppo-sequence-means": LossConfig(
+        rl_normalization="sequence_mean_token_mean",
+        echo_normalization="sequence_mean",
+        echo_z_epsilon=1e-3,
+    ),
+    "ppo-sequence-token-sum": LossConfig(
+        policy="ppo_clip", rl_normalization="sequence_mean_token_sum", entropy_coef=0.05
+    ),
+    "sft-sequence-mean": LossConfig(mode="sft", rl_normalization="sequence_mean_token_mean"),
 }
 
 
@@ -423,6 +432,8 @@ def test_gradients_in_forward_equal_the_recompute_path(name, backend, dtype, dev
     norms = None
     if name in ("dppo", "cispo-batch-token-mean", "reinforce-token-mismatch"):
         norms = Normalizers(rl_tokens=40, echo_tokens=30, echo_batches=2)
+    if name == "dppo-sequence-means":
+        norms = Normalizers(rl_sequences=7, echo_sequences=5)
     results = []
     for recompute in (False, True):
         if recompute:
@@ -452,15 +463,16 @@ def test_gradients_in_forward_equal_the_recompute_path(name, backend, dtype, dev
     assert float(gw.abs().max()) > 0
 
 
-@pytest.mark.parametrize("name", ["gspo", "sequence-mean-echo", "custom"])
+@pytest.mark.parametrize("name", ["gspo", "sequence-mismatch", "custom"])
 def test_other_losses_recompute_in_backward(name, monkeypatch):
-    """Sequence-level policies and normalisers, and custom policies, are not chunk-additive:
-    backward recomputes the logits (a second GEMM per chunk with a live row)."""
+    """Sequence-level ratios and mismatch weights (a row's weight depends on its sequence's
+    other logprobs), and custom policies, are not chunk-additive: backward recomputes the
+    logits (a second GEMM per chunk with a live row)."""
     from echoloss import PolicyOutput
 
     cfg = {
         "gspo": LossConfig(policy="gspo", rl_normalization="sequence_mean_token_mean"),
-        "sequence-mean-echo": LossConfig(echo_normalization="sequence_mean"),
+        "sequence-mismatch": LossConfig(mismatch="sequence_mask"),
         "custom": LossConfig(policy="custom", allow_echo_with_custom_policy=True),
     }[name]
 
