@@ -1431,3 +1431,67 @@ def test_per_env_metrics_fused_equal_naive(n, sequences):
     assert float(fused.env_stats[:3, STAT_SLOTS.index("rl_tokens")].sum()) == float(
         (rl & (env >= 0)).sum()
     )
+
+
+# ---------------------------------------------------------------- the sequence program
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.sampled_from([1, 2, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 7]),
+    num_ids=st.sampled_from([1, 2, 5, 300]),
+    negative=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_sequence_program_against_python(n, num_ids, negative, seed):
+    """`_sequence_groups` (the sort and the sequence program) against plain Python over the
+    same rows: every row's sequence counts (RL rows, ``Z_i``) exactly, the two sequence totals
+    exactly, and the four per-sequence sums within fp32 rounding of their terms (a scan in
+    another order: ``(terms + log2 BLOCK)·eps·Σ|terms|``). Ids repeat at random positions (a
+    sequence's rows scattered over the blocks), negative ids only on rows that take no part."""
+    from echoloss.ops.row_algebra import fused
+
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=g)
+    rl, echo = u < 0.4, (u >= 0.4) & (u < 0.7)
+    ids = torch.randint(0, num_ids, (n,), generator=g) * 13 - (5 if negative else 0)
+    ids = torch.where((rl | echo) & (ids < 0), -ids, ids)  # participating rows: ids ≥ 0
+    obs = torch.rand(n, generator=g) < 0.3
+    lp = -torch.rand(n, generator=g) * 3
+    old = lp - torch.randn(n, generator=g) * 0.2
+    lq = lp - torch.randn(n, generator=g) * 0.2
+    adv = torch.randn(n, generator=g)
+    rows = RowInputs(
+        rl=rl, echo=echo, advantages=adv, old_logprobs=old, inference_logprobs=lq,
+        sequence_ids=ids, observation=obs,
+    )  # fmt: skip
+    p = RowAlgebraParams("gspo", low=0.2, high=0.2, adv_tau=0.5, mismatch="token_truncate")
+    dev = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in rows]
+    group, cnt_rl, cnt_z, seqs, sums = fused._sequence_groups(
+        lp.to(DEVICE), RowInputs(*dev), p, base=1
+    )
+    group, cnt_rl, cnt_z, seqs, sums = (t.cpu() for t in (group, cnt_rl, cnt_z, seqs, sums))
+    # Python: per id, its RL rows, Z, echo rows and the four sums in fp64
+    by_id: dict[int, list[int]] = {}
+    for i, sid in enumerate(ids.tolist()):
+        by_id.setdefault(sid, []).append(i)
+    w = torch.exp((old - lq).double()).clamp(max=3.0)
+    for members in by_id.values():
+        idx = torch.tensor(members)
+        m_rl = rl[idx]
+        want = [int(m_rl.sum()), int((echo[idx] | obs[idx]).sum())]
+        for i in members:  # every row of the sequence reads the same slot
+            assert [int(cnt_rl[group[i]]), int(cnt_z[group[i]])] == want, (i, members)
+        a = adv[idx].double() * 0.5
+        terms = [
+            torch.where(m_rl, lp[idx].double() - old[idx].double(), 0.0),
+            torch.where(m_rl & (a > 0), w[idx] * a, 0.0),
+            torch.where(m_rl & (a < 0), w[idx] * a, 0.0),
+            torch.where(m_rl, old[idx].double() - lq[idx].double(), 0.0),
+        ]
+        slot = int(group[members[0]])
+        for k, t in enumerate(terms):
+            tol = (len(members) + 10 + 8) * EPS * float(t.abs().sum())
+            assert abs(float(sums[k, slot]) - float(t.sum())) <= tol, (k, members)
+    assert int(seqs[0]) == sum(bool(rl[torch.tensor(m)].any()) for m in by_id.values())
+    assert int(seqs[1]) == sum(bool(echo[torch.tensor(m)].any()) for m in by_id.values())
