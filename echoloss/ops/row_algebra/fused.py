@@ -6,9 +6,10 @@ every row's loss terms and derivatives and accumulates the sums of the metrics a
 work is ``O(N)`` over a few ``[N]`` vectors (about 30 bytes a row): tens of microseconds for a
 64k-row micro-batch on one streaming multiprocessor, against the milliseconds of host time the
 hundred PyTorch launches it replaces cost. One program also keeps every sum in one fixed order:
-the result does not depend on the grid or on timing (no atomics). With a per-sequence
-normaliser, one sort of the sequence ids and a program before it (`_sequence_groups_kernel`)
-give each row its sequence and each sequence its counts.
+the result does not depend on the grid or on timing (no atomics). When something is per
+sequence (a normaliser, ``gspo``'s ratio, a sequence-level mismatch weight), one sort of the
+sequence ids and a program before it (`_sequence_groups_kernel`) give each row its sequence
+and each sequence its counts and sums.
 
 The derivatives are autograd's in closed form: ``clamp`` passes the gradient on its bounds,
 ``minimum``/``maximum`` of equal branches split it in half (ppo_clip's two branches are equal
