@@ -255,6 +255,9 @@ _FUSED_CONFIGS = {
     "reinforce-token-mask-k3": LossConfig(
         policy="reinforce", mismatch="token_mask", mismatch_min=0.5, kl_coef=0.1
     ),
+    "gspo-sequence-means": LossConfig(
+        policy="gspo", eps_low=0.2, eps_high=0.2, rl_normalization="sequence_mean_token_mean"
+    ),
 }
 
 
