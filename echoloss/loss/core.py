@@ -519,10 +519,19 @@ def _rl_term(
     if mode == "sequence_mean_token_sum":
         return per_tok.sum() / _at_least_one(norms.rl_sequences)  # 0-dim
     # sequence_mean_token_mean: Σ_i (Σ_{t∈RL_i} ℓ_t / |RL_i|) / S_RL
-    counts = per_tok.new_zeros(seqs.size).index_add_(0, seqs.rl_index, rl.to(per_tok.dtype))
+    counts = _rl_rows_per_sequence(rl, seqs, per_tok.dtype)  # [S+1]
     per_seq = per_tok.new_zeros(seqs.size).index_add(0, seqs.rl_index, per_tok)  # [S+1]
     per_seq_mean = (per_seq / counts.clamp(min=1))[:-1]  # [N] the padding slot dropped
     return per_seq_mean.sum() / _at_least_one(norms.rl_sequences)  # 0-dim
+
+
+def _rl_rows_per_sequence(
+    rl: torch.Tensor, seqs: LocalSequences, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[S + 1]`` in ``dtype``: the RL rows of each local sequence (the padding slot last)."""
+    assert seqs.rl_index is not None  # _check_requirements
+    counts = torch.zeros(seqs.size, dtype=dtype, device=rl.device)
+    return counts.index_add_(0, seqs.rl_index, rl.to(dtype))
 
 
 def _observation_counts(x: LossInputs, seqs: LocalSequences) -> torch.Tensor:
@@ -1276,9 +1285,7 @@ def _sequence_counts_of_rows(
     rl_rows = z_rows = None
     if per_rl:
         assert seqs.rl_index is not None  # check_requirements
-        ones = torch.ones_like(seqs.rl_index, dtype=torch.int32)
-        counts = torch.zeros(seqs.size, dtype=torch.int32, device=ones.device)
-        rl_rows = counts.index_add_(0, seqs.rl_index, ones * x.rl).index_select(0, seqs.rl_index)
+        rl_rows = _rl_rows_per_sequence(x.rl, seqs, torch.int32).index_select(0, seqs.rl_index)
     if per_echo:
         assert seqs.echo_index is not None  # check_requirements
         z_rows = _observation_counts(x, seqs).index_select(0, seqs.echo_index)  # [N]

@@ -344,11 +344,27 @@ def test_triton_phases_with_the_fused_algebra(program_calls):
     torch.testing.assert_close(d_f, d_r, rtol=1e-5, atol=1e-5 * float(gb.max()) + 1e-7)
 
 
-def test_normalizers_given(program_calls):
-    """Given normalisers (larger than the call's counts) divide both terms, in both algebras."""
-    cfg = LossConfig(policy="ppo_clip", echo_normalization="batch_token_mean")
+#: Given normalisers larger than the call's counts, and the divisors they give the program.
+GIVEN_NORMALIZERS = {
+    "token": (
+        LossConfig(policy="ppo_clip", echo_normalization="batch_token_mean"),
+        Normalizers(rl_tokens=4000, echo_tokens=3000, echo_batches=3, sequences=60),
+        (4000, 3),
+    ),
+    "sequence": (
+        ACCEPTED["dppo-sequence-means"],
+        Normalizers(rl_tokens=1, echo_tokens=1, rl_sequences=170, echo_sequences=90),
+        (170, 90),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GIVEN_NORMALIZERS))
+def test_normalizers_given(name, program_calls):
+    """Given normalisers divide both terms, in both algebras (token counts, or the sequence
+    counts of the per-sequence means, whose own counts come from the program)."""
+    cfg, norms, divisors = GIVEN_NORMALIZERS[name]
     x = _record(cfg)
-    norms = Normalizers(rl_tokens=4000, echo_tokens=3000, echo_batches=3, sequences=60)
     for device_path in (True, False):
         fused, a_f, _ = _from_logprobs(
             cfg, x, mode="always", device_path=device_path, normalizers=norms
@@ -357,31 +373,10 @@ def test_normalizers_given(program_calls):
             cfg, x, mode="never", device_path=device_path, normalizers=norms
         )
         case = _case(_logprobs_of(x), None, x, cfg, norms)
-        assert case.params.rl_divisor == 4000 and case.params.echo_divisor == 3
-        assert_same_loss(fused, ref, case, "normalizers")
+        assert (case.params.rl_divisor, case.params.echo_divisor) == divisors
+        assert_same_loss(fused, ref, case, name)
         _, g = bounds(case)
-        assert_same_rows(a_f, a_r, 16 * EPS * g, "normalizers")
-    assert program_calls[0] == 2
-
-
-def test_sequence_normalizers_given(program_calls):
-    """Given sequence counts (larger than the call's) divide the per-sequence terms, in both
-    algebras; the call's own counts come from the program (its check numbers)."""
-    cfg = ACCEPTED["dppo-sequence-means"]
-    x = _record(cfg)
-    norms = Normalizers(rl_tokens=1, echo_tokens=1, rl_sequences=170, echo_sequences=90)
-    for device_path in (True, False):
-        fused, a_f, _ = _from_logprobs(
-            cfg, x, mode="always", device_path=device_path, normalizers=norms
-        )
-        ref, a_r, _ = _from_logprobs(
-            cfg, x, mode="never", device_path=device_path, normalizers=norms
-        )
-        case = _case(_logprobs_of(x), None, x, cfg, norms)
-        assert case.params.rl_divisor == 170 and case.params.echo_divisor == 90
-        assert_same_loss(fused, ref, case, "sequence normalizers")
-        _, g = bounds(case)
-        assert_same_rows(a_f, a_r, 16 * EPS * g, "sequence normalizers")
+        assert_same_rows(a_f, a_r, 16 * EPS * g, name)
     assert program_calls[0] == 2
 
 

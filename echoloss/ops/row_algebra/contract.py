@@ -228,9 +228,14 @@ class RowAlgebraParams:
         return (
             self.rl_normalization != "token"
             or self.echo_normalization == "sequence_mean"
-            or self.policy == "gspo"
-            or (self.mismatch or "").startswith("sequence")
+            or self.reads_sequence_sums
         )
+
+    @property
+    def reads_sequence_sums(self) -> bool:
+        """Whether a row's terms need sums over its sequence's rows (``gspo``'s ratio, a
+        sequence-level mismatch weight), not just its sequence's counts."""
+        return self.policy == "gspo" or (self.mismatch or "").startswith("sequence")
 
     @property
     def flag_names(self) -> tuple[str, ...]:

@@ -790,7 +790,7 @@ def _sequence_groups(
     cnt_rl = torch.empty(n, dtype=torch.int32, device=dev)
     cnt_z = torch.empty(n, dtype=torch.int32, device=dev)
     seqs = torch.empty(2, dtype=torch.int32, device=dev)
-    sums_needed = p.policy == "gspo" or (p.mismatch or "").startswith("sequence")
+    sums_needed = p.reads_sequence_sums
     sums = torch.empty((4, n) if sums_needed else (0,), dtype=torch.float32, device=dev)
     obs = rows.observation
     token_mm = p.mismatch if p.mismatch in ("token_truncate", "token_mask") else None

@@ -124,8 +124,10 @@ def _mismatch_weight(
         log_w = base - lq
         if p.mismatch is not None and p.mismatch.startswith("sequence"):
             assert seq is not None
-            sums = torch.zeros(int(seq.max()) + 1 if seq.numel() else 0, dtype=F32)
-            log_w = sums.to(log_w.device).index_add(0, seq, log_w)[seq]
+            sums = torch.zeros(
+                int(seq.max()) + 1 if seq.numel() else 0, dtype=F32, device=seq.device
+            )
+            log_w = sums.index_add(0, seq, log_w)[seq]
         w = torch.exp(_clamp(log_w, p.log_ratio_clamp))
         outside = w > p.mismatch_max
         if p.mismatch_min is not None:
@@ -204,6 +206,7 @@ def forward(
         ent_leaf = ent.detach().to(F32).requires_grad_(train_ent)
     n_rl, n_echo = rl.sum().to(F32), echo.sum().to(F32)
     extra: dict[str, torch.Tensor] = {}
+    seq_counts = _sequence_counts(rows, p) if p.reads_sequences else None
     with torch.enable_grad():
         lp_rl = torch.where(rl, leaf, 0.0)
         flags: list[torch.Tensor] = []
@@ -218,7 +221,6 @@ def forward(
                 base = _on(rl, rows.inference_logprobs)
             else:  # on-policy (with a mismatch correction: the inference logprobs weigh)
                 base = lp_rl.detach()
-            seq_counts = _sequence_counts(rows, p) if p.reads_sequences else None
             seq_rl = None if seq_counts is None else (seq_counts[0], seq_counts[1])
             out, flags = _policy(lp_rl, base, adv, p, seq_rl)
             policy_loss = torch.where(rl, out, 0.0)
@@ -241,7 +243,6 @@ def forward(
             if train_ent:
                 assert ent_leaf is not None
                 per_rl = per_rl - p.entropy_coef * torch.where(rl, ent_leaf, 0.0)
-        seq_counts = _sequence_counts(rows, p) if p.reads_sequences else None
         if seq_counts is not None and p.rl_normalization != "token":
             # as the loss module: per-sequence sums (index_add), then over the sequences
             seq, rl_rows, _, s_rl, _ = seq_counts
