@@ -9,7 +9,7 @@ decides how time and memory are measured:
   order), i.e. the peak of live tensor bytes over those live before the call, independent of
   how the C allocator reuses pages;
 * ``cuda``: CUDA events around each call after a 256 MiB L2 flush (what
-  ``triton.testing.do_bench`` does), providers one after the other; peak memory from the caching
+  ``triton.testing.do_bench`` does), round-robin as on CPU; peak memory from the caching
   allocator (``torch.cuda.max_memory_allocated``), both absolute (inputs included, as Liger
   reports it) and over what was allocated before the call.
 
@@ -215,26 +215,53 @@ def time_cpu(fns: dict[str, Callable[[], Outputs]], repeats: int) -> dict[str, l
 
 def time_cuda(ctx: Context, fn: Callable[[], Outputs], warmup: int, repeats: int) -> list[float]:
     """CUDA-event times (s) of one function, each call after an L2 flush."""
+    return time_cuda_round_robin(ctx, {"fn": fn}, warmup, repeats, on_error=None)["fn"]
+
+
+def time_cuda_round_robin(
+    ctx: Context,
+    fns: dict[str, Callable[[], Outputs]],
+    warmup: int,
+    repeats: int,
+    *,
+    on_error: Callable[[str, Exception], None] | None,
+) -> dict[str, list[float]]:
+    """CUDA-event times (s) of several functions, interleaved: each repeat calls every function
+    once, each call after an L2 flush, so that a drift of the GPU's clocks or of the host
+    during the run falls on all of them alike (timed one after another, the same shape read
+    up to 10 % apart between providers of one run). A function that raises is reported to
+    ``on_error`` and dropped (re-raised when ``on_error`` is None)."""
     flush = (
         torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=ctx.device)
         if ctx.device.type == "cuda"
         else None
     )
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        if flush is not None:
-            flush.zero_()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-        del out
+    live = dict(fns)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+
+    def call(name: str, fn: Callable[[], Outputs], timed: bool) -> None:
+        try:
+            if flush is not None:
+                flush.zero_()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            del out
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(name, e)
+            del live[name], times[name]
+            return
+        if timed:
+            times[name].append(start.elapsed_time(end) * 1e-3)
+
+    for rep in range(warmup + repeats):
+        for name, fn in list(live.items()):
+            call(name, fn, timed=rep >= warmup)
     return times
 
 
@@ -512,13 +539,15 @@ def run_shape(
         if ctx.kind == "cpu":
             times = time_cpu(runnable, repeats)
         else:
-            times = {}
-            for name, fn in list(runnable.items()):
-                try:
-                    times[name] = time_cuda(ctx, fn, warmup, repeats)
-                except Exception as e:
-                    _fail(ctx, mode_rows[name], e)
-                    del runnable[name]
+            times = time_cuda_round_robin(
+                ctx,
+                runnable,
+                warmup,
+                repeats,
+                on_error=lambda name, e, rows=mode_rows: _fail(ctx, rows[name], e),
+            )
+            for name in set(runnable) - set(times):
+                del runnable[name]
         load_after = loadavg()
         for name, ts in times.items():
             row = mode_rows[name]

@@ -56,13 +56,34 @@ def _record(n: int, v: int, device: torch.device) -> Any:
     )
 
 
-def _cuda_kernels(fn: Callable[[], None]) -> int:
+def _cuda_kernels(fn: Callable[[], None]) -> tuple[int, dict[str, int]]:
+    """Kernels one call runs on the GPU, and how many of each (by name, shortened)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    tally: dict[str, int] = {}
+    for name in names:
+        short = name.split("<")[0].split("(")[0][:60]
+        tally[short] = tally.get(short, 0) + 1
+    return len(names), tally
+
+
+def _cuda_median_ms(fn: Callable[[], None], repeats: int = 21) -> float:
+    """Median CUDA-event time of one call (the logits stay in L2 where they fit; the [N]
+    algebra's cost is what differs between the configurations)."""
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def measure(
@@ -89,8 +110,11 @@ def measure(
             with count_ops() as c:
                 step()
             launches: int | None = c.num_launches
+            kernels: dict[str, int] = {}
+            ms = None
             if device.type == "cuda":
-                launches = _cuda_kernels(step)
+                launches, kernels = _cuda_kernels(step)
+                ms = _cuda_median_ms(step)
             elif compiled:
                 launches = None  # the counter saw the eager fallback, not the compiled code
             raise_deferred_errors()
@@ -101,6 +125,8 @@ def measure(
         "compiled": compiled,
         "host_syncs": c.num_syncs,
         "launches": launches,
+        "kernels": kernels,
+        "median_ms": ms,
     }
 
 
@@ -122,12 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_compile:
         rows.insert(1, measure(args.n, args.v, device, True))
     print(f"echo_loss forward+backward, N = {args.n}, V = {args.v}, bf16, {device.type}")
-    print("| config | algebra | host syncs | launches |")
-    print("|---|---|---|---|")
+    print("| config | algebra | host syncs | launches | median ms (CUDA) |")
+    print("|---|---|---|---|---|")
     for r in rows:
         name = "compiled" if r["compiled"] else "eager"
         launches = "not counted on CPU" if r["launches"] is None else r["launches"]
-        print(f"| {r['config']} | {name} | {r['host_syncs']} | {launches} |")
+        ms = "" if r["median_ms"] is None else f"{r['median_ms']:.3f}"
+        print(f"| {r['config']} | {name} | {r['host_syncs']} | {launches} | {ms} |")
+    for r in rows:
+        if r["kernels"]:
+            tally = ", ".join(f"{k} x{c}" for k, c in sorted(r["kernels"].items()))
+            print(f"\n{r['config']} ({'compiled' if r['compiled'] else 'eager'}): {tally}")
     return 0
 
 

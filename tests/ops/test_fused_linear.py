@@ -640,8 +640,9 @@ def test_auto_chunk_size_on_cuda_reads_free_memory_and_balances_the_chunks(monke
     w = _cuda_weight(151_936, 4096)
     auto = op.auto_linear_chunk_size
     assert auto(w) == 8192 and asked == [torch.device("cuda", 1)]
-    assert auto(w, rows=16384) == 8192  # 2 chunks (10 at 4 x 441 rows)
+    assert auto(w, rows=16384) == 16384  # 1 chunk: its logits as large as acc + chunk
     assert auto(w, rows=16385) == 5462  # 3 chunks of 5462, 5462, 5461 rather than 8192, 8192, 1
+    assert auto(w, rows=8193) == 8193  # one chunk, not two of 8192 and 1
     assert auto(w, rows=100) == 100 and auto(w, rows=0) == 1
     assert auto(w, rows=16384, grad_weight=False) == 1639  # 10 chunks of at most 1764
     assert auto(_cuda_weight(151_936, 4096, requires_grad=False), rows=16384) == 1639
@@ -675,3 +676,39 @@ def test_auto_chunk_size_splits_the_rows_into_equal_chunks(monkeypatch):
     assert results[0][0] == results[1][0] == chunks
     for a, b in zip(results[0][1:], results[1][1:], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("forward_gradients", [False, True], ids=["recompute", "in-forward"])
+def test_one_chunk_weight_gradient_is_the_logits_paths(backend, forward_gradients, monkeypatch):
+    """All rows in one chunk: a bf16 weight's gradient is one GEMM in bf16 (fp32 accumulation
+    inside it, rounded once), with no fp32 accumulator: bit for bit the logits path's ``dW``
+    (the same ``dz`` and the same GEMM), on the recompute path and formed in the forward pass.
+    Two chunks sum in an fp32 accumulator instead (its dtype checked)."""
+    batch = _batch([9, 8], seed=3)
+    n = batch["labels"].numel()
+    cfg = POLICIES["dppo"]
+    if not forward_gradients:
+        cfg = LossConfig(policy="gspo")  # a row's weight reads its sequence: recomputed
+    dtypes = []
+    original = op._add_grad_weight
+
+    def spy(acc, dz, h, acc_dtype):
+        dtypes.append(acc_dtype)
+        return original(acc, dz, h, acc_dtype)
+
+    monkeypatch.setattr(op, "_add_grad_weight", spy)
+    h16, w16 = _hidden(n, torch.bfloat16), _weights(torch.bfloat16)
+    grads = {}
+    for chunk in (n, 5):
+        dtypes.clear()
+        wf = w16.clone().requires_grad_()
+        out = _hidden_loss(batch, h16.clone().requires_grad_(), wf, cfg, backend, chunk_size=chunk)
+        out.loss.backward()
+        grads[chunk] = (wf.grad, list(dtypes))
+    wr = w16.clone().requires_grad_()
+    _logits_loss(batch, h16.clone().requires_grad_(), wr, cfg, backend).loss.backward()
+    one, chunked = grads[n], grads[5]
+    assert one[1] == [torch.bfloat16] and set(chunked[1]) == {torch.float32}
+    assert one[0].dtype == torch.bfloat16 and torch.equal(one[0], wr.grad)
+    torch.testing.assert_close(chunked[0].float(), wr.grad.float(), atol=2e-2, rtol=2.0**-6)

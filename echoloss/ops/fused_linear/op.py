@@ -88,6 +88,7 @@ def linear_chunk_size_for_memory(
     *,
     grad_weight: bool,
     free_bytes: int,
+    rows: int | None = None,
 ) -> int:
     """Rows per chunk on a GPU with ``free_bytes`` free, for a ``[V, H]`` LM head of ``dtype``.
 
@@ -107,6 +108,15 @@ def linear_chunk_size_for_memory(
     GEMMs gain little below that; the rule without a weight gradient), and at most what a
     quarter of ``free_bytes`` holds (at least one row).
 
+    Given the number of participating ``rows``, all of them form **one chunk** when their
+    logits are no larger than that working set (one chunk of logits beside the accumulator,
+    ``rows ≤ 2·H·acc_bytes/elt_bytes``: 16,384 rows at ``H = 4096`` in bf16) and fit the
+    quarter of ``free_bytes``: one chunk needs no accumulator (its ``dzᵀ @ h`` is one GEMM in
+    the weight's dtype with fp32 accumulation, rounded once, as logits-then-loss computes it),
+    and its three GEMMs are as large as logits-then-loss's. Measured on an H100 at
+    ``N = 16,384``, ``V = 151,936``, ``H = 4096`` (bf16): the logits, ``dX`` and ``dW`` GEMMs
+    in two chunks of 8,192 rows took 4.9 ms more than in one (``benchmarks/results/``).
+
     Examples:
         >>> gib = 2**30
         >>> linear_chunk_size_for_memory(151_936, 4096, torch.bfloat16, grad_weight=True,
@@ -118,14 +128,22 @@ def linear_chunk_size_for_memory(
         >>> linear_chunk_size_for_memory(151_936, 4096, torch.bfloat16, grad_weight=True,
         ...                              free_bytes=4 * gib)
         3533
+        >>> linear_chunk_size_for_memory(151_936, 4096, torch.bfloat16, grad_weight=True,
+        ...                              free_bytes=60 * gib, rows=16_384)  # one chunk
+        16384
+        >>> linear_chunk_size_for_memory(151_936, 4096, torch.bfloat16, grad_weight=True,
+        ...                              free_bytes=60 * gib, rows=16_385)
+        8192
     """
     elt = torch.empty((), dtype=dtype).element_size()
-    rows = 4 * default_linear_chunk_size(num_classes)
+    cap = 4 * default_linear_chunk_size(num_classes)
+    fit = free_bytes // 4 // max(1, num_classes * elt)
     if grad_weight:
         acc = torch.empty((), dtype=reference.compute_dtype(dtype)).element_size()
-        rows = max(rows, -(-hidden_size * acc // elt))
-    fit = free_bytes // 4 // max(1, num_classes * elt)
-    return int(max(1, min(rows, fit)))
+        if rows is not None and 0 < rows <= min(fit, 2 * hidden_size * acc // elt):
+            return int(rows)
+        cap = max(cap, -(-hidden_size * acc // elt))
+    return int(max(1, min(cap, fit)))
 
 
 def auto_linear_chunk_size(
@@ -158,7 +176,7 @@ def auto_linear_chunk_size(
             grad_weight = weight.requires_grad and torch.is_grad_enabled()
         free, _ = torch.cuda.mem_get_info(weight.device)
         cap = linear_chunk_size_for_memory(
-            v, weight.shape[1], weight.dtype, grad_weight=grad_weight, free_bytes=free
+            v, weight.shape[1], weight.dtype, grad_weight=grad_weight, free_bytes=free, rows=rows
         )
     if rows is None or rows <= cap:
         return cap if rows is None else max(1, rows)
@@ -201,6 +219,14 @@ def _add_grad_weight(
     else:
         _sliced_grad_weight(acc, dz, h, first=False)
     return acc
+
+
+def _grad_weight_dtype(weight: torch.Tensor, rows: int, chunk_size: int) -> torch.dtype:
+    """The dtype ``d weight`` is summed in: over several chunks, the compute dtype (an fp32
+    accumulator for a bf16/fp16 weight); in one chunk, the weight's own dtype (one GEMM with
+    fp32 accumulation inside it, rounded once: logits-then-loss's ``dW``, without a ``[V, H]``
+    fp32 buffer or a pass to round it)."""
+    return weight.dtype if rows <= chunk_size else reference.compute_dtype(weight.dtype)
 
 
 def _sliced_grad_weight(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, first: bool) -> None:
@@ -314,10 +340,10 @@ class _LinearLogprobsFn(torch.autograd.Function):
 
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w: torch.Tensor | None = None
-        acc_dtype = reference.compute_dtype(weight.dtype)
         v = weight.shape[0]
         inner = reference.default_chunk_size(v)
         n = int(rows.numel())
+        acc_dtype = _grad_weight_dtype(weight, n, ctx.chunk_size)
         for start in range(0, n, ctx.chunk_size):
             stop = min(n, start + ctx.chunk_size)
             c = stop - start
@@ -385,7 +411,7 @@ def _chunk_gradients(
     ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
     grad_h = torch.zeros_like(hidden) if need[0] else None
     grad_w: torch.Tensor | None = None
-    acc_dtype = reference.compute_dtype(weight.dtype)
+    acc_dtype = _grad_weight_dtype(weight, n, chunk_size)
     inner = reference.default_chunk_size(v)
     for start in range(0, n, chunk_size):
         stop = min(n, start + chunk_size)
@@ -453,11 +479,15 @@ def linear_logprobs_with_gradients(
     the chunk's logits while they are still in memory, so the backward pass recomputes nothing.
     The logprobs and entropy are returned detached; `attach_gradients` connects the loss to
     ``hidden`` and ``weight`` with the gradients formed here. ``d weight`` is returned as its
-    accumulator, in fp32 for a bf16/fp16 weight, and held until backward (one ``[V, H]`` fp32
-    buffer more between forward and backward than the recompute path, no larger than the
-    forward's own peak of accumulator plus chunk logits): `attach_gradients` scales it and
-    rounds it to the weight's dtype in one pass, so that the ``[V, H]`` gradient is read once
-    after the chunks, not cast in forward and scaled again in backward.
+    accumulator, in fp32 for a bf16/fp16 weight over several chunks, and held until backward
+    (one ``[V, H]`` fp32 buffer more between forward and backward than the recompute path, no
+    larger than the forward's own peak of accumulator plus chunk logits): `attach_gradients`
+    scales it and rounds it to the weight's dtype in one pass, so that the ``[V, H]`` gradient
+    is read once after the chunks, not cast in forward and scaled again in backward. In one
+    chunk it is formed in the weight's dtype (one GEMM, rounded once, as ``d hidden`` is):
+    for ``loss.backward()`` exactly logits-then-loss's ``dW``; an incoming gradient other than
+    1 then rounds it a second time, as it does ``d hidden`` (at most one more unit in the last
+    place of the weight's dtype).
     """
     flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
     impl = resolve_backend(backend, hidden.device)
