@@ -9,7 +9,7 @@ decides how time and memory are measured:
   order), i.e. the peak of live tensor bytes over those live before the call, independent of
   how the C allocator reuses pages;
 * ``cuda``: CUDA events around each call after a 256 MiB L2 flush (what
-  ``triton.testing.do_bench`` does), round-robin as on CPU; peak memory from the caching
+  ``triton.testing.do_bench`` does), providers in mirrored blocks (A B C C B A); peak memory from the caching
   allocator (``torch.cuda.max_memory_allocated``), both absolute (inputs included, as Liger
   reports it) and over what was allocated before the call.
 
@@ -215,10 +215,10 @@ def time_cpu(fns: dict[str, Callable[[], Outputs]], repeats: int) -> dict[str, l
 
 def time_cuda(ctx: Context, fn: Callable[[], Outputs], warmup: int, repeats: int) -> list[float]:
     """CUDA-event times (s) of one function, each call after an L2 flush."""
-    return time_cuda_round_robin(ctx, {"fn": fn}, warmup, repeats, on_error=None)["fn"]
+    return time_cuda_mirrored(ctx, {"fn": fn}, warmup, repeats, on_error=None)["fn"]
 
 
-def time_cuda_round_robin(
+def time_cuda_mirrored(
     ctx: Context,
     fns: dict[str, Callable[[], Outputs]],
     warmup: int,
@@ -226,42 +226,51 @@ def time_cuda_round_robin(
     *,
     on_error: Callable[[str, Exception], None] | None,
 ) -> dict[str, list[float]]:
-    """CUDA-event times (s) of several functions, interleaved: each repeat calls every function
-    once, each call after an L2 flush, so that a drift of the GPU's clocks or of the host
-    during the run falls on all of them alike (timed one after another, the same shape read
-    up to 10 % apart between providers of one run). A function that raises is reported to
-    ``on_error`` and dropped (re-raised when ``on_error`` is None)."""
+    """CUDA-event times (s) of several functions in mirrored blocks: the functions in order,
+    then in reverse order (A B C C B A), each block ``warmup`` untimed calls then half of the
+    ``repeats`` timed ones, each call after an L2 flush. Within a block a function runs back
+    to back (its allocator and cache state its own, as a trainer calls it); mirroring puts
+    every function at the same mean position in the run, so that a linear drift of the GPU's
+    clocks during the run falls on all of them alike (timed in one block each, one after the
+    other, two runs of the same check read TRL's path faster at one shape and ours at the
+    other). Interleaving single calls instead (A B C A B C) measured every provider up to
+    1 ms slower on an H100, each call then following another provider's ``[N, V]`` work. A
+    function that raises is reported to ``on_error`` and dropped (re-raised when ``on_error``
+    is None)."""
     flush = (
         torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=ctx.device)
         if ctx.device.type == "cuda"
         else None
     )
-    live = dict(fns)
     times: dict[str, list[float]] = {name: [] for name in fns}
-
-    def call(name: str, fn: Callable[[], Outputs], timed: bool) -> None:
-        try:
-            if flush is not None:
-                flush.zero_()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            torch.cuda.synchronize()
-            del out
-        except Exception as e:
-            if on_error is None:
-                raise
-            on_error(name, e)
-            del live[name], times[name]
-            return
-        if timed:
-            times[name].append(start.elapsed_time(end) * 1e-3)
-
-    for rep in range(warmup + repeats):
-        for name, fn in list(live.items()):
-            call(name, fn, timed=rep >= warmup)
+    failed: set[str] = set()
+    first = (repeats + 1) // 2
+    order = list(fns)
+    for names, count in ((order, first), (order[::-1], repeats - first)):
+        for name in names:
+            if name in failed or count == 0:
+                continue
+            try:
+                for _ in range(warmup):
+                    fns[name]()
+                torch.cuda.synchronize()
+                for _ in range(count):
+                    if flush is not None:
+                        flush.zero_()
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    out = fns[name]()
+                    end.record()
+                    torch.cuda.synchronize()
+                    del out
+                    times[name].append(start.elapsed_time(end) * 1e-3)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(name, e)
+                failed.add(name)
+                del times[name]
     return times
 
 
@@ -539,7 +548,7 @@ def run_shape(
         if ctx.kind == "cpu":
             times = time_cpu(runnable, repeats)
         else:
-            times = time_cuda_round_robin(
+            times = time_cuda_mirrored(
                 ctx,
                 runnable,
                 warmup,

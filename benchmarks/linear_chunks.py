@@ -5,8 +5,10 @@
 Forward+backward of the benchmark's loss (``benchmarks/workload.py``, bf16) from ``hidden``
 and the LM-head ``weight``: once with the ``[N, V]`` logits materialised (``echo_loss(hidden @
 weight.T)``), then through ``echo_loss_from_hidden`` with the automatic chunk size and a few
-fixed ones. Median of 7 CUDA-event times after 2 warm-ups, and the peak memory above what was
-allocated before the calls. GPU only; prints Markdown, ``--output`` writes JSON.
+fixed ones. Median of ``--repeats`` CUDA-event times, the cases in mirrored blocks (A B C C B A,
+2 warm-ups per block, `benchmarks.harness.time_cuda_mirrored`: a drift of the clocks during the
+run falls on all cases alike), and the peak memory of one more call above what was allocated
+before it. GPU only; prints Markdown, ``--output`` writes JSON.
 """
 
 from __future__ import annotations
@@ -21,23 +23,15 @@ from typing import Any
 import torch
 
 
-def _measure(fn: Callable[[], Any]) -> tuple[float, float]:
-    for _ in range(2):
-        fn()
+def _peak_extra_gib(fn: Callable[[], Any]) -> float:
+    """Peak memory of one call above what was allocated before it (GiB)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(7):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-        del out
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,11 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--v", type=int, default=151936)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--chunks", default="1764,4096,8192")
+    p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.linear_chunks needs a CUDA device; nothing measured")
         return 2
+    from benchmarks.harness import time_cuda_mirrored
+    from benchmarks.providers import Context
     from benchmarks.workload import loss_config, make_workload
     from echoloss import echo_loss_from_hidden
     from echoloss.loss import echo_loss
@@ -78,19 +75,30 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    auto = auto_linear_chunk_size(weight.detach().requires_grad_(), rows=args.n)
+    participating = int((x.rl | x.echo).sum())  # the rows the fused op multiplies
+    auto = auto_linear_chunk_size(weight.detach().requires_grad_(), rows=participating)
     cases: list[tuple[str, int | None, Callable[[], Any]]] = [
         ("logits-then-loss", None, unfused),
         (f"fused-linear, automatic ({auto} rows)", auto, fused(None)),
     ]
     cases += [(f"fused-linear, {c} rows", c, fused(c)) for c in map(int, args.chunks.split(","))]
+    ctx = Context(kind="cuda", device=dev)
+    times = time_cuda_mirrored(
+        ctx, {name: fn for name, _, fn in cases}, 2, args.repeats, on_error=None
+    )
     rows = []
     for name, chunk, fn in cases:
-        ms, gib = _measure(fn)
-        rows.append({"case": name, "chunk": chunk, "median_ms": ms, "peak_extra_gib": gib})
+        rows.append({
+            "case": name,
+            "chunk": chunk,
+            "median_ms": statistics.median(times[name]) * 1e3,
+            "samples_ms": [round(t * 1e3, 3) for t in times[name]],
+            "peak_extra_gib": _peak_extra_gib(fn),
+        })  # fmt: skip
     print(
-        f"forward+backward, N = {args.n}, V = {args.v}, H = {args.hidden}, bf16, "
-        f"{torch.cuda.get_device_name()}"
+        f"forward+backward, N = {args.n} ({participating} participating rows), V = {args.v}, "
+        f"H = {args.hidden}, bf16, {torch.cuda.get_device_name()}, median of {args.repeats} "
+        "(mirrored blocks)"
     )
     print("| case | median ms | peak extra GiB |")
     print("|---|---|---|")

@@ -317,7 +317,7 @@ def test_launch_count_runs_on_cpu(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
-@pytest.mark.parametrize("module", ["profile_step", "linear_chunks"])
+@pytest.mark.parametrize("module", ["profile_step", "linear_chunks", "gemm_chunks"])
 def test_gpu_only_tools_say_so_on_cpu(module, capsys):
     """The GPU-only measurements refuse to run without CUDA, with a message and exit code 2."""
     import importlib
@@ -325,3 +325,46 @@ def test_gpu_only_tools_say_so_on_cpu(module, capsys):
     tool = importlib.import_module(f"benchmarks.{module}")
     assert tool.main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().out
+
+
+def test_cuda_timing_runs_mirrored_blocks(monkeypatch):
+    """GPU timing order without a GPU (CUDA events faked): each provider warms up, then runs
+    half of the repeats in a block, first in order and then in reverse (A B C C B A), so that
+    each sits at the same mean position; a provider that raises is reported and dropped."""
+    calls: list[str] = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            calls.append("event")
+
+        def elapsed_time(self, other):
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    ctx = harness.Context(kind="cpu", device=torch.device("cpu"))
+    broken = {"left": 3}
+
+    def fn(name):
+        def run():
+            calls.append(name)
+            if name == "c":
+                broken["left"] -= 1
+                if broken["left"] == 0:
+                    raise RuntimeError("boom")
+
+        return run
+
+    errors = []
+    times = harness.time_cuda_mirrored(
+        ctx, {k: fn(k) for k in "abc"}, warmup=1, repeats=5,
+        on_error=lambda name, e: errors.append((name, str(e))),
+    )  # fmt: skip
+    order = [c for c in calls if c != "event"]
+    # a: 1 warm-up + 3 timed, b: 4, c fails on its third call; then b, a: 1 + 2 each.
+    assert order == ["a"] * 4 + ["b"] * 4 + ["c"] * 3 + ["b"] * 3 + ["a"] * 3
+    assert errors == [("c", "boom")] and set(times) == {"a", "b"}
+    assert times["a"] == [0.002] * 5 and times["b"] == [0.002] * 5
