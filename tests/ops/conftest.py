@@ -33,6 +33,9 @@ if HAS_TRITON and not HAS_CUDA:
             _fused = importlib.import_module(_name)
             if not _fused.interpreter_active():  # imported earlier without the interpreter
                 importlib.reload(_fused)
+        _scale = importlib.import_module("echoloss.ops.fused_linear.fused")
+        if not _scale.interpreter_active():
+            importlib.reload(_scale)
     finally:
         if _prev is None:
             del os.environ["TRITON_INTERPRET"]

@@ -356,3 +356,19 @@ def test_fused_row_algebra_defers_the_same_error_on_cuda():
     finally:
         fuse_loss_algebra("auto")
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_fused_linear_scale_kernel_matches_pytorch_on_gpu(grad_dtype):
+    """The Triton product of a gradient formed in forward and the incoming gradient: the bits
+    of PyTorch's mixed-dtype product on the GPU (normal-range products, several programs)."""
+    from echoloss.ops.fused_linear import fused, op
+
+    g = torch.Generator(device=CUDA).manual_seed(4)
+    grad = (torch.randn(1000, 97, generator=g, device=CUDA) * 1e3).to(grad_dtype)
+    for scale in (1.0, 1.0 / 3.0, -5.5e-3):
+        s = torch.tensor([scale], device=CUDA)
+        got = fused.scaled(grad, s, torch.bfloat16)
+        want = torch.mul(grad, s, out=torch.empty(grad.shape, dtype=torch.bfloat16, device=CUDA))
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert torch.equal(op._scaled(grad, s, torch.bfloat16), got)

@@ -712,3 +712,49 @@ def test_one_chunk_weight_gradient_is_the_logits_paths(backend, forward_gradient
     assert one[1] == [torch.bfloat16] and set(chunked[1]) == {torch.float32}
     assert one[0].dtype == torch.bfloat16 and torch.equal(one[0], wr.grad)
     torch.testing.assert_close(chunked[0].float(), wr.grad.float(), atol=2e-2, rtol=2.0**-6)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize(
+    ("grad_dtype", "out_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+     (torch.float16, torch.float16), (torch.float32, torch.float32)],
+)  # fmt: skip
+def test_scaled_kernel_is_the_pytorch_product_bit_for_bit(grad_dtype, out_dtype, monkeypatch):
+    """The Triton product of a gradient formed in forward and the incoming gradient (run under
+    the interpreter, 3 programs of a lowered block with a ragged last one) gives the bits of
+    the PyTorch product it replaces on CUDA (fp32 multiply, one round to nearest even), for
+    scales that are not representable in bf16 and extreme gradient values (products below the
+    normal range are left out: the interpreter flushes them to zero)."""
+    from echoloss.ops.fused_linear import fused
+
+    monkeypatch.setattr(fused, "BLOCK", 64)
+    g = torch.Generator().manual_seed(11)
+    grad = torch.randn(3, 61, generator=g) * 10.0 ** torch.randint(-25, 30, (3, 61), generator=g)
+    grad[0, :4] = torch.tensor([0.0, -0.0, 3.0e38, -1.0e-30])  # zeros, overflow to inf
+    grad = grad.to(grad_dtype)
+    for scale in (1.0, 1.0 / 3.0, -7.123456789, 2.0**-20):
+        s = torch.tensor([scale], dtype=torch.float32)
+        got = fused.scaled(grad, s, out_dtype)
+        want = torch.mul(grad, s, out=torch.empty(grad.shape, dtype=out_dtype))
+        assert got.dtype == out_dtype and got.shape == grad.shape
+        assert torch.equal(got.view(torch.int16 if out_dtype != torch.float32 else torch.int32),
+                           want.view(torch.int16 if out_dtype != torch.float32 else torch.int32))  # fmt: skip
+    assert fused.scaled(grad[:0], s, out_dtype).shape == (0, 61)
+
+
+def test_scaled_uses_the_kernel_only_where_it_applies():
+    """``_scaled`` takes the Triton product for contiguous CUDA gradients of at most 32 bits
+    (decided without a GPU from the tensor's description), PyTorch elsewhere."""
+    import types as _types
+
+    def desc(device, dtype, contiguous=True):
+        return _types.SimpleNamespace(device=torch.device(device), dtype=dtype,
+                                      is_contiguous=lambda: contiguous)  # fmt: skip
+
+    applies = op._fused_scale_applies
+    assert applies(desc("cuda", torch.bfloat16), torch.bfloat16) == HAS_TRITON
+    assert applies(desc("cuda", torch.float32), torch.bfloat16) == HAS_TRITON
+    assert not applies(desc("cuda", torch.float64), torch.float64)
+    assert not applies(desc("cuda", torch.bfloat16, contiguous=False), torch.bfloat16)
+    assert not applies(desc("cpu", torch.bfloat16), torch.bfloat16)

@@ -17,6 +17,8 @@ autograd, scaled by the incoming gradient.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -530,9 +532,33 @@ def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     ``scale`` is passed as a ``[1]`` tensor so that it is not rounded to a bf16 ``grad``'s
     dtype first (a 0-dim tensor would be), and the output is written in ``dtype`` directly
     (no ``[V, H]`` temporary in the compute dtype)."""
+    if _fused_scale_applies(grad, dtype):
+        from echoloss.ops.fused_linear import fused
+
+        return fused.scaled(grad, scale, dtype)
     s = scale.to(torch.promote_types(grad.dtype, torch.float32)).reshape(1)
     out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
     return torch.mul(grad, s, out=out)
+
+
+_FLOATS_32 = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _fused_scale_applies(grad: torch.Tensor, dtype: torch.dtype) -> bool:
+    """The Triton product (`fused.scaled`, the same bits) for a contiguous CUDA gradient of
+    at most 32 bits: PyTorch's mixed-dtype product takes several times the bandwidth time."""
+    return (
+        grad.device.type == "cuda"
+        and grad.dtype in _FLOATS_32
+        and dtype in _FLOATS_32
+        and grad.is_contiguous()
+        and _triton_installed()
+    )
 
 
 class _AttachGradientsFn(torch.autograd.Function):
