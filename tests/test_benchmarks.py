@@ -317,7 +317,9 @@ def test_launch_count_runs_on_cpu(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
-@pytest.mark.parametrize("module", ["profile_step", "linear_chunks", "gemm_chunks"])
+@pytest.mark.parametrize(
+    "module", ["profile_step", "linear_chunks", "gemm_chunks", "linear_profile"]
+)
 def test_gpu_only_tools_say_so_on_cpu(module, capsys):
     """The GPU-only measurements refuse to run without CUDA, with a message and exit code 2."""
     import importlib
