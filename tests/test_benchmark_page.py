@@ -162,3 +162,154 @@ def test_start_profile_numbers_on_kernels_page():
     for n, v, median, kernel in found:
         assert f"{float(median):.2f} ms for {float(kernel):.2f} ms" in k, (n, v)
     assert len(found) == 2
+
+
+# -- the fused-linear op in one chunk (2026-11-27, mirrored timing) ------------------------------
+
+PLAIN = RESULTS / f"cuda-check_{GPU}_20261127T170700Z.jsonl"
+MIRRORED = [RESULTS / f"cuda-check_{GPU}_20261127T{t}.jsonl" for t in ("172236Z", "172843Z")]
+LAST_CHUNKS = RESULTS / f"cuda-linear-chunks_{GPU}_20261127T172843Z.json"
+LINEAR_PROFILE = RESULTS / f"cuda-linear-profile_{GPU}_20261127T172500Z.md"
+GEMMS = RESULTS / f"cuda-gemm-chunks_{GPU}_20261127T170700Z.md"
+SEQUENCE_LAUNCHES = RESULTS / f"cuda-launch-count_{GPU}_20261127T171750Z.md"
+SHAPES = [(4096, 32000), (16384, 128256), (16384, 151936), (16384, 262144), (65536, 151936)]
+
+
+def _text(page=PAGE):
+    return " ".join(page.split())
+
+
+def _pct(rows, n, v, provider):
+    return _median(rows, "loss", n, v, provider)[1]["pct_of_peak_bandwidth"]
+
+
+def test_mirrored_checks_table_and_criteria():
+    a, b = (load([str(p)]) for p in MIRRORED)
+    assert {r["env"]["git_sha"][:7] for r in a} == {"f699940"}
+    assert {r["env"]["git_sha"][:7] for r in b} == {"59018bc"}
+    lines = [
+        "| N | V | triton at f699940 | trl | liger | % floor | triton at 59018bc | trl | liger "
+        "| % floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, v in SHAPES:
+        cells = []
+        for rows in (a, b):
+            cells += [_fmt(_median(rows, "loss", n, v, p)[0]) for p in ("triton", "trl", "liger")]
+            cells.append(f"{_pct(rows, n, v, 'triton'):.0f}")
+        lines.append(f"| {n} | {v} | " + " | ".join(cells) + " |")
+    assert _block("check-mirrored") == "\n".join(lines)
+    assert _block("check-table-end") == check_table(b)
+    text = _text()
+    for rows, span in ((a, "81–87 %"), (b, "78–87 %")):
+        for n, v in SHAPES:  # fastest at every shape, both runs
+            ours = _median(rows, "loss", n, v, "triton")[0]
+            assert all(
+                (t := _median(rows, "loss", n, v, p)[0]) is None or ours < t
+                for p in ("trl", "liger")
+            ), (n, v)
+        big = [round(_pct(rows, n, v, "triton")) for n, v in SHAPES if n >= 16384]
+        assert f"{min(big)}–{max(big)} %" == span and span in text
+    trl = [round(_pct(rows, 16384, 128256, "trl")) for rows in (a, b)]
+    assert f"TRL's share went from {trl[0]} to {trl[1]} % at V = 128,256" in text
+
+
+def test_plain_timing_run_as_the_page_states_it():
+    rows = load([str(PLAIN)])
+    assert {r["env"]["git_sha"][:7] for r in rows} == {"803eade"}
+    t = {(n, v, p): _median(rows, "loss", n, v, p)[0] for n, v in SHAPES for p in ("triton", "trl")}
+    text = _text()
+    assert "(2.04 against 2.19 ms)" in text and t[(4096, 32000, "trl")] == pytest.approx(
+        2.04, abs=5e-3
+    )
+    assert t[(4096, 32000, "triton")] == pytest.approx(2.19, abs=5e-3)
+    assert "(5.02 against 5.21 ms)" in text
+    assert (
+        round(t[(16384, 128256, "trl")], 2) == 5.02
+        and round(t[(16384, 128256, "triton")], 2) == 5.21
+    )
+    for n, v in SHAPES[2:]:
+        assert t[(n, v, "triton")] < t[(n, v, "trl")], (n, v)
+
+
+def test_one_chunk_fused_linear_numbers():
+    cases = {r["case"].split(" (")[0]: r for r in json.loads(LAST_CHUNKS.read_text())}
+    unfused, auto = cases["logits-then-loss"], cases["fused-linear, automatic"]
+    assert auto["chunk"] == 14759  # one chunk of every participating row
+    text, kernels = _text(), _text(KERNELS)
+    pair = f"{auto['median_ms']:.2f} against {unfused['median_ms']:.2f} ms"
+    assert pair in text and pair in kernels
+    mem = f"{auto['peak_extra_gib']:.2f} against {unfused['peak_extra_gib']:.2f} GiB"
+    assert mem in text and mem in kernels
+    slower = round(100 * (auto["median_ms"] / unfused["median_ms"] - 1))
+    assert f"({slower} % slower)" in kernels
+    b = load([str(MIRRORED[1])])
+    lin = _median(b, "linear", 16384, 151936, "linear-echoloss")[0]
+    fused = _median(b, "linear", 16384, 151936, "fused-linear")[0]
+    assert f"in the last check {fused:.2f} against {lin:.2f} ms" in text
+    assert fused > lin and auto["median_ms"] > unfused["median_ms"]  # the criterion is not met
+
+
+def test_linear_profile_and_gemm_numbers():
+    prof = LINEAR_PROFILE.read_text()
+    sections = prof.split("== ")[1:]
+    gemm_ms = {}
+    for sec in sections:
+        name = sec.split(":")[0]
+        gemm_ms[name] = sum(
+            float(ms)
+            for ms, kname in re.findall(r"([\d.]+) ms x\d+\s+(\S+)", sec)
+            if "nvjet" in kname
+        )
+    scale = sum(
+        float(ms)
+        for ms in re.findall(r"([\d.]+) ms x2\s+void at::native::elementwise_kernel<128, 4", prof)
+    )
+    alone = sum(
+        float(ms)
+        for label, ms in re.findall(
+            r"\| (logits h @ W.T|dX = dz @ W|dW = dz.T @ h), 14759 rows[^|]*\| ([\d.]+) \|", prof
+        )
+    )
+    text, kernels = _text(), _text(KERNELS)
+    for what in (
+        f"three GEMMs took {gemm_ms['fused-linear']:.2f} ms against "
+        f"{gemm_ms['logits-then-loss']:.2f} ms for the logits path's on all rows, and "
+        f"{alone:.2f} ms for the same shapes alone",
+    ):
+        assert what in text and what in kernels
+    assert f"took {scale:.2f} ms" in text and f"took {scale:.2f} ms" in kernels
+    g = {
+        k.strip(): float(v)
+        for k, v in re.findall(r"\| ([^|]+) \| ([\d.]+) ms \|", GEMMS.read_text())
+    }
+    one = g["logits mm 16384 rows"] + g["dX mm 16384"] + g["dW one mm bf16 out"]
+    two = g["logits mm 8192 rows x2"] + g["dX mm 8192 x2"] + g["dW 2 chunks fp32 acc + cast"]
+    assert f"took {two - one:.1f} ms more in two chunks of 8,192 rows than in one" in text
+    assert f"took {two - one:.1f} ms more in two chunks of 8,192 rows than in one" in kernels
+    acc = g["dW 2 chunks fp32 acc + cast"] - g["dW one mm bf16 out"]
+    assert f"accumulator's extra traffic cost {acc:.1f} ms" in text
+    for a, b in ((g["logits mm 8192 rows x2"], g["logits mm 16384 rows"]),
+                 (g["dX mm 8192 x2"], g["dX mm 16384"])):  # fmt: skip
+        assert f"{a:.2f} against {b:.2f}" in kernels
+
+
+def test_sequence_launch_numbers():
+    rows = re.findall(
+        r"\| ([\w-]+) \| eager \| (\d+) \| (\d+) \| ([\d.]+) \|", SEQUENCE_LAUNCHES.read_text()
+    )
+    got = {name: (int(s), int(k), float(ms)) for name, s, k, ms in rows}
+    text = _text()
+    d, s, g = got["dppo"], got["dppo-sequence-means"], got["gspo-sequence-means"]
+    assert {d[0], s[0], g[0]} == {0}
+    assert f"the default {d[1]} kernels and {d[2]:.2f} ms" in text
+    assert f"normalisers {s[1]} kernels and {s[2]:.2f} ms" in text
+    assert f"`gspo` with them {g[1]} and {g[2]:.2f} ms" in text
+    assert f"The {s[1] - d[1]} more kernels" in text and f"about {s[2] - d[2]:.1f} ms" in text
+
+
+@pytest.mark.parametrize(
+    "path", [PLAIN, *MIRRORED, LAST_CHUNKS, LINEAR_PROFILE, GEMMS, SEQUENCE_LAUNCHES]
+)
+def test_session_result_files_are_committed(path):
+    assert path.exists(), path

@@ -79,8 +79,8 @@ def echo_loss_from_hidden(
         **fields: the keyword form, as in [`echoloss.echo_loss`][echoloss.loss.echo_loss]: fields
             of `echoloss.LossInputs` by name, every per-token tensor ``[N]``.
         chunk_size: participating rows per chunk; None = about ``2^26`` logits elements (on
-            CUDA as large as the fp32 weight-gradient accumulator, ``2·H`` rows for bf16,
-            within a quarter of the free memory:
+            CUDA as large as the fp32 weight-gradient accumulator, ``2·H`` rows for bf16, and
+            all rows in one chunk up to ``4·H`` of them, within a quarter of the free memory:
             `echoloss.ops.fused_linear.op.auto_linear_chunk_size`).
         backend: ``"auto"`` (Triton on CUDA, the PyTorch reference elsewhere), ``"reference"``
             or ``"triton"``: the selective-logprob phases run on each chunk's logits.

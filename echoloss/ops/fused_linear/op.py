@@ -100,8 +100,8 @@ def linear_chunk_size_for_memory(
     against the chunk's ``6·c·V·H`` GEMM flops (logits, ``dX``, ``dW``), a ratio of
     ``4 / (3·c)`` bytes per flop, whatever ``V`` and ``H``. The chunk's logits ``[c, V]`` may
     therefore be as large as that accumulator: ``c = H · acc_bytes / elt_bytes`` rows (``2·H``
-    for bf16/fp16, ``H`` for fp32: 8,192 rows at ``H = 4096`` in bf16, 2 chunks for 16k rows
-    instead of 10 at the former 1,764), so the peak extra memory stays about twice the
+    for bf16/fp16, ``H`` for fp32: 8,192 rows at ``H = 4096`` in bf16, 3 chunks for 20k rows
+    instead of 12 at the former 1,764), so the peak extra memory stays about twice the
     accumulator, independent of the number of rows (logits-then-loss holds ``N·V`` logits and
     their gradient), and the accumulator's traffic is a fixed small fraction of the GEMM time
     (arithmetic at an H100's peak rates, about 300 bf16 flops per byte of bandwidth, not a
