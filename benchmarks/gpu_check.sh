@@ -21,3 +21,6 @@ timeout 120 "$PY" -m benchmarks.launch_count --n 16384 --v 151936 | tee "$OUT/gp
 timeout 90 "$PY" -m benchmarks.profile_step | tee "$OUT/gpu_check_profile.md"
 # The fused-linear op's chunk size against time and memory, beside logits-then-loss (H = 4096).
 timeout 90 "$PY" -m benchmarks.linear_chunks | tee "$OUT/gpu_check_linear_chunks.md"
+# The chunked LM head's GEMMs one by one, and the kernels of logits-then-loss beside fused-linear.
+timeout 60 "$PY" -m benchmarks.gemm_chunks | tee "$OUT/gpu_check_gemm_chunks.md"
+timeout 60 "$PY" -m benchmarks.linear_profile | tee "$OUT/gpu_check_linear_profile.md"
