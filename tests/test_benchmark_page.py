@@ -335,3 +335,15 @@ def test_readme_states_the_mirrored_runs():
     assert "fastest of the three in both H100 runs timed in mirrored blocks" in readme
     assert f"at {round(min(spans))}–{round(max(spans))} % of the bandwidth floor" in readme
     assert len(ahead) == 2 and "TRL's path ahead at two shapes" in readme
+
+
+def test_kernels_page_states_the_mirrored_spans():
+    k = _text(KERNELS)
+    parts = []
+    for path in MIRRORED:
+        rows = load([str(path)])
+        big = [round(_pct(rows, n, v, "triton")) for n, v in SHAPES if n >= 16384]
+        parts.append(f"{min(big)}–{max(big)} %")
+    assert f"mirrored blocks measured {parts[0]} and {parts[1]}" in k
+    t = [_median(load([str(p)]), "loss", 16384, 151936, "triton")[0] for p in MIRRORED]
+    assert f"{t[0]:.2f} and {t[1]:.2f} ms at this shape" in k
