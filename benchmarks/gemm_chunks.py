@@ -9,13 +9,15 @@ chunks (for a bf16 weight in an fp32 accumulator, added in the GEMM's epilogue w
 bf16 operands of the given shape in one chunk of ``N`` rows and in two of ``N / 2``, and the
 variants of the weight-gradient sum (fp32 accumulator with and without the final rounding, a
 bf16 accumulator, a bf16 partial product added by a bf16 ``addmm``), so that the cost of
-chunking is read GEMM by GEMM. Median of ``--repeats`` CUDA-event times after one warm-up.
+chunking is read GEMM by GEMM. Median of ``--repeats`` CUDA-event times after one warm-up, each
+call after an L2 flush (`benchmarks.harness.time_cuda`).
 GPU only; prints Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -23,18 +25,12 @@ import torch
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """Median CUDA-event time (ms) after one warm-up, each call after an L2 flush."""
+    from benchmarks.harness import time_cuda
+    from benchmarks.providers import Context
+
+    ctx = Context(kind="cuda", device=torch.device("cuda"))
+    return statistics.median(time_cuda(ctx, fn, 1, repeats)) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ algebra for the default only). Prints one Markdown table.
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -72,18 +73,12 @@ def _cuda_kernels(fn: Callable[[], None]) -> tuple[int, dict[str, int]]:
 
 
 def _cuda_median_ms(fn: Callable[[], None], repeats: int = 21) -> float:
-    """Median CUDA-event time of one call (the logits stay in L2 where they fit; the [N]
-    algebra's cost is what differs between the configurations)."""
-    times = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """Median CUDA-event time (ms) of one call after one warm-up, each after an L2 flush."""
+    from benchmarks.harness import time_cuda
+    from benchmarks.providers import Context
+
+    ctx = Context(kind="cuda", device=torch.device("cuda"))
+    return statistics.median(time_cuda(ctx, fn, 1, repeats)) * 1e3
 
 
 def measure(

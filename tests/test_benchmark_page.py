@@ -218,15 +218,9 @@ def test_plain_timing_run_as_the_page_states_it():
     assert {r["env"]["git_sha"][:7] for r in rows} == {"803eade"}
     t = {(n, v, p): _median(rows, "loss", n, v, p)[0] for n, v in SHAPES for p in ("triton", "trl")}
     text = _text()
-    assert "(2.04 against 2.19 ms)" in text and t[(4096, 32000, "trl")] == pytest.approx(
-        2.04, abs=5e-3
-    )
-    assert t[(4096, 32000, "triton")] == pytest.approx(2.19, abs=5e-3)
-    assert "(5.02 against 5.21 ms)" in text
-    assert (
-        round(t[(16384, 128256, "trl")], 2) == 5.02
-        and round(t[(16384, 128256, "triton")], 2) == 5.21
-    )
+    for n, v in SHAPES[:2]:  # TRL's path ahead, as the page prints it
+        trl, ours = t[(n, v, "trl")], t[(n, v, "triton")]
+        assert trl < ours and f"({trl:.2f} against {ours:.2f} ms)" in text, (n, v)
     for n, v in SHAPES[2:]:
         assert t[(n, v, "triton")] < t[(n, v, "trl")], (n, v)
 
@@ -271,12 +265,12 @@ def test_linear_profile_and_gemm_numbers():
         )
     )
     text, kernels = _text(), _text(KERNELS)
-    for what in (
+    what = (
         f"three GEMMs took {gemm_ms['fused-linear']:.2f} ms against "
         f"{gemm_ms['logits-then-loss']:.2f} ms for the logits path's on all rows, and "
-        f"{alone:.2f} ms for the same shapes alone",
-    ):
-        assert what in text and what in kernels
+        f"{alone:.2f} ms for the same shapes alone"
+    )
+    assert what in text and what in kernels
     assert f"took {scale:.2f} ms" in text and f"took {scale:.2f} ms" in kernels
     g = {
         k.strip(): float(v)

@@ -564,9 +564,14 @@ def _echo_term(
     assert seqs.echo_index is not None  # _check_requirements
     z = _observation_counts(x, seqs)  # [S+1]
     per_seq = per_tok.new_zeros(seqs.size).index_add(0, seqs.echo_index, per_tok)  # [S+1]
-    denom = z.to(per_tok.dtype) + cfg.echo_z_epsilon  # [S+1]
-    denom = denom.masked_fill(z == 0, 1.0)  # a sequence without echo rows contributes 0
+    denom = _echo_z_denominator(z, cfg.echo_z_epsilon, per_tok.dtype)  # [S+1]
     return (per_seq / denom)[:-1].sum() / _at_least_one(norms.echo_sequences)  # 0-dim
+
+
+def _echo_z_denominator(z: torch.Tensor, epsilon: float, dtype: torch.dtype) -> torch.Tensor:
+    """``Z_i + ε`` in ``dtype`` (any shape, per sequence or gathered per row), 1 where
+    ``Z_i = 0``: a sequence without echo rows contributes 0, not 0/ε."""
+    return (z.to(dtype) + epsilon).masked_fill(z == 0, 1.0)
 
 
 # ---------------------------------------------------------------- 6b. the final loss
@@ -1227,7 +1232,7 @@ def row_coefficients(
     discard = DeferredChecks(x.device)
     discard.deferred = True  # never submitted: the whole loss runs (and reports) the checks
     norms = _resolve_normalizers(normalizers, counts, cfg, discard)
-    row_seq_counts = _sequence_counts_of_rows(x, cfg, seqs_all)  # [N] per row, or None
+    rl_rows, z_rows = _sequence_counts_of_rows(x, cfg, seqs_all)  # [N] per row, or None
     fn = spec.fn
     assert fn is not None  # chunk_additive: a built-in policy (or sft)
 
@@ -1245,7 +1250,6 @@ def row_coefficients(
         rl = _rl_per_token(lp_leaf, ent_leaf, sub, seqs, cfg, spec, None, discard)
         lp_echo = torch.where(sub.echo, lp_leaf, 0.0)
         w_echo = _on_rows(sub.echo, sub.echo_weights, lp_echo)
-        rl_rows, z_rows = (None, None) if row_seq_counts is None else row_seq_counts
         if cfg.rl_normalization == "sequence_mean_token_mean":
             # Σ_i (Σ_t ℓ_t / |RL_i|) / S_RL, as `_rl_term` with each row's |RL_i| gathered:
             # the same operations per row (a division by its sequence's count, then by S_RL)
@@ -1259,7 +1263,7 @@ def row_coefficients(
         if cfg.echo_normalization == "sequence_mean":  # Σ_i (Σ_t w·nll / (Z_i + ε)) / S_echo
             assert z_rows is not None
             z = z_rows.index_select(0, rows)  # [c]
-            denom = (z.to(lp_leaf.dtype) + cfg.echo_z_epsilon).masked_fill(z == 0, 1.0)
+            denom = _echo_z_denominator(z, cfg.echo_z_epsilon, lp_leaf.dtype)
             echo_term = ((w_echo * -lp_echo) / denom).sum() / _at_least_one(norms.echo_sequences)
         else:
             echo_term = _echo_term(w_echo * -lp_echo, sub, cfg, norms, n_echo, seqs)
@@ -1274,19 +1278,15 @@ def row_coefficients(
 
 def _sequence_counts_of_rows(
     x: LossInputs, cfg: LossConfig, seqs: LocalSequences
-) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Per row, the per-sequence counts `_rl_term` and `_echo_term` divide by (``[N]`` int32:
     its sequence's RL rows; its sequence's ``Z_i``), gathered from the same ``[S + 1]``
-    counts; None where no normaliser is per sequence."""
-    per_rl = cfg.rl_normalization == "sequence_mean_token_mean"
-    per_echo = cfg.echo_normalization == "sequence_mean"
-    if not (per_rl or per_echo):
-        return None
+    counts; each None where that normaliser is not per sequence."""
     rl_rows = z_rows = None
-    if per_rl:
+    if cfg.rl_normalization == "sequence_mean_token_mean":
         assert seqs.rl_index is not None  # check_requirements
         rl_rows = _rl_rows_per_sequence(x.rl, seqs, torch.int32).index_select(0, seqs.rl_index)
-    if per_echo:
+    if cfg.echo_normalization == "sequence_mean":
         assert seqs.echo_index is not None  # check_requirements
         z_rows = _observation_counts(x, seqs).index_select(0, seqs.echo_index)  # [N]
     return rl_rows, z_rows

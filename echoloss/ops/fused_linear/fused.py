@@ -14,12 +14,11 @@ Imported only by ``op.py`` on CUDA (or by tests under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
+
+from echoloss.ops._launch import on_tensor_device
 
 #: Elements per program: 16 KiB of bf16 per program in and out, 4 warps.
 BLOCK = 8192
@@ -77,7 +76,7 @@ def scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
     if n == 0:
         return out
     s = scale.reshape(1).to(torch.float32)
-    with _launch_ctx(grad):
+    with on_tensor_device(grad):
         _scaled_kernel[(triton.cdiv(n, BLOCK),)](
             grad,
             s,
@@ -88,9 +87,3 @@ def scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
             num_warps=4,
         )
     return out
-
-
-def _launch_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()

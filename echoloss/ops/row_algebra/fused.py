@@ -23,13 +23,11 @@ this module is first imported), for tests.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
+from echoloss.ops._launch import on_tensor_device
 from echoloss.ops.row_algebra.contract import CHECK_SLOTS, STAT_SLOTS, RowAlgebraParams, RowInputs
 
 __all__ = ["BLOCK", "forward", "interpreter_active"]
@@ -751,12 +749,6 @@ def interpreter_active() -> bool:
     return type(_row_algebra_kernel).__name__ == "InterpretedFunction"
 
 
-def _launch_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
 def _check_device(t: torch.Tensor) -> None:
     if t.device.type == "cuda" or (t.device.type == "cpu" and interpreter_active()):
         return
@@ -794,7 +786,7 @@ def _sequence_groups(
     sums = torch.empty((4, n) if sums_needed else (0,), dtype=torch.float32, device=dev)
     obs = rows.observation
     token_mm = p.mismatch if p.mismatch in ("token_truncate", "token_mask") else None
-    with _launch_ctx(sid):
+    with on_tensor_device(sid):
         _sequence_groups_kernel[(1,)](
             sorted_ids,
             order,
@@ -862,7 +854,7 @@ def forward(
     echo_div_given = p.echo_divisor is not None
     echo_div = 1.0 if p.echo_divisor is None else float(p.echo_divisor)
     clamp = p.log_ratio_clamp
-    with _launch_ctx(lp):
+    with on_tensor_device(lp):
         _row_algebra_kernel[(1 + envs,)](
             lp,
             _flat(ent, lp),

@@ -18,14 +18,12 @@ Triton interpreter: ``TRITON_INTERPRET=1`` must be set before this module is fir
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
 from echoloss._validate import describe, problem
+from echoloss.ops._launch import on_tensor_device
 from echoloss.ops.selective_logprobs import reference
 
 __all__ = ["LAUNCH", "backward", "forward", "forward_launch", "interpreter_active"]
@@ -308,13 +306,6 @@ def _inv_t_args(
     return dummy, float(inv_temperature), False
 
 
-def _launch_ctx(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
-    # Triton launches on the current CUDA device: make it the tensor's (logits on cuda:1).
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
 def _block(v: int, cap: int) -> int:
     return max(16, min(cap, int(triton.next_power_of_2(max(1, v)))))
 
@@ -392,7 +383,7 @@ def forward(
     inv_t_arg, inv_t_scalar, per_row = _inv_t_args(inv_temperature, out_lp)
     rows_per_batch, sb, st, sv = _layout(logits)
     fwd_block, fwd_warps = forward_launch(v)
-    with _launch_ctx(logits):
+    with on_tensor_device(logits):
         _logprobs_fwd_kernel[(n,)](
             out_lp,
             out_lse,
@@ -548,7 +539,7 @@ def backward(
     bwd_block = _block(v, LAUNCH["bwd_block"])
     tile = max(bwd_block, min(LAUNCH["bwd_tile"], int(triton.next_power_of_2(v))))
     tile -= tile % bwd_block  # a whole number of blocks per tile
-    with _launch_ctx(logits):
+    with on_tensor_device(logits):
         _logprobs_bwd_kernel[(n_all, triton.cdiv(v, tile))](
             out,
             logits,
