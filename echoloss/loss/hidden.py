@@ -7,6 +7,7 @@ chunked fused-linear op [`echoloss.ops.fused_linear.linear_selective_logprobs`][
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -29,8 +30,7 @@ from echoloss.loss.policy import PolicyFn
 from echoloss.ops.fused_linear.op import (
     attach_gradients,
     check_linear_inputs,
-    linear_logprobs_rows,
-    linear_logprobs_with_gradients,
+    linear_logprobs_for_loss,
 )
 
 __all__ = ["echo_loss_from_hidden"]
@@ -161,17 +161,9 @@ def _logprobs(
     """``(logprobs [N], entropy [N] or [0], [d hidden, d weight] or None)``: the gradients
     formed in the forward pass for a chunk-additive loss (see `echo_loss_from_hidden`)."""
     assert x.labels is not None  # echo_loss_from_hidden
-    if (
-        torch.is_grad_enabled()
-        and (hidden.requires_grad or weight.requires_grad)
-        and chunk_additive(cfg, policy_fn)
-    ):
-        coefficients = row_coefficients(x, cfg, spec, normalizers)
-        lp, ent_all, *grads = linear_logprobs_with_gradients(
-            hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend, coefficients
-        )  # [N] and [N] or [0], detached; d hidden, d weight
-        return lp, ent_all, grads
-    lp, ent_all = linear_logprobs_rows(
-        hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend
-    )  # [N], [N] or [0]
-    return lp, ent_all, None
+    coefficients = None
+    if chunk_additive(cfg, policy_fn):
+        coefficients = functools.partial(row_coefficients, x, cfg, spec, normalizers)
+    return linear_logprobs_for_loss(
+        hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend, coefficients
+    )  # [N], [N] or [0]; [d hidden, d weight] formed in forward, or None

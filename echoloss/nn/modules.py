@@ -16,6 +16,7 @@ echoloss loss (then the RL and echo terms are normalised by the config over this
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -27,7 +28,6 @@ from echoloss import (
     LossInputs,
     LossOutput,
     Normalizers,
-    linear_selective_logprobs,
     selective_logprobs,
 )
 from echoloss._deferred import DeferredChecks, raise_deferred_errors
@@ -62,7 +62,8 @@ from echoloss.nn.grpo import (
 from echoloss.ops.fused_linear.op import (
     RowCoefficients,
     attach_gradients,
-    linear_logprobs_with_gradients,
+    check_linear_inputs,
+    linear_logprobs_for_loss,
 )
 
 __all__ = ["EchoFusedLinearGRPOLoss", "EchoGRPOLoss"]
@@ -567,8 +568,9 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
 
     Gradients: for a chunk-additive loss (`echoloss.loss.core.chunk_additive`: ``loss_type``
     ``grpo``, ``dapo``, ``bnpo``, ``dr_grpo``, ``luspo`` and token-level ``cispo``, or a
-    ``config=`` with a per-token policy and no sequence-level mismatch correction) with ``_input`` or ``lin_weight`` requiring
-    a gradient, ``d _input`` and ``d lin_weight`` (and ``d bias``) are formed in the forward
+    ``config=`` with a per-token policy and no sequence-level mismatch correction) with
+    ``_input`` or ``lin_weight`` requiring a gradient, ``d _input`` and ``d lin_weight`` (and
+    ``d bias``) are formed in the forward
     pass while each chunk's logits are in memory, as in
     [`echoloss.echo_loss_from_hidden`][echoloss.loss.echo_loss_from_hidden]: one LM-head GEMM per
     chunk instead of two, the ``[V, H]`` weight gradient held from forward to backward, one
@@ -650,6 +652,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
                 )
             hidden = torch.cat([hidden, hidden.new_ones(b * t, 1)], dim=1)
             weight = torch.cat([weight, bias.to(_input.dtype).unsqueeze(1)], dim=1)
+        hidden, weight = check_linear_inputs(hidden, weight)
         temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
         setup = self._setup(
             rl,
@@ -667,30 +670,17 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
         )
         policy_fn = None if self.mapping is None else self.mapping.policy_fn
         labels = selected_token_ids.reshape(-1)
-        grads = None
+        coefficients = None
+        if chunk_additive(setup.config, policy_fn):
+            coefficients = functools.partial(
+                self._row_coefficients,
+                rl, setup, ref_per_token_logps, old_per_token_logps, inference_logprobs,
+            )  # fmt: skip
         with checks.collecting():  # the op's checks join the call's, in call order
-            if (
-                torch.is_grad_enabled()
-                and (hidden.requires_grad or weight.requires_grad)
-                and chunk_additive(setup.config, policy_fn)
-            ):
-                coefficients = self._row_coefficients(
-                    rl, setup, ref_per_token_logps, old_per_token_logps, inference_logprobs
-                )
-                lp, ent, *grads = linear_logprobs_with_gradients(
-                    hidden, weight, labels, temp.reshape(-1), (rl | echo).reshape(-1), True,
-                    check_chunk_size(self.row_chunk_size), "auto", coefficients,
-                )  # fmt: skip
-            else:
-                lp, ent = linear_selective_logprobs(
-                    hidden,
-                    weight,
-                    labels,
-                    temperature=temp.reshape(-1),
-                    return_entropy=True,
-                    mask=(rl | echo).reshape(-1),
-                    chunk_size=self.row_chunk_size,
-                )
+            lp, ent, grads = linear_logprobs_for_loss(
+                hidden, weight, labels, temp.reshape(-1), (rl | echo).reshape(-1), True,
+                check_chunk_size(self.row_chunk_size), "auto", coefficients,
+            )  # fmt: skip
         out = self._loss(
             lp.view(b, t),
             ent.view(b, t),

@@ -163,6 +163,41 @@ def test_fused_linear_on_gpu_matches_logits_path_with_less_memory():
     assert fused_res[3] < ref_res[3], (fused_res[3], ref_res[3])
 
 
+def test_fused_linear_one_chunk_is_the_logits_path_bit_for_bit_on_gpu():
+    """One chunk on CUDA (every row: the device path): the logits kept for backward, and the
+    loss and both bf16 gradients of logits-then-loss bit for bit (the same cuBLAS GEMMs on the
+    same tensors, the same Triton phases with the same coefficients), for an incoming gradient
+    of 1/3."""
+    from echoloss import echo_loss_from_hidden
+    from echoloss.loss import echo_loss
+    from echoloss.ops.fused_linear import op
+
+    n, h, v = 2048, 1024, 32_000
+    g = torch.Generator(device=CUDA).manual_seed(5)
+    hidden = torch.randn(n, h, generator=g, device=CUDA).to(torch.bfloat16)
+    weight = (torch.randn(v, h, generator=g, device=CUDA) * h**-0.5).to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), generator=g, device=CUDA)
+    rl = torch.rand(n, generator=g, device=CUDA) < 0.6
+    kw = dict(
+        rl_mask=rl,
+        echo_weights=torch.where(~rl & (torch.rand(n, generator=g, device=CUDA) < 0.5), 0.3, 0.0),
+        advantages=torch.randn(n, generator=g, device=CUDA),
+        inference_logprobs=torch.full((n,), -10.0, device=CUDA),
+    )
+    assert op.auto_linear_chunk_size(weight.clone().requires_grad_(), rows=n) == n
+    results = []
+    for fused in (True, False):
+        hd, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if fused:
+            out = echo_loss_from_hidden(hd, wt, labels, backend="triton", **kw)
+        else:
+            out = echo_loss(hd @ wt.t(), labels, backend="triton", **kw)
+        (out.loss / 3).backward()
+        results.append((out.loss.detach(), hd.grad, wt.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_weight_gradient_first_chunk_written_on_gpu():
     """CUDA's mixed-dtype path: the first chunk's ``dzᵀ @ h`` written by
     ``mm(out_dtype=float32)``, the second added by ``addmm(out_dtype=float32, out=acc)``. Each

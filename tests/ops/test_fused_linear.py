@@ -463,6 +463,93 @@ def test_gradients_in_forward_equal_the_recompute_path(name, backend, dtype, dev
     assert float(gw.abs().max()) > 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["dppo", "ppo-kl-entropy-bonus", "gspo"])
+def test_one_chunk_keeps_its_logits_and_is_the_logits_path_bit_for_bit(name, dtype, backend,
+                                                                       monkeypatch):  # fmt: skip
+    """All rows in one chunk (the device path: every row, as on CUDA): one LM-head GEMM in
+    all, forward and backward (the logits are kept for backward, where phase 2 overwrites them
+    with their gradient), for chunk-additive losses and others (``gspo``) alike, and the loss,
+    metrics and both gradients of logits-then-loss bit for bit: the same GEMMs on the same
+    tensors and the same phase 2 with the same coefficients, also for an incoming gradient
+    other than 1 (``loss / 3``: the logits path's coefficients carry it, and so do these)."""
+    from echoloss._deferred import device_code_path, raise_deferred_errors
+
+    cfg = LossConfig(policy="gspo") if name == "gspo" else FORWARD_GRADIENT_CONFIGS[name]
+    batch = _batch([9, 6, 5], seed=4)
+    n = batch["labels"].numel()
+    if cfg.kl_coef:
+        g = torch.Generator().manual_seed(9)
+        batch["ref_logprobs"] = -torch.rand(n, generator=g).to(DEVICE)
+    gemms = _gemm_counter(monkeypatch)
+    h0, w0 = _hidden(n, dtype), _weights(dtype)
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    hr, wr = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with device_code_path():
+        out = _hidden_loss(batch, h, w, cfg, backend, chunk_size=n)
+        forward_gemms = gemms["n"]
+        (out.loss / 3).backward()
+        ref = _logits_loss(batch, hr, wr, cfg, backend)
+        (ref.loss / 3).backward()
+        raise_deferred_errors()
+    assert (forward_gemms, gemms["n"]) == (1, 1)
+    assert torch.equal(out.loss, ref.loss)
+    for k in ref.metrics:
+        assert torch.equal(out.metrics[k], ref.metrics[k]), k
+    assert h.grad.dtype == dtype and w.grad.dtype == dtype
+    assert torch.equal(h.grad, hr.grad) and torch.equal(w.grad, wr.grad)
+    assert float(w.grad.abs().max()) > 0
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])
+def test_one_chunk_second_backward_recomputes_the_overwritten_logits(device_path, monkeypatch):
+    """The kept logits hold their gradient after the first backward: a second backward through
+    the same graph (``retain_graph=True``) computes them again (one more GEMM) and gets the same
+    gradients bit for bit; the host path keeps the rows whose coefficients are zero in the
+    chunk (exact zeros from phase 2), as the kept logits are aligned with them."""
+    from contextlib import nullcontext
+
+    from echoloss._deferred import device_code_path, raise_deferred_errors
+
+    batch = _batch([9, 6, 5], seed=2)
+    n = batch["labels"].numel()
+    gemms = _gemm_counter(monkeypatch)
+    h = _hidden(n, torch.float32).requires_grad_()
+    w = _weights(torch.float32).requires_grad_()
+    with device_code_path() if device_path else nullcontext():
+        out = _hidden_loss(batch, h, w, POLICIES["dppo"], "reference", chunk_size=n)
+        out.loss.backward(retain_graph=True)
+        first = (h.grad.clone(), w.grad.clone(), gemms["n"])
+        h.grad, w.grad = None, None
+        out.loss.backward()
+        raise_deferred_errors()
+    assert first[2] == 1 and gemms["n"] == 2
+    assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])
+
+
+def test_one_chunk_without_a_gradient_keeps_nothing(monkeypatch):
+    """No gradient recorded (``torch.no_grad()`` or frozen inputs): the chunk's logits are
+    dropped after phase 1 (nothing kept for a backward that cannot come)."""
+    kept = []
+    original = op._LinearLogprobsFn.forward
+
+    def spy(ctx, *args):
+        out = original(ctx, *args)
+        kept.append(ctx.kept_logits is not None)
+        return out
+
+    monkeypatch.setattr(op._LinearLogprobsFn, "forward", staticmethod(spy))
+    batch = _batch([9, 6], seed=1)
+    n = batch["labels"].numel()
+    h, w = _hidden(n, torch.float32), _weights(torch.float32)
+    _hidden_loss(batch, h, w, POLICIES["dppo"], "reference", chunk_size=n)
+    with torch.no_grad():
+        _hidden_loss(batch, h.requires_grad_(), w, POLICIES["dppo"], "reference", chunk_size=n)
+    _hidden_loss(batch, h, w, POLICIES["dppo"], "reference", chunk_size=n)
+    assert kept == [False, False, True]
+
+
 @pytest.mark.parametrize("name", ["gspo", "sequence-mismatch", "custom"])
 def test_other_losses_recompute_in_backward(name, monkeypatch):
     """Sequence-level ratios and mismatch weights (a row's weight depends on its sequence's

@@ -47,6 +47,7 @@ __all__ = [
     "check_linear_inputs",
     "default_linear_chunk_size",
     "linear_chunk_size_for_memory",
+    "linear_logprobs_for_loss",
     "linear_logprobs_rows",
     "linear_logprobs_with_gradients",
     "linear_selective_logprobs",
@@ -257,9 +258,15 @@ def _zeros_if_unwritten(
 
 
 class _LinearLogprobsFn(torch.autograd.Function):
-    """Forward: chunked logits → phase 1. Backward: recomputed logits → phase 2 in place →
-    ``d hidden`` rows and a chunk-accumulated ``d weight``. Saves only the inputs and ``[n]``
-    per-row statistics."""
+    """Forward: chunked logits → phase 1. Backward: phase 2 in place over the logits →
+    ``d hidden`` rows and a chunk-accumulated ``d weight``.
+
+    Over several chunks the forward saves only the inputs and ``[n]`` per-row statistics, and
+    backward recomputes each chunk's logits. When all participating rows form one chunk and a
+    gradient is recorded, the forward keeps that chunk's logits for backward instead (no
+    second LM-head GEMM; logits-then-loss holds the same ``[n, V]`` plus their gradient):
+    backward overwrites them with their gradient, so a second backward through the same graph
+    recomputes them."""
 
     @staticmethod
     def forward(
@@ -273,21 +280,24 @@ class _LinearLogprobsFn(torch.autograd.Function):
         chunk_size: int,
         impl: ModuleType,
         mask: torch.Tensor | None,
+        recorded: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n_all = hidden.shape[0]
         v = weight.shape[0]
         cdtype = reference.compute_dtype(hidden.dtype)
         dev = hidden.device
         n = int(rows.numel())
+        keep = recorded and 0 < n <= chunk_size  # (grad mode is off inside forward)
         lp = torch.zeros(n_all, dtype=cdtype, device=dev)
         ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
         lse = torch.zeros(n, 2, dtype=cdtype, device=dev)  # [n, 2] per-row log-sum-exp statistics
         ent_c = torch.zeros(n, dtype=cdtype, device=dev) if need_entropy else None
         inner = reference.default_chunk_size(v)
+        kept: torch.Tensor | None = None
         for start in range(0, n, chunk_size):
             stop = min(n, start + chunk_size)
             idx = rows[start:stop]
-            z = _logits_chunk(hidden.index_select(0, idx), weight)
+            z = _logits_chunk(_chunk_rows(hidden, idx, n_all), weight)
             it = inv_t if isinstance(inv_t, float) else inv_t.index_select(0, idx)
             lp_k, lse_k, ent_k = impl.forward(
                 z,
@@ -298,6 +308,8 @@ class _LinearLogprobsFn(torch.autograd.Function):
                 chunk_size=inner,
                 **({} if mask is None else {"mask": mask[start:stop]}),
             )
+            if keep:
+                kept = z
             del z
             lp.index_copy_(0, idx, lp_k.to(cdtype))
             lse[start:stop] = lse_k
@@ -313,34 +325,41 @@ class _LinearLogprobsFn(torch.autograd.Function):
         ctx.need_entropy = need_entropy
         ctx.chunk_size = chunk_size
         ctx.impl = impl
+        # Not a saved tensor: backward overwrites it with its gradient and drops it (a saved
+        # tensor would be checked against in-place changes and kept until the graph is freed).
+        ctx.kept_logits = kept
         return lp, ent
 
     @staticmethod
     def backward(ctx: Any, grad_lp: torch.Tensor, grad_ent: torch.Tensor) -> tuple[Any, ...]:
         hidden, weight, labels, rows, lse, ent_c, inv_t_t, mask = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        nones = (None,) * 7
+        nones = (None,) * 8
+        kept, ctx.kept_logits = ctx.kept_logits, None  # consumed here (overwritten in place)
         if not (need_h or need_w):
             return (None, None, *nones)
+        n_all = hidden.shape[0]
         a = grad_lp.index_select(0, rows)
         b = None
         if ctx.need_entropy and grad_ent is not None and grad_ent.numel():
             b = grad_ent.index_select(0, rows)
-        # Rows whose coefficients are all zero have exactly zero gradient: no GEMM for them.
         live = a != 0 if b is None else (a != 0) | (b != 0)
-        if mask is None:
-            keep = live.nonzero().squeeze(1)
-            rows, a, lse = rows[keep], a[keep], lse[keep]
-            b = None if b is None else b[keep]
-            ent = None if (b is None or ent_c is None) else ent_c[keep]
-        else:
+        ent = None if b is None else ent_c
+        if mask is not None:
             # Device path: every row stays (rows = all rows), dead ones decided on the device
             # get exact zeros from phase 2, hence no contribution to either gradient.
             live = live & mask
-            ent = None if b is None else ent_c
+        elif kept is None:
+            # Rows whose coefficients are all zero have exactly zero gradient: no GEMM for them.
+            keep = live.nonzero().squeeze(1)
+            rows, a, lse, live = rows[keep], a[keep], lse[keep], live[keep]
+            b = None if b is None else b[keep]
+            ent = None if ent is None else ent[keep]
+        # else: the kept logits are aligned with every participating row; dead rows get exact
+        # zeros from phase 2 as on the device path.
         inv_t = ctx.inv_t_float if inv_t_t is None else inv_t_t
 
-        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_h: torch.Tensor | None = None
         grad_w: torch.Tensor | None = None
         v = weight.shape[0]
         inner = reference.default_chunk_size(v)
@@ -348,19 +367,17 @@ class _LinearLogprobsFn(torch.autograd.Function):
         acc_dtype = _grad_weight_dtype(weight, n, ctx.chunk_size)
         for start in range(0, n, ctx.chunk_size):
             stop = min(n, start + ctx.chunk_size)
-            c = stop - start
             idx = rows[start:stop]
-            h = hidden.index_select(0, idx)
-            z = _logits_chunk(h, weight)
+            h = _chunk_rows(hidden, idx, n_all)
+            z = kept if kept is not None else _logits_chunk(h, weight)
+            kept = None
             it = inv_t if isinstance(inv_t, float) else inv_t.index_select(0, idx)
-            # Every row of the chunk is live, so every row of z is overwritten: in place is safe.
-            chunk_rows = {"rows": torch.arange(c, device=z.device)}
-            if mask is not None:
-                chunk_rows = {"rows": None, "live": live[start:stop]}  # type: ignore[dict-item]
+            # Every row of z is written by phase 2 (dead rows with zeros): in place is safe.
             dz = ctx.impl.backward(
                 z,
                 labels.index_select(0, idx),
-                **chunk_rows,
+                rows=None,
+                live=live[start:stop],
                 inv_temperature=it,
                 lse=lse[start:stop],
                 grad_logprobs=a[start:stop],
@@ -369,15 +386,43 @@ class _LinearLogprobsFn(torch.autograd.Function):
                 chunk_size=inner,
                 out=z,
             )
-            if grad_h is not None:
-                grad_h.index_copy_(0, idx, torch.mm(dz, weight))
+            if need_h:
+                grad_h = _add_grad_hidden(grad_h, dz, weight, idx, hidden)
             if need_w:
                 grad_w = _add_grad_weight(grad_w, dz, h, acc_dtype)
             del z, dz, h
+        if need_h and grad_h is None:
+            grad_h = torch.zeros_like(hidden)
         grad_w = _zeros_if_unwritten(grad_w, need_w, weight)
         if grad_w is not None and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
         return (grad_h, grad_w, *nones)
+
+
+def _chunk_rows(hidden: torch.Tensor, idx: torch.Tensor, n_all: int) -> torch.Tensor:
+    """The chunk's rows of ``hidden``: ``hidden`` itself when the chunk is every row in order
+    (the device path's one chunk: no ``[N, H]`` copy), else gathered."""
+    if int(idx.numel()) == n_all:  # idx are distinct sorted row indices: all of them
+        return hidden
+    return hidden.index_select(0, idx)
+
+
+def _add_grad_hidden(
+    grad_h: torch.Tensor | None,
+    dz: torch.Tensor,
+    weight: torch.Tensor,
+    idx: torch.Tensor,
+    hidden: torch.Tensor,
+) -> torch.Tensor:
+    """``d hidden`` with the chunk's rows ``dz @ weight`` written: the product itself when the
+    chunk is every row (no zero fill and no copy), else into a zero-filled ``[N, H]``."""
+    rows_h = torch.mm(dz, weight)
+    if grad_h is None and int(idx.numel()) == hidden.shape[0]:
+        return rows_h
+    if grad_h is None:
+        grad_h = torch.zeros_like(hidden)
+    grad_h.index_copy_(0, idx, rows_h)
+    return grad_h
 
 
 #: ``coefficients(rows [c] int64, logprobs [c], entropy [c] or None) -> (a [c], b [c] or None)``:
@@ -513,6 +558,51 @@ def linear_logprobs_with_gradients(
             (hidden.requires_grad, weight.requires_grad),
         )
     return lp, ent, grad_h, grad_w
+
+
+def linear_logprobs_for_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | torch.Tensor,
+    mask: torch.Tensor,
+    need_entropy: bool,
+    chunk_size: int | None,
+    backend: str,
+    coefficients: Callable[[], RowCoefficients] | None,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None] | None]:
+    """``(logprobs [N], entropy [N] or [0], [d hidden, d weight] or None)`` for a loss entry
+    point, by the cheapest of the op's three paths:
+
+    - **one chunk** (every participating row within ``chunk_size``, the default on CUDA up to
+      ``4·H`` rows in bf16): the logits GEMM and phase 1 in forward, the chunk's logits kept
+      for backward (no second LM-head GEMM), where phase 2 overwrites them with their
+      gradient: the work of logits-then-loss and its ``dW``/``d hidden`` bit for bit, with one
+      ``[n, V]`` buffer instead of two, for any loss;
+    - **several chunks, chunk-additive loss** (``coefficients`` given: a factory of the rows'
+      coefficients, see `linear_logprobs_with_gradients`) with a gradient recorded: the
+      gradients formed in forward, one LM-head GEMM per chunk (returned as the third item,
+      for `attach_gradients`);
+    - otherwise: backward recomputes each chunk's logits.
+
+    ``hidden``/``weight`` already checked (`check_linear_inputs`); ``labels`` and
+    ``temperature`` are checked here; rows outside ``mask`` read 0 and get no gradient.
+    """
+    flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
+    n = int(rows.numel())
+    cs = chunk_size if chunk_size is not None else auto_linear_chunk_size(weight, rows=n)
+    recorded = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if coefficients is not None and recorded and n > cs:
+        impl = resolve_backend(backend, hidden.device)
+        with torch.no_grad():
+            lp, ent, grad_h, grad_w = _chunk_gradients(
+                hidden, weight, flat_labels, rows, inv_t, need_entropy, cs, impl, flat_mask,
+                _no_grad_coefficients(coefficients()),
+                (hidden.requires_grad, weight.requires_grad),
+            )  # fmt: skip
+        return lp, ent, [grad_h, grad_w]
+    lp, ent = _apply(hidden, weight, flat_labels, rows, inv_t, need_entropy, cs, backend, flat_mask)
+    return lp, ent, None
 
 
 def _no_grad_coefficients(fn: RowCoefficients) -> RowCoefficients:
@@ -750,8 +840,9 @@ def _apply(
     cs = chunk_size
     if cs is None:
         cs = auto_linear_chunk_size(weight, rows=int(rows.numel()))
+    recorded = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     out: tuple[torch.Tensor, torch.Tensor] = _LinearLogprobsFn.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, labels, rows, inv_t, need_entropy, cs, impl, mask
+        hidden, weight, labels, rows, inv_t, need_entropy, cs, impl, mask, recorded
     )
     return out
 
