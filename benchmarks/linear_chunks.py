@@ -1,6 +1,7 @@
 """The fused-linear op's chunk size against its time and memory, beside logits-then-loss.
 
-``python -m benchmarks.linear_chunks [--n 16384] [--v 151936] [--hidden 4096] [--output FILE]``
+``python -m benchmarks.linear_chunks [--n 16384] [--v 151936] [--hidden 4096] [--rounds R]
+[--output FILE]``
 
 Forward+backward of the benchmark's loss (``benchmarks/workload.py``, bf16) from ``hidden``
 and the LM-head ``weight``: once with the ``[N, V]`` logits materialised (``echo_loss(hidden @
@@ -8,7 +9,11 @@ weight.T)``), then through ``echo_loss_from_hidden`` with the automatic chunk si
 fixed ones. Median of ``--repeats`` CUDA-event times, the cases in mirrored blocks (A B C C B A,
 2 warm-ups per block, `benchmarks.harness.time_cuda_mirrored`: a drift of the clocks during the
 run falls on all cases alike), and the peak memory of one more call above what was allocated
-before it. GPU only; prints Markdown, ``--output`` writes JSON.
+before it. With ``--rounds R`` the mirrored timing is repeated ``R`` times and each round's
+medians are paired: the fused cases' difference to logits-then-loss per round, its median over
+the rounds and how many rounds each side won (a one-GPU call to call spread of several percent
+made a median of 10 unable to resolve a difference of 2-3 %). GPU only; prints Markdown,
+``--output`` writes JSON.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--chunks", default="1764,4096,8192")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -81,29 +87,47 @@ def main(argv: list[str] | None = None) -> int:
         ("logits-then-loss", None, unfused),
         (f"fused-linear, automatic ({auto} rows)", auto, fused(None)),
     ]
-    cases += [(f"fused-linear, {c} rows", c, fused(c)) for c in map(int, args.chunks.split(","))]
+    fixed = [int(c) for c in args.chunks.split(",") if c.strip()]  # --chunks "": none
+    cases += [(f"fused-linear, {c} rows", c, fused(c)) for c in fixed]
     ctx = Context(kind="cuda", device=dev)
-    times = time_cuda_mirrored(
-        ctx, {name: fn for name, _, fn in cases}, 2, args.repeats, on_error=None
-    )
+    fns = {name: fn for name, _, fn in cases}
+    rounds = [time_cuda_mirrored(ctx, fns, 2, args.repeats, on_error=None)
+              for _ in range(max(1, args.rounds))]  # fmt: skip
+    base = cases[0][0]
     rows = []
     for name, chunk, fn in cases:
-        rows.append({
+        samples = [t for r in rounds for t in r[name]]
+        row: dict[str, Any] = {
             "case": name,
             "chunk": chunk,
-            "median_ms": statistics.median(times[name]) * 1e3,
-            "samples_ms": [round(t * 1e3, 3) for t in times[name]],
+            "median_ms": statistics.median(samples) * 1e3,
+            "samples_ms": [round(t * 1e3, 3) for t in samples],
             "peak_extra_gib": _peak_extra_gib(fn),
-        })  # fmt: skip
+        }
+        if args.rounds > 1:
+            row["round_medians_ms"] = [round(statistics.median(r[name]) * 1e3, 3) for r in rounds]
+        rows.append(row)
     print(
         f"forward+backward, N = {args.n} ({participating} participating rows), V = {args.v}, "
-        f"H = {args.hidden}, bf16, {torch.cuda.get_device_name()}, median of {args.repeats} "
-        "(mirrored blocks)"
+        f"H = {args.hidden}, bf16, {torch.cuda.get_device_name()}, median of "
+        f"{args.repeats * max(1, args.rounds)} (mirrored blocks, {max(1, args.rounds)} rounds)"
     )
     print("| case | median ms | peak extra GiB |")
     print("|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['median_ms']:.2f} | {r['peak_extra_gib']:.2f} |")
+    if args.rounds > 1:
+        print(f"\npaired by round, minus {base} (ms)")
+        print("| case | median difference | min | max | rounds faster |")
+        print("|---|---|---|---|---|")
+        for r in rows[1:]:
+            d = [
+                a - b
+                for a, b in zip(r["round_medians_ms"], rows[0]["round_medians_ms"], strict=True)
+            ]
+            faster = sum(x < 0 for x in d)
+            print(f"| {r['case']} | {statistics.median(d):+.2f} | {min(d):+.2f} | "
+                  f"{max(d):+.2f} | {faster} of {len(d)} |")  # fmt: skip
     if args.output:
         args.output.write_text(json.dumps(rows, indent=1))
     return 0
