@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -308,11 +309,14 @@ def test_session_result_files_are_committed(path):
     assert path.exists(), path
 
 
+ROUNDS_FILE = RESULTS / f"cuda-linear-chunks_{GPU}_20261127T213442Z.json"
+
+
 def test_readme_states_the_mirrored_runs():
     """README: fastest in both checks timed in mirrored blocks, their span of the floor, and
     the earlier run with TRL's path ahead at two shapes."""
     spans = []
-    for path in MIRRORED:
+    for path in [*MIRRORED, RESULTS / f"cuda-check_{GPU}_20261127T213515Z.jsonl"]:
         rows = load([str(path)])
         for n, v in SHAPES:
             ours = _median(rows, "loss", n, v, "triton")[0]
@@ -326,9 +330,12 @@ def test_readme_states_the_mirrored_runs():
         if _median(plain, "loss", n, v, "trl")[0] < _median(plain, "loss", n, v, "triton")[0]
     ]  # fmt: skip
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "fastest of the three in both H100 runs timed in mirrored blocks" in readme
+    assert "fastest of the three in all three H100 runs timed in mirrored blocks" in readme
     assert f"at {round(min(spans))}–{round(max(spans))} % of the bandwidth floor" in readme
     assert len(ahead) == 2 and "TRL's path ahead at two shapes" in readme
+    base, fused = json.loads(ROUNDS_FILE.read_text())
+    assert 0.6 < fused["peak_extra_gib"] / base["peak_extra_gib"] < 0.7
+    assert "in one chunk with about two thirds of its memory" in readme
 
 
 def test_kernels_page_states_the_mirrored_spans():
@@ -341,3 +348,123 @@ def test_kernels_page_states_the_mirrored_spans():
     assert f"mirrored blocks measured {parts[0]} and {parts[1]}" in k
     t = [_median(load([str(p)]), "loss", 16384, 151936, "triton")[0] for p in MIRRORED]
     assert f"{t[0]:.2f} and {t[1]:.2f} ms at this shape" in k
+
+
+# -- the fused-linear op keeps its logits (2026-11-27, evening) ---------------------------------
+
+EVENING_CHECK = RESULTS / f"cuda-check_{GPU}_20261127T213515Z.jsonl"
+ROUNDS = RESULTS / f"cuda-linear-chunks_{GPU}_20261127T213442Z.json"
+ONE_ROUND = RESULTS / f"cuda-linear-chunks_{GPU}_20261127T213003Z.json"
+EVENING_PROFILE = RESULTS / f"cuda-linear-profile_{GPU}_20261127T213003Z.md"
+EVENING_ENV = RESULTS / f"gpu-check-env_{GPU}_20261127T213003Z.txt"
+
+
+def test_evening_check_tables_and_criteria():
+    rows = load([str(EVENING_CHECK)])
+    assert {r["env"]["git_sha"][:7] for r in rows} == {"d20d5e9"}
+    lines = [
+        "| N | V | triton | trl | liger | % floor (triton) | % floor (trl) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, v in SHAPES:
+        cells = [_fmt(_median(rows, "loss", n, v, p)[0]) for p in ("triton", "trl", "liger")]
+        cells += [f"{_pct(rows, n, v, p):.0f}" for p in ("triton", "trl")]
+        lines.append(f"| {n} | {v} | " + " | ".join(cells) + " |")
+        ours = _median(rows, "loss", n, v, "triton")[0]
+        assert all(
+            (t := _median(rows, "loss", n, v, p)[0]) is None or ours < t for p in ("trl", "liger")
+        ), (n, v)
+    assert _block("check-evening") == "\n".join(lines)
+    assert _block("check-table-evening") == check_table(rows)
+    big = [round(_pct(rows, n, v, "triton")) for n, v in SHAPES if n >= 16384]
+    text = _text()
+    assert min(big) >= 80 and f"at {min(big)}–{max(big)} % of the floor" in text
+    small = [_median(load([str(p)]), "loss", 4096, 32000, "triton")[0] for p in MIRRORED]
+    trl_small = [_median(load([str(p)]), "loss", 4096, 32000, "trl")[0] for p in MIRRORED]
+    now, trl_now = (_median(rows, "loss", 4096, 32000, p)[0] for p in ("triton", "trl"))
+    assert (
+        f"took {now:.2f} ms here against {min(small):.2f}–{max(small):.2f} ms in the runs above, "
+        f"and TRL's path {trl_now:.2f} against {min(trl_small):.2f}–{max(trl_small):.2f}"
+    ) in text
+    lin = _median(rows, "linear", 16384, 151936, "linear-echoloss")
+    fused = _median(rows, "linear", 16384, 151936, "fused-linear")
+    behind = 100 * (fused[0] / lin[0] - 1)
+    assert f"the op {behind:.1f} % behind ({fused[0]:.2f} against {lin[0]:.2f} ms)" in text
+    mib = f"{fused[1]['peak_extra_bytes'] / 2**20:,.0f} against {lin[1]['peak_extra_bytes'] / 2**20:,.0f} MiB"
+    assert mib in text
+
+
+def test_paired_rounds_as_the_pages_state_them():
+    base, fused = json.loads(ROUNDS.read_text())
+    assert base["case"] == "logits-then-loss" and fused["chunk"] == 14759
+    d = [a - b for a, b in zip(fused["round_medians_ms"], base["round_medians_ms"], strict=True)]
+    med, lo, hi = statistics.median(d), min(d), max(d)
+    faster = sum(x < 0 for x in d)
+    for r in (base, fused):  # the medians over every round's samples
+        assert r["median_ms"] == pytest.approx(statistics.median(r["samples_ms"]), abs=1e-3)
+    table = _block("linear-rounds")
+    assert f"| logits-then-loss | {base['median_ms']:.2f} | {base['peak_extra_gib']:.2f} |" in table
+    assert (
+        f"| {fused['case']} | {med:+.2f} | {lo:+.2f} | {hi:+.2f} | {faster} of {len(d)} |"
+    ) in table
+    text, kernels = _text(), _text(KERNELS)
+    assert (
+        f"The op's median is {med:.2f} ms above logits-then-loss's "
+        f"({100 * med / base['median_ms']:.1f} %), between {lo:.2f} and +{hi:.2f} ms"
+    ).replace("between -", "between −") in text
+    assert f"faster in {faster} of {len(d)} rounds" in text
+    first, last = base["round_medians_ms"][0], base["round_medians_ms"][-1]
+    assert f"from {first:.2f} ms in the first round to {last:.2f} in the last" in text
+    summary = (
+        f"a median difference of +{med:.2f} ms to logits-then-loss ({fused['median_ms']:.2f} "
+        f"against {base['median_ms']:.2f} ms over {len(fused['samples_ms'])} calls each; per round "
+        f"from {lo:.2f} to +{hi:.2f} ms, the op faster in {faster} of {len(d)} rounds) for "
+        f"{fused['peak_extra_gib']:.2f} against {base['peak_extra_gib']:.2f} GiB"
+    ).replace("from -", "from −")
+    assert summary in kernels
+    mem = f"{fused['peak_extra_gib']:.2f} against {base['peak_extra_gib']:.2f} GiB"
+    assert mem in text
+    one = {r["case"]: r for r in json.loads(ONE_ROUND.read_text())}
+    lo_hi = [(min(r["samples_ms"]), max(r["samples_ms"]), r["median_ms"]) for r in one.values()]
+    (a0, a1, am), (b0, b1, bm) = lo_hi[0], lo_hi[1]
+    assert (
+        f"spread from {a0:.2f} to {a1:.2f} ms (logits-then-loss) and from {b0:.2f} to {b1:.2f} ms "
+        f"(the op), more than the difference sought (its medians {am:.2f} and {bm:.2f} ms)"
+    ) in text
+
+
+def test_evening_profile_as_the_page_states_it():
+    prof = EVENING_PROFILE.read_text()
+    kernels = {}
+    for sec in prof.split("== ")[1:]:
+        name = sec.split(":")[0]
+        count, total = re.search(r": (\d+) kernels, kernel ms ([\d.]+)", sec).groups()
+        per = {k: float(ms) for ms, k in re.findall(r"([\d.]+) ms x\d+\s+(\S+)", sec)}
+        kernels[name] = (int(count), float(total), per)
+    (lc, lt, lk), (fc, ft, fk) = kernels["logits-then-loss"], kernels["fused-linear"]
+    gemms = [k for k in lk if "nvjet" in k]
+    assert len(gemms) == 3 and set(gemms) == {k for k in fk if "nvjet" in k}
+    diffs = sorted(fk[k] - lk[k] for k in gemms)
+    phases = ("_logprobs_bwd_kernel", "_logprobs_fwd_kernel")
+    text = _text()
+    assert (
+        f"logits-then-loss {lc} kernels and {lt:.2f} ms of kernel time, the op {fc} kernels and "
+        f"{ft:.2f} ms"
+    ) in text
+    assert (
+        f"({sum(lk[k] for k in gemms):.2f} against {sum(fk[k] for k in gemms):.2f} ms in all: one "
+        f"of them {-diffs[0]:.2f} ms faster in the op, the others {diffs[1]:.2f} and "
+        f"{diffs[2]:.2f} ms slower)"
+    ) in text
+    assert (
+        f"the two phases ({sum(lk[k] for k in phases):.2f} against "
+        f"{sum(fk[k] for k in phases):.2f} ms)"
+    ) in text
+    env = EVENING_ENV.read_text()
+    passed = re.search(r"(\d+) passed", env).group(1)
+    assert f"`tests/ops` ({passed} passed" in text
+
+
+@pytest.mark.parametrize("path", [EVENING_CHECK, ROUNDS, ONE_ROUND, EVENING_PROFILE, EVENING_ENV])
+def test_evening_result_files_are_committed(path):
+    assert path.exists(), path

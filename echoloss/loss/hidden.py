@@ -61,14 +61,21 @@ def echo_loss_from_hidden(
     Arguments other than ``rl_mask`` and ``echo_weights`` are validated after the forward
     matmul.
 
-    When the loss is chunk-additive (`echoloss.loss.core.chunk_additive`: per-token policies
-    with any normaliser, whose denominators are known before any logprob) and a
-    gradient is recorded, the gradients are formed in the forward pass, chunk by chunk, while
-    each chunk's logits are in memory: one LM-head GEMM per chunk instead of two (backward
-    only scales them by the incoming gradient); the ``[V, H]`` weight gradient (fp32 for a
-    bf16/fp16 weight) is then held from forward to backward, and the loss supports one
-    backward. Otherwise (a sequence-level ratio or mismatch weight, custom policies) backward
-    recomputes each chunk's logits. Both give the same gradients (tested).
+    The gradients take the cheapest of three paths
+    (`echoloss.ops.fused_linear.op.linear_logprobs_for_loss`). When every participating row
+    fits one chunk (on CUDA the default up to ``4·H`` rows in bf16) and a gradient is
+    recorded, the chunk's logits are kept for backward, which writes their gradient over them:
+    logits-then-loss's GEMMs and phases on the same tensors (its loss, metrics and gradients
+    bit for bit, for any loss and incoming gradient) with one ``[n, V]`` buffer instead of
+    two. Over several chunks, when the loss is chunk-additive
+    (`echoloss.loss.core.chunk_additive`: per-token policies with any normaliser, whose
+    denominators are known before any logprob), the gradients are formed in the forward pass,
+    chunk by chunk, while each chunk's logits are in memory: one LM-head GEMM per chunk
+    instead of two (backward only scales them by the incoming gradient); the ``[V, H]``
+    weight gradient (fp32 for a bf16/fp16 weight) is then held from forward to backward, and
+    the loss supports one backward. Otherwise (a sequence-level ratio or mismatch weight,
+    custom policies) backward recomputes each chunk's logits. All give the same gradients
+    (tested).
 
     Args:
         hidden: ``[N, H]`` final hidden states (the LM head's input), bf16/fp16/fp32/fp64.

@@ -566,17 +566,20 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
     through the same fused op. It costs one copy of ``_input`` and one of the weight, each with
     one more column.
 
-    Gradients: for a chunk-additive loss (`echoloss.loss.core.chunk_additive`: ``loss_type``
+    Gradients, as in
+    [`echoloss.echo_loss_from_hidden`][echoloss.loss.echo_loss_from_hidden]: when every
+    participating token fits one chunk (``row_chunk_size``; on CUDA by default up to ``4·H``
+    tokens in bf16) the chunk's logits are kept for backward, which writes their gradient
+    over them (logits-then-loss's GEMMs and phases, for any ``loss_type``). Over several
+    chunks, for a chunk-additive loss (`echoloss.loss.core.chunk_additive`: ``loss_type``
     ``grpo``, ``dapo``, ``bnpo``, ``dr_grpo``, ``luspo`` and token-level ``cispo``, or a
     ``config=`` with a per-token policy and no sequence-level mismatch correction) with
     ``_input`` or ``lin_weight`` requiring a gradient, ``d _input`` and ``d lin_weight`` (and
-    ``d bias``) are formed in the forward
-    pass while each chunk's logits are in memory, as in
-    [`echoloss.echo_loss_from_hidden`][echoloss.loss.echo_loss_from_hidden]: one LM-head GEMM per
-    chunk instead of two, the ``[V, H]`` weight gradient held from forward to backward, one
-    backward per loss. ``sapo`` and sequence-level ratios recompute each chunk's logits in
-    backward. Same loss, metrics and gradients either way
-    (``tests/nn/test_fused_module_gradients.py``).
+    ``d bias``) are formed in the forward pass while each chunk's logits are in memory: one
+    LM-head GEMM per chunk instead of two, the ``[V, H]`` weight gradient held from forward to
+    backward, one backward per loss; ``sapo`` and sequence-level ratios recompute each chunk's
+    logits in backward. Same loss, metrics and gradients on every path
+    (``tests/nn/test_fused_module_gradients.py``, ``tests/ops/test_fused_linear.py``).
 
     Examples:
         >>> import torch

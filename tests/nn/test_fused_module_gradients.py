@@ -248,3 +248,33 @@ def test_second_backward_is_an_error():
     out.loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="a second time"):
         out.loss.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["dapo", "grpo-kl", "config-sequence-means", "gspo", "sapo"])
+def test_one_chunk_keeps_the_logits_and_matches_the_logits_module(name, dtype, monkeypatch):
+    """Every token in one chunk (the default here): one LM-head GEMM in all, forward and
+    backward (the logits kept for backward), for chunk-additive losses and the others alike,
+    and on the device code path the loss, metrics and gradients of ``EchoGRPOLoss`` on
+    ``_input @ lin_weight.T`` bit for bit (the same GEMMs and phases on the same tensors)."""
+    from echoloss.nn import EchoGRPOLoss
+
+    options = ADDITIVE.get(name) or RECOMPUTE[name]
+    x, w, _bias, ids, mask, adv, extra, _old = _inputs(dtype)
+    if "config" not in options:
+        extra.pop("inference_logprobs")
+    gemms = _gemm_counter(monkeypatch)
+    xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with device_code_path():
+        fused = EchoFusedLinearGRPOLoss(**options)(xf, wf, ids, mask, adv, **extra)
+        forward_gemms = gemms["n"]
+        (fused.loss * 0.7).backward()
+        logits = EchoGRPOLoss(**options)(xl @ wl.t(), ids, mask, adv, **extra)
+        (logits.loss * 0.7).backward()
+        raise_deferred_errors()
+    assert (forward_gemms, gemms["n"]) == (1, 1)
+    assert torch.equal(fused.loss, logits.loss)
+    for k in logits.metrics:
+        assert torch.equal(fused.metrics[k], logits.metrics[k]), k
+    assert torch.equal(xf.grad, xl.grad) and torch.equal(wf.grad, wl.grad)

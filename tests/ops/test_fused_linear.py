@@ -471,9 +471,10 @@ def test_one_chunk_keeps_its_logits_and_is_the_logits_path_bit_for_bit(name, dty
     """All rows in one chunk (the device path: every row, as on CUDA): one LM-head GEMM in
     all, forward and backward (the logits are kept for backward, where phase 2 overwrites them
     with their gradient), for chunk-additive losses and others (``gspo``) alike, and the loss,
-    metrics and both gradients of logits-then-loss bit for bit: the same GEMMs on the same
-    tensors and the same phase 2 with the same coefficients, also for an incoming gradient
-    other than 1 (``loss / 3``: the logits path's coefficients carry it, and so do these)."""
+    metrics and both gradients of logits-then-loss bit for bit (the reference phases; the
+    interpreted Triton ones within an fp32 ulp, see below): the same GEMMs on the same tensors
+    and the same phase 2 with the same coefficients, also for an incoming gradient other than
+    1 (``loss / 3``: the logits path's coefficients carry it, and so do these)."""
     from echoloss._deferred import device_code_path, raise_deferred_errors
 
     cfg = LossConfig(policy="gspo") if name == "gspo" else FORWARD_GRADIENT_CONFIGS[name]
@@ -494,11 +495,21 @@ def test_one_chunk_keeps_its_logits_and_is_the_logits_path_bit_for_bit(name, dty
         (ref.loss / 3).backward()
         raise_deferred_errors()
     assert (forward_gemms, gemms["n"]) == (1, 1)
-    assert torch.equal(out.loss, ref.loss)
-    for k in ref.metrics:
-        assert torch.equal(out.metrics[k], ref.metrics[k]), k
     assert h.grad.dtype == dtype and w.grad.dtype == dtype
-    assert torch.equal(h.grad, hr.grad) and torch.equal(w.grad, wr.grad)
+    pairs = [(out.loss, ref.loss), (h.grad, hr.grad), (w.grad, wr.grad)]
+    pairs += [(out.metrics[k], ref.metrics[k]) for k in ref.metrics]
+    for got, want in pairs:
+        if backend == "reference":
+            assert torch.equal(got, want)
+        else:
+            # Under the Triton interpreter the phases are numpy, whose vectorised exp/log can
+            # round an fp32 ulp away from their scalar tails depending on where the arrays lie
+            # in memory: the two calls agree bit for bit when run alone, not always after
+            # another test has run (4e-9 in dz; the entropy bonus's gradient sums cancel to
+            # 1.4e-5 relative). The compiled kernels are compared bit for bit on a GPU
+            # (tests/ops/test_fused_gpu.py).
+            atol, rtol = (1e-5, 1e-4) if dtype == torch.float32 else LINEAR_TOL[dtype]
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
     assert float(w.grad.abs().max()) > 0
 
 

@@ -6,7 +6,9 @@ the participating rows are gathered first, then processed ``chunk_size`` at a ti
 ``[c, V]`` → the two-phase selective-logprob op of ``backend`` → discarded). Backward recomputes
 each chunk's logits (the loss between the phases needs every row's logprob first, so the
 gradient cannot be formed in the forward pass), writes ``dlogits`` in place over them, and
-accumulates ``d hidden`` and ``d weight`` chunk by chunk.
+accumulates ``d hidden`` and ``d weight`` chunk by chunk. In one chunk with a gradient
+recorded, the forward keeps the chunk's logits for backward instead of recomputing them
+(logits-then-loss's work with one ``[n, V]`` buffer instead of two).
 
 When the caller can give each row's loss coefficients from that row alone (a chunk-additive
 loss: `linear_logprobs_with_gradients`), the forward pass forms the gradients itself, chunk by
