@@ -28,9 +28,11 @@ from echoloss.loss.inputs import LossInputs
 from echoloss.loss.normalization import Normalizers
 from echoloss.loss.policy import PolicyFn
 from echoloss.ops.fused_linear.op import (
+    EarlyLogits,
     attach_gradients,
     check_linear_inputs,
     linear_logprobs_for_loss,
+    start_logits,
 )
 
 __all__ = ["echo_loss_from_hidden"]
@@ -120,6 +122,8 @@ def echo_loss_from_hidden(
     """
     raise_deferred_errors(block=False)
     hidden, weight = check_linear_inputs(hidden, weight)
+    chunk_size = check_chunk_size(chunk_size)
+    early = start_logits(hidden, weight, chunk_size)  # the GPU starts while the host checks
     lead = hidden.shape[:1]
     x = resolve_inputs(inputs, fields, shape=lead, device=hidden.device, source="hidden")
     if x.labels is None:
@@ -130,7 +134,6 @@ def echo_loss_from_hidden(
     cfg = check_config(config)
     checks = DeferredChecks(hidden.device)
     spec = check_requirements(x, cfg, policy_fn, checks)
-    chunk_size = check_chunk_size(chunk_size)
     temp, need_ent = row_temperature_and_entropy(
         x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
     )
@@ -138,7 +141,7 @@ def echo_loss_from_hidden(
     with checks.collecting():  # the op's checks of labels and temperatures join the call's
         lp, ent_all, grads = _logprobs(
             hidden, weight, x, cfg, spec, normalizers, policy_fn, temp, mask, need_ent,
-            chunk_size, backend,
+            chunk_size, backend, early,
         )  # fmt: skip
     ent: torch.Tensor | None = None
     if need_ent:
@@ -164,6 +167,7 @@ def _logprobs(
     need_ent: bool,
     chunk_size: int | None,
     backend: str,
+    early: EarlyLogits | None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None] | None]:
     """``(logprobs [N], entropy [N] or [0], [d hidden, d weight] or None)``: the gradients
     formed in the forward pass for a chunk-additive loss (see `echo_loss_from_hidden`)."""
@@ -172,5 +176,5 @@ def _logprobs(
     if chunk_additive(cfg, policy_fn):
         coefficients = functools.partial(row_coefficients, x, cfg, spec, normalizers)
     return linear_logprobs_for_loss(
-        hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend, coefficients
+        hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend, coefficients, early
     )  # [N], [N] or [0]; [d hidden, d weight] formed in forward, or None

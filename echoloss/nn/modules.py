@@ -64,6 +64,7 @@ from echoloss.ops.fused_linear.op import (
     attach_gradients,
     check_linear_inputs,
     linear_logprobs_for_loss,
+    start_logits,
 )
 
 __all__ = ["EchoFusedLinearGRPOLoss", "EchoGRPOLoss"]
@@ -645,7 +646,6 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
         b, t, h = _input.shape
         raise_deferred_errors(block=False)  # errors of earlier calls whose work is done
         checks = DeferredChecks(_input.device)
-        rl, echo, w = self._rows(attention_mask, echo_weights, checks)
         hidden = _input.reshape(b * t, h)
         weight = lin_weight.to(_input.dtype)
         if bias is not None:
@@ -656,6 +656,9 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             hidden = torch.cat([hidden, hidden.new_ones(b * t, 1)], dim=1)
             weight = torch.cat([weight, bias.to(_input.dtype).unsqueeze(1)], dim=1)
         hidden, weight = check_linear_inputs(hidden, weight)
+        row_chunk_size = check_chunk_size(self.row_chunk_size)
+        early = start_logits(hidden, weight, row_chunk_size)  # the GPU starts while we set up
+        rl, echo, w = self._rows(attention_mask, echo_weights, checks)
         temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
         setup = self._setup(
             rl,
@@ -682,7 +685,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
         with checks.collecting():  # the op's checks join the call's, in call order
             lp, ent, grads = linear_logprobs_for_loss(
                 hidden, weight, labels, temp.reshape(-1), (rl | echo).reshape(-1), True,
-                check_chunk_size(self.row_chunk_size), "auto", coefficients,
+                row_chunk_size, "auto", coefficients, early,
             )  # fmt: skip
         out = self._loss(
             lp.view(b, t),

@@ -3,6 +3,8 @@ path on ``hidden @ weight.T``, chunked against unchunked, both backends, and inp
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from _fused_cases import (
@@ -511,6 +513,58 @@ def test_one_chunk_keeps_its_logits_and_is_the_logits_path_bit_for_bit(name, dty
             atol, rtol = (1e-5, 1e-4) if dtype == torch.float32 else LINEAR_TOL[dtype]
             torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
     assert float(w.grad.abs().max()) > 0
+
+
+@pytest.mark.parametrize("entry", ["function", "module"])
+def test_one_chunk_issues_the_lm_head_gemm_first(entry):
+    """On the device code path with every row in one chunk, the LM head's GEMM is the first
+    aten op the call issues (views aside), before the checks and setup of the loss: an idle
+    GPU starts on it while the host prepares the rest. Off the device path (rows chosen on
+    the host first) it is not, and without a recorded gradient nothing is issued early."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from echoloss._deferred import device_code_path, raise_deferred_errors
+    from echoloss.nn import EchoFusedLinearGRPOLoss
+
+    class Order(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func._schema.name.startswith(("aten::t", "aten::view", "aten::reshape")):
+                self.ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    batch = _batch([9, 6, 5], seed=4)
+    n = batch["labels"].numel()
+
+    def prepared(h, w):
+        """The call with its inputs built outside the recorder."""
+        if entry == "function":
+            return lambda: _hidden_loss(batch, h, w, POLICIES["dppo"], "reference")
+        b = 4
+        t = n // b
+        args = (
+            h[: b * t].reshape(b, t, H), w, batch["labels"][: b * t].reshape(b, t),
+            batch["rl_mask"][: b * t].reshape(b, t).float(), torch.ones(b),
+        )  # fmt: skip
+        echo = batch["echo_weights"][: b * t].reshape(b, t)
+        loss_fn = EchoFusedLinearGRPOLoss(loss_type="dapo", beta=0.0)
+        return lambda: loss_fn(*args, echo_weights=echo)
+
+    firsts = []
+    for device_path, grad in ((True, True), (False, True), (True, False)):
+        h = _hidden(n, torch.float32).requires_grad_(grad)
+        w = _weights(torch.float32).requires_grad_(grad)
+        run = prepared(h, w)
+        with device_code_path() if device_path else contextlib.nullcontext():
+            with Order() as order:
+                run()
+            raise_deferred_errors()
+        firsts.append(order.ops[0])
+    assert firsts[0] == "aten::mm", firsts
+    assert firsts[1] != "aten::mm" and firsts[2] != "aten::mm", firsts
 
 
 @pytest.mark.parametrize("device_path", [False, True], ids=["host-path", "device-path"])

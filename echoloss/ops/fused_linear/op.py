@@ -23,7 +23,7 @@ import functools
 import importlib.util
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,6 +43,7 @@ from echoloss.ops.selective_logprobs.op import labels_checked_on_device
 
 __all__ = [
     "DEFAULT_LINEAR_CHUNK_ELEMENTS",
+    "EarlyLogits",
     "RowCoefficients",
     "attach_gradients",
     "auto_linear_chunk_size",
@@ -53,6 +54,7 @@ __all__ = [
     "linear_logprobs_rows",
     "linear_logprobs_with_gradients",
     "linear_selective_logprobs",
+    "start_logits",
 ]
 
 #: Logits elements per chunk off CUDA (2^26: 128 MiB of bf16 chunk logits; 441 rows at
@@ -283,6 +285,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
         impl: ModuleType,
         mask: torch.Tensor | None,
         recorded: bool,
+        logits: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n_all = hidden.shape[0]
         v = weight.shape[0]
@@ -299,7 +302,10 @@ class _LinearLogprobsFn(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             stop = min(n, start + chunk_size)
             idx = rows[start:stop]
-            z = _logits_chunk(_chunk_rows(hidden, idx, n_all), weight)
+            if logits is not None and start == 0 and stop == n:  # issued by start_logits
+                z = logits
+            else:
+                z = _logits_chunk(_chunk_rows(hidden, idx, n_all), weight)
             it = inv_t if isinstance(inv_t, float) else inv_t.index_select(0, idx)
             lp_k, lse_k, ent_k = impl.forward(
                 z,
@@ -336,7 +342,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
     def backward(ctx: Any, grad_lp: torch.Tensor, grad_ent: torch.Tensor) -> tuple[Any, ...]:
         hidden, weight, labels, rows, lse, ent_c, inv_t_t, mask = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        nones = (None,) * 8
+        nones = (None,) * 9
         kept, ctx.kept_logits = ctx.kept_logits, None  # consumed here (overwritten in place)
         if not (need_h or need_w):
             return (None, None, *nones)
@@ -562,6 +568,40 @@ def linear_logprobs_with_gradients(
     return lp, ent, grad_h, grad_w
 
 
+class EarlyLogits(NamedTuple):
+    """The one chunk's logits ``[N, V]``, issued before the loss's setup (`start_logits`), and
+    the chunk size they were issued for."""
+
+    logits: torch.Tensor
+    chunk_size: int
+
+
+def start_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None
+) -> EarlyLogits | None:
+    """Issue the LM-head GEMM now when it will be the op's only one: on the device path (every
+    row goes through the LM head, so the chunk is known from the shapes) with a gradient
+    recorded and every row within ``chunk_size`` (default `auto_linear_chunk_size`). A loss
+    entry point calls it before its checks and setup, so that the GPU computes the logits while
+    the host prepares the rest (an idle GPU otherwise waits for that host work before the
+    call's first kernel). None otherwise; ``hidden``/``weight`` already checked.
+
+    Examples:
+        >>> start_logits(torch.zeros(2, 3), torch.zeros(4, 3), None) is None  # off CUDA
+        True
+    """
+    if not on_device_path(hidden.device):
+        return None
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        return None
+    n = hidden.shape[0]
+    cs = chunk_size if chunk_size is not None else auto_linear_chunk_size(weight, rows=n)
+    if not 0 < n <= cs:
+        return None
+    with torch.no_grad():  # the op's own backward differentiates them
+        return EarlyLogits(_logits_chunk(hidden, weight), cs)
+
+
 def linear_logprobs_for_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -572,9 +612,11 @@ def linear_logprobs_for_loss(
     chunk_size: int | None,
     backend: str,
     coefficients: Callable[[], RowCoefficients] | None,
+    early: EarlyLogits | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None] | None]:
     """``(logprobs [N], entropy [N] or [0], [d hidden, d weight] or None)`` for a loss entry
-    point, by the cheapest of the op's three paths:
+    point, by the cheapest of the op's three paths (``early``: the one chunk's logits from
+    `start_logits`, used instead of computing them):
 
     - **one chunk** (every participating row within ``chunk_size``, the default on CUDA up to
       ``4·H`` rows in bf16): the logits GEMM and phase 1 in forward, the chunk's logits kept
@@ -592,6 +634,17 @@ def linear_logprobs_for_loss(
     """
     flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
     n = int(rows.numel())
+    if early is not None:
+        if tuple(early.logits.shape) != (n, weight.shape[0]):
+            raise ValueError(
+                problem(
+                    "early",
+                    f"the logits of every row, [{n}, {weight.shape[0]}]",
+                    describe(early.logits),
+                    "pass start_logits(hidden, weight, chunk_size) of the same call",
+                )
+            )
+        chunk_size = early.chunk_size
     cs = chunk_size if chunk_size is not None else auto_linear_chunk_size(weight, rows=n)
     recorded = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if coefficients is not None and recorded and n > cs:
@@ -603,7 +656,10 @@ def linear_logprobs_for_loss(
                 (hidden.requires_grad, weight.requires_grad),
             )  # fmt: skip
         return lp, ent, [grad_h, grad_w]
-    lp, ent = _apply(hidden, weight, flat_labels, rows, inv_t, need_entropy, cs, backend, flat_mask)
+    lp, ent = _apply(
+        hidden, weight, flat_labels, rows, inv_t, need_entropy, cs, backend, flat_mask,
+        None if early is None else early.logits,
+    )  # fmt: skip
     return lp, ent, None
 
 
@@ -837,6 +893,7 @@ def _apply(
     chunk_size: int | None,
     backend: str,
     mask: torch.Tensor | None,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = resolve_backend(backend, hidden.device)
     cs = chunk_size
@@ -844,7 +901,7 @@ def _apply(
         cs = auto_linear_chunk_size(weight, rows=int(rows.numel()))
     recorded = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     out: tuple[torch.Tensor, torch.Tensor] = _LinearLogprobsFn.apply(  # type: ignore[no-untyped-call]
-        hidden, weight, labels, rows, inv_t, need_entropy, cs, impl, mask, recorded
+        hidden, weight, labels, rows, inv_t, need_entropy, cs, impl, mask, recorded, logits
     )
     return out
 
