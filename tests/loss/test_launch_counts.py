@@ -299,3 +299,39 @@ def test_fused_algebra_launches_at_most_ten(name, envs, phases_uncounted, row_ke
     assert c.num_launches <= FUSED_CEILING[name] + 2 * envs, dict(c.launches)
     if cfg.mode == "rl":
         assert c.num_launches <= 10
+
+
+def test_fused_linear_one_chunk_launches(phases_uncounted, row_kernel_uncounted, monkeypatch):
+    """``echo_loss_from_hidden`` on the device path with every row in one chunk: the three GEMMs,
+    the phases and the row program, and at most ``FUSED_LINEAR_CEILING`` other launches
+    (the labels' and mask's checks on the device, the rows' bookkeeping, the scatter-free
+    ``d hidden``). History: 49 besides the GEMMs when the one chunk's ``[N]`` outputs were
+    zero-filled and copied into and its inputs gathered with an index of every row."""
+    from echoloss import echo_loss_from_hidden
+
+    fake = importlib.import_module("echoloss.ops.selective_logprobs.op").resolve_backend
+    monkeypatch.setattr(
+        importlib.import_module("echoloss.ops.fused_linear.op"), "resolve_backend", fake
+    )
+    cfg = FUSED_CONFIGS["dppo"]
+    x = _record(cfg, env_names=None)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(N, 16, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(V, 16, generator=g, dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        hidden.grad = weight.grad = None
+        echo_loss_from_hidden(hidden, weight, x, config=cfg).loss.backward()
+
+    with device_code_path():
+        step()  # warm-up
+        raise_deferred_errors()
+        with count_ops() as c:
+            step()
+        raise_deferred_errors()
+    assert c.num_syncs == 0
+    assert c.launches["aten::mm"] == 3  # logits, d hidden, d weight: nothing recomputed
+    assert c.num_launches - 3 <= FUSED_LINEAR_CEILING, str(sorted(c.launches.items()))
+
+
+FUSED_LINEAR_CEILING = 35

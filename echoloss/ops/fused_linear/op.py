@@ -293,11 +293,33 @@ class _LinearLogprobsFn(torch.autograd.Function):
         dev = hidden.device
         n = int(rows.numel())
         keep = recorded and 0 < n <= chunk_size  # (grad mode is off inside forward)
+        inner = reference.default_chunk_size(v)
+        if 0 < n == n_all <= chunk_size:
+            # One chunk of every row, in order (the device path's one chunk): the phase's
+            # outputs are the op's, with no [N] buffers filled and copied into.
+            z = _logits_chunk(hidden, weight) if logits is None else logits
+            lp_k, lse_k, ent_k = impl.forward(
+                z,
+                labels,
+                rows=None,
+                inv_temperature=inv_t,
+                need_entropy=need_entropy,
+                chunk_size=inner,
+                **({} if mask is None else {"mask": mask}),
+            )
+            lp, lse = lp_k.to(cdtype), lse_k.to(cdtype)
+            ent_c = None if ent_k is None or not need_entropy else ent_k.to(cdtype)
+            # ent is also saved as the rows' entropy (saving an output is allowed; an in-place
+            # change to it before backward is then reported by autograd, as for any saved one).
+            ent = torch.zeros(0, dtype=cdtype, device=dev) if ent_c is None else ent_c
+            return _LinearLogprobsFn._finish_forward(
+                ctx, (hidden, weight, labels, rows, lse, ent_c, inv_t, mask),
+                need_entropy, chunk_size, impl, z if keep else None, lp, ent,
+            )  # fmt: skip
         lp = torch.zeros(n_all, dtype=cdtype, device=dev)
         ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
         lse = torch.zeros(n, 2, dtype=cdtype, device=dev)  # [n, 2] per-row log-sum-exp statistics
         ent_c = torch.zeros(n, dtype=cdtype, device=dev) if need_entropy else None
-        inner = reference.default_chunk_size(v)
         kept: torch.Tensor | None = None
         for start in range(0, n, chunk_size):
             stop = min(n, start + chunk_size)
@@ -325,6 +347,25 @@ class _LinearLogprobsFn(torch.autograd.Function):
                 assert ent_k is not None
                 ent_c[start:stop] = ent_k
                 ent.index_copy_(0, idx, ent_k.to(cdtype))
+        return _LinearLogprobsFn._finish_forward(
+            ctx, (hidden, weight, labels, rows, lse, ent_c, inv_t, mask),
+            need_entropy, chunk_size, impl, kept, lp, ent,
+        )  # fmt: skip
+
+    @staticmethod
+    def _finish_forward(
+        ctx: Any,
+        saved: tuple[Any, ...],
+        need_entropy: bool,
+        chunk_size: int,
+        impl: ModuleType,
+        kept: torch.Tensor | None,
+        lp: torch.Tensor,
+        ent: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What backward needs, saved (``saved``: hidden, weight, labels, rows, lse, the
+        rows' entropy, 1/T, mask)."""
+        hidden, weight, labels, rows, lse, ent_c, inv_t, mask = saved
         if not need_entropy:
             ctx.mark_non_differentiable(ent)
         inv_t_t = inv_t if isinstance(inv_t, torch.Tensor) else None
@@ -347,10 +388,11 @@ class _LinearLogprobsFn(torch.autograd.Function):
         if not (need_h or need_w):
             return (None, None, *nones)
         n_all = hidden.shape[0]
-        a = grad_lp.index_select(0, rows)
+        every_row = int(rows.numel()) == n_all  # rows are then 0..N-1 in order
+        a = grad_lp if every_row else grad_lp.index_select(0, rows)
         b = None
         if ctx.need_entropy and grad_ent is not None and grad_ent.numel():
-            b = grad_ent.index_select(0, rows)
+            b = grad_ent if every_row else grad_ent.index_select(0, rows)
         live = a != 0 if b is None else (a != 0) | (b != 0)
         ent = None if b is None else ent_c
         if mask is not None:
@@ -379,11 +421,12 @@ class _LinearLogprobsFn(torch.autograd.Function):
             h = _chunk_rows(hidden, idx, n_all)
             z = kept if kept is not None else _logits_chunk(h, weight)
             kept = None
-            it = inv_t if isinstance(inv_t, float) else inv_t.index_select(0, idx)
+            whole = int(idx.numel()) == n_all
+            it = inv_t if isinstance(inv_t, float) or whole else inv_t.index_select(0, idx)
             # Every row of z is written by phase 2 (dead rows with zeros): in place is safe.
             dz = ctx.impl.backward(
                 z,
-                labels.index_select(0, idx),
+                labels if whole else labels.index_select(0, idx),
                 rows=None,
                 live=live[start:stop],
                 inv_temperature=it,
