@@ -123,7 +123,9 @@ def echo_loss_from_hidden(
     raise_deferred_errors(block=False)
     hidden, weight = check_linear_inputs(hidden, weight)
     chunk_size = check_chunk_size(chunk_size)
-    early = start_logits(hidden, weight, chunk_size)  # the GPU starts while the host checks
+    early = start_logits(
+        hidden, weight, chunk_size=chunk_size
+    )  # the GPU starts while the host checks
     lead = hidden.shape[:1]
     x = resolve_inputs(inputs, fields, shape=lead, device=hidden.device, source="hidden")
     if x.labels is None:
@@ -176,5 +178,14 @@ def _logprobs(
     if chunk_additive(cfg, policy_fn):
         coefficients = functools.partial(row_coefficients, x, cfg, spec, normalizers)
     return linear_logprobs_for_loss(
-        hidden, weight, x.labels, temp, mask, need_ent, chunk_size, backend, coefficients, early
+        hidden,
+        weight,
+        x.labels,
+        temp,
+        mask,
+        need_ent,
+        chunk_size,
+        backend,
+        coefficients,
+        early=early,
     )  # [N], [N] or [0]; [d hidden, d weight] formed in forward, or None

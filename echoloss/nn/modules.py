@@ -657,7 +657,9 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             weight = torch.cat([weight, bias.to(_input.dtype).unsqueeze(1)], dim=1)
         hidden, weight = check_linear_inputs(hidden, weight)
         row_chunk_size = check_chunk_size(self.row_chunk_size)
-        early = start_logits(hidden, weight, row_chunk_size)  # the GPU starts while we set up
+        early = start_logits(
+            hidden, weight, chunk_size=row_chunk_size
+        )  # the GPU starts while we set up
         rl, echo, w = self._rows(attention_mask, echo_weights, checks)
         temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
         setup = self._setup(
@@ -685,7 +687,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
         with checks.collecting():  # the op's checks join the call's, in call order
             lp, ent, grads = linear_logprobs_for_loss(
                 hidden, weight, labels, temp.reshape(-1), (rl | echo).reshape(-1), True,
-                row_chunk_size, "auto", coefficients, early,
+                row_chunk_size, "auto", coefficients, early=early,
             )  # fmt: skip
         out = self._loss(
             lp.view(b, t),

@@ -620,7 +620,7 @@ class EarlyLogits(NamedTuple):
 
 
 def start_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int | None
+    hidden: torch.Tensor, weight: torch.Tensor, *, chunk_size: int | None
 ) -> EarlyLogits | None:
     """Issue the LM-head GEMM now when it will be the op's only one: on the device path (every
     row goes through the LM head, so the chunk is known from the shapes) with a gradient
@@ -630,7 +630,7 @@ def start_logits(
     call's first kernel). None otherwise; ``hidden``/``weight`` already checked.
 
     Examples:
-        >>> start_logits(torch.zeros(2, 3), torch.zeros(4, 3), None) is None  # off CUDA
+        >>> start_logits(torch.zeros(2, 3), torch.zeros(4, 3), chunk_size=None) is None  # off CUDA
         True
     """
     if not on_device_path(hidden.device):
@@ -655,6 +655,7 @@ def linear_logprobs_for_loss(
     chunk_size: int | None,
     backend: str,
     coefficients: Callable[[], RowCoefficients] | None,
+    *,
     early: EarlyLogits | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None] | None]:
     """``(logprobs [N], entropy [N] or [0], [d hidden, d weight] or None)`` for a loss entry
@@ -684,7 +685,7 @@ def linear_logprobs_for_loss(
                     "early",
                     f"the logits of every row, [{n}, {weight.shape[0]}]",
                     describe(early.logits),
-                    "pass start_logits(hidden, weight, chunk_size) of the same call",
+                    "pass start_logits(hidden, weight, chunk_size=...) of the same call",
                 )
             )
         chunk_size = early.chunk_size
