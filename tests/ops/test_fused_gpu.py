@@ -163,6 +163,26 @@ def test_fused_linear_on_gpu_matches_logits_path_with_less_memory():
     assert fused_res[3] < ref_res[3], (fused_res[3], ref_res[3])
 
 
+def _linear_inputs(n, h, v, *, seed, echo_share):
+    """bf16 ``hidden [n, h]``, an LM head ``[v, h]``, labels and the loss fields: 60 % RL rows,
+    and an echo weight of 0.3 on each other row with probability ``echo_share``."""
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, device=CUDA).to(torch.bfloat16)
+    weight = (torch.randn(v, h, generator=g, device=CUDA) * h**-0.5).to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), generator=g, device=CUDA)
+    rl = torch.rand(n, generator=g, device=CUDA) < 0.6
+    echo = ~rl
+    if echo_share < 1:
+        echo &= torch.rand(n, generator=g, device=CUDA) < echo_share
+    kw = dict(
+        rl_mask=rl,
+        echo_weights=torch.where(echo, 0.3, 0.0),
+        advantages=torch.randn(n, generator=g, device=CUDA),
+        inference_logprobs=torch.full((n,), -10.0, device=CUDA),
+    )
+    return hidden, weight, labels, kw
+
+
 def test_fused_linear_one_chunk_is_the_logits_path_bit_for_bit_on_gpu():
     """One chunk on CUDA (every row: the device path): the logits kept for backward, and the
     loss and both bf16 gradients of logits-then-loss bit for bit (the same cuBLAS GEMMs on the
@@ -172,18 +192,8 @@ def test_fused_linear_one_chunk_is_the_logits_path_bit_for_bit_on_gpu():
     from echoloss.loss import echo_loss
     from echoloss.ops.fused_linear import op
 
-    n, h, v = 2048, 1024, 32_000
-    g = torch.Generator(device=CUDA).manual_seed(5)
-    hidden = torch.randn(n, h, generator=g, device=CUDA).to(torch.bfloat16)
-    weight = (torch.randn(v, h, generator=g, device=CUDA) * h**-0.5).to(torch.bfloat16)
-    labels = torch.randint(0, v, (n,), generator=g, device=CUDA)
-    rl = torch.rand(n, generator=g, device=CUDA) < 0.6
-    kw = dict(
-        rl_mask=rl,
-        echo_weights=torch.where(~rl & (torch.rand(n, generator=g, device=CUDA) < 0.5), 0.3, 0.0),
-        advantages=torch.randn(n, generator=g, device=CUDA),
-        inference_logprobs=torch.full((n,), -10.0, device=CUDA),
-    )
+    n = 2048
+    hidden, weight, labels, kw = _linear_inputs(n, 1024, 32_000, seed=5, echo_share=0.5)
     assert op.auto_linear_chunk_size(weight.clone().requires_grad_(), rows=n) == n
     results = []
     for fused in (True, False):
@@ -236,17 +246,7 @@ def test_fused_linear_chunks_as_large_as_the_accumulator_on_gpu(monkeypatch, n, 
     from echoloss.ops.fused_linear import op
 
     h, v = 1024, 151_936
-    g = torch.Generator(device=CUDA).manual_seed(2)
-    hidden = torch.randn(n, h, generator=g, device=CUDA).to(torch.bfloat16)
-    weight = (torch.randn(v, h, generator=g, device=CUDA) * h**-0.5).to(torch.bfloat16)
-    labels = torch.randint(0, v, (n,), generator=g, device=CUDA)
-    rl = torch.rand(n, generator=g, device=CUDA) < 0.6
-    kw = dict(
-        rl_mask=rl,
-        echo_weights=torch.where(~rl, 0.3, 0.0),
-        advantages=torch.randn(n, generator=g, device=CUDA),
-        inference_logprobs=torch.full((n,), -10.0, device=CUDA),
-    )
+    hidden, weight, labels, kw = _linear_inputs(n, h, v, seed=2, echo_share=1.0)
     w = weight.clone().requires_grad_()
     assert op.auto_linear_chunk_size(w, rows=n) == -(-n // chunks)
     calls = {"n": 0}

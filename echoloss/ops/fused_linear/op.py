@@ -294,32 +294,16 @@ class _LinearLogprobsFn(torch.autograd.Function):
         n = int(rows.numel())
         keep = recorded and 0 < n <= chunk_size  # (grad mode is off inside forward)
         inner = reference.default_chunk_size(v)
-        if 0 < n == n_all <= chunk_size:
-            # One chunk of every row, in order (the device path's one chunk): the phase's
-            # outputs are the op's, with no [N] buffers filled and copied into.
-            z = _logits_chunk(hidden, weight) if logits is None else logits
-            lp_k, lse_k, ent_k = impl.forward(
-                z,
-                labels,
-                rows=None,
-                inv_temperature=inv_t,
-                need_entropy=need_entropy,
-                chunk_size=inner,
-                **({} if mask is None else {"mask": mask}),
-            )
-            lp, lse = lp_k.to(cdtype), lse_k.to(cdtype)
-            ent_c = None if ent_k is None or not need_entropy else ent_k.to(cdtype)
-            # ent is also saved as the rows' entropy (saving an output is allowed; an in-place
-            # change to it before backward is then reported by autograd, as for any saved one).
-            ent = torch.zeros(0, dtype=cdtype, device=dev) if ent_c is None else ent_c
-            return _LinearLogprobsFn._finish_forward(
-                ctx, (hidden, weight, labels, rows, lse, ent_c, inv_t, mask),
-                need_entropy, chunk_size, impl, z if keep else None, lp, ent,
-            )  # fmt: skip
-        lp = torch.zeros(n_all, dtype=cdtype, device=dev)
-        ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
-        lse = torch.zeros(n, 2, dtype=cdtype, device=dev)  # [n, 2] per-row log-sum-exp statistics
-        ent_c = torch.zeros(n, dtype=cdtype, device=dev) if need_entropy else None
+        # One chunk of every row, in order (the device path's one chunk): the phase's outputs
+        # are the op's, with no [N] buffers zero-filled and copied into.
+        whole = 0 < n == n_all <= chunk_size
+        lse: torch.Tensor | None = None  # [n, 2] per-row log-sum-exp statistics
+        ent_c: torch.Tensor | None = None  # [n] the rows' entropy, for backward
+        if not whole:
+            lp = torch.zeros(n_all, dtype=cdtype, device=dev)
+            ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
+            lse = torch.zeros(n, 2, dtype=cdtype, device=dev)
+            ent_c = torch.zeros(n, dtype=cdtype, device=dev) if need_entropy else None
         kept: torch.Tensor | None = None
         for start in range(0, n, chunk_size):
             stop = min(n, start + chunk_size)
@@ -327,11 +311,11 @@ class _LinearLogprobsFn(torch.autograd.Function):
             if logits is not None and start == 0 and stop == n:  # issued by start_logits
                 z = logits
             else:
-                z = _logits_chunk(_chunk_rows(hidden, idx, n_all), weight)
-            it = inv_t if isinstance(inv_t, float) else inv_t.index_select(0, idx)
+                z = _logits_chunk(_take_rows(hidden, idx, n_all), weight)
+            it = inv_t if isinstance(inv_t, float) else _take_rows(inv_t, idx, n_all)
             lp_k, lse_k, ent_k = impl.forward(
                 z,
-                labels.index_select(0, idx),
+                _take_rows(labels, idx, n_all),
                 rows=None,
                 inv_temperature=it,
                 need_entropy=need_entropy,
@@ -341,31 +325,21 @@ class _LinearLogprobsFn(torch.autograd.Function):
             if keep:
                 kept = z
             del z
+            if whole:
+                lp, lse = lp_k.to(cdtype), lse_k.to(cdtype)
+                ent_c = ent_k.to(cdtype) if need_entropy and ent_k is not None else None
+                # Also saved as the rows' entropy (saving an output is allowed; an in-place
+                # change to it before backward is then reported by autograd).
+                ent = torch.zeros(0, dtype=cdtype, device=dev) if ent_c is None else ent_c
+                continue
+            assert lse is not None
             lp.index_copy_(0, idx, lp_k.to(cdtype))
             lse[start:stop] = lse_k
             if ent_c is not None:
                 assert ent_k is not None
                 ent_c[start:stop] = ent_k
                 ent.index_copy_(0, idx, ent_k.to(cdtype))
-        return _LinearLogprobsFn._finish_forward(
-            ctx, (hidden, weight, labels, rows, lse, ent_c, inv_t, mask),
-            need_entropy, chunk_size, impl, kept, lp, ent,
-        )  # fmt: skip
-
-    @staticmethod
-    def _finish_forward(
-        ctx: Any,
-        saved: tuple[Any, ...],
-        need_entropy: bool,
-        chunk_size: int,
-        impl: ModuleType,
-        kept: torch.Tensor | None,
-        lp: torch.Tensor,
-        ent: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What backward needs, saved (``saved``: hidden, weight, labels, rows, lse, the
-        rows' entropy, 1/T, mask)."""
-        hidden, weight, labels, rows, lse, ent_c, inv_t, mask = saved
+        assert lse is not None  # allocated, or the one chunk's
         if not need_entropy:
             ctx.mark_non_differentiable(ent)
         inv_t_t = inv_t if isinstance(inv_t, torch.Tensor) else None
@@ -388,11 +362,10 @@ class _LinearLogprobsFn(torch.autograd.Function):
         if not (need_h or need_w):
             return (None, None, *nones)
         n_all = hidden.shape[0]
-        every_row = int(rows.numel()) == n_all  # rows are then 0..N-1 in order
-        a = grad_lp if every_row else grad_lp.index_select(0, rows)
+        a = _take_rows(grad_lp, rows, n_all)
         b = None
         if ctx.need_entropy and grad_ent is not None and grad_ent.numel():
-            b = grad_ent if every_row else grad_ent.index_select(0, rows)
+            b = _take_rows(grad_ent, rows, n_all)
         live = a != 0 if b is None else (a != 0) | (b != 0)
         ent = None if b is None else ent_c
         if mask is not None:
@@ -418,15 +391,14 @@ class _LinearLogprobsFn(torch.autograd.Function):
         for start in range(0, n, ctx.chunk_size):
             stop = min(n, start + ctx.chunk_size)
             idx = rows[start:stop]
-            h = _chunk_rows(hidden, idx, n_all)
+            h = _take_rows(hidden, idx, n_all)
             z = kept if kept is not None else _logits_chunk(h, weight)
             kept = None
-            whole = int(idx.numel()) == n_all
-            it = inv_t if isinstance(inv_t, float) or whole else inv_t.index_select(0, idx)
+            it = inv_t if isinstance(inv_t, float) else _take_rows(inv_t, idx, n_all)
             # Every row of z is written by phase 2 (dead rows with zeros): in place is safe.
             dz = ctx.impl.backward(
                 z,
-                labels if whole else labels.index_select(0, idx),
+                _take_rows(labels, idx, n_all),
                 rows=None,
                 live=live[start:stop],
                 inv_temperature=it,
@@ -450,12 +422,12 @@ class _LinearLogprobsFn(torch.autograd.Function):
         return (grad_h, grad_w, *nones)
 
 
-def _chunk_rows(hidden: torch.Tensor, idx: torch.Tensor, n_all: int) -> torch.Tensor:
-    """The chunk's rows of ``hidden``: ``hidden`` itself when the chunk is every row in order
-    (the device path's one chunk: no ``[N, H]`` copy), else gathered."""
+def _take_rows(t: torch.Tensor, idx: torch.Tensor, n_all: int) -> torch.Tensor:
+    """Rows ``idx`` of a per-row tensor (``[N, ...]``): ``t`` itself when they are every row
+    in order (the device path's one chunk: no copy and no launch), else gathered."""
     if int(idx.numel()) == n_all:  # idx are distinct sorted row indices: all of them
-        return hidden
-    return hidden.index_select(0, idx)
+        return t
+    return t.index_select(0, idx)
 
 
 def _add_grad_hidden(
@@ -588,27 +560,37 @@ def linear_logprobs_with_gradients(
     place of the weight's dtype).
     """
     flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
-    impl = resolve_backend(backend, hidden.device)
     cs = chunk_size
     if cs is None:
         cs = auto_linear_chunk_size(
             weight, rows=int(rows.numel()), grad_weight=weight.requires_grad
         )
+    prepared = (flat_labels, rows, inv_t, flat_mask)
+    return _gradients_in_forward(hidden, weight, prepared, need_entropy, cs, backend, coefficients)
+
+
+def _gradients_in_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    prepared: tuple[torch.Tensor, torch.Tensor, float | torch.Tensor, torch.Tensor | None],
+    need_entropy: bool,
+    chunk_size: int,
+    backend: str,
+    coefficients: RowCoefficients,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`_chunk_gradients` without autograd recording, on `_prepare`'s outputs."""
+    labels, rows, inv_t, mask = prepared
     with torch.no_grad():
-        lp, ent, grad_h, grad_w = _chunk_gradients(
-            hidden,
-            weight,
-            flat_labels,
-            rows,
-            inv_t,
-            need_entropy,
-            cs,
-            impl,
-            flat_mask,
-            _no_grad_coefficients(coefficients),
-            (hidden.requires_grad, weight.requires_grad),
-        )
-    return lp, ent, grad_h, grad_w
+        return _chunk_gradients(
+            hidden, weight, labels, rows, inv_t, need_entropy, chunk_size,
+            resolve_backend(backend, hidden.device), mask,
+            _no_grad_coefficients(coefficients), (hidden.requires_grad, weight.requires_grad),
+        )  # fmt: skip
+
+
+def _gradient_recorded(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether autograd records this call for a gradient of ``hidden`` or ``weight``."""
+    return torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
 
 
 class EarlyLogits(NamedTuple):
@@ -635,7 +617,7 @@ def start_logits(
     """
     if not on_device_path(hidden.device):
         return None
-    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+    if not _gradient_recorded(hidden, weight):
         return None
     n = hidden.shape[0]
     cs = chunk_size if chunk_size is not None else auto_linear_chunk_size(weight, rows=n)
@@ -690,15 +672,12 @@ def linear_logprobs_for_loss(
             )
         chunk_size = early.chunk_size
     cs = chunk_size if chunk_size is not None else auto_linear_chunk_size(weight, rows=n)
-    recorded = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    recorded = _gradient_recorded(hidden, weight)
     if coefficients is not None and recorded and n > cs:
-        impl = resolve_backend(backend, hidden.device)
-        with torch.no_grad():
-            lp, ent, grad_h, grad_w = _chunk_gradients(
-                hidden, weight, flat_labels, rows, inv_t, need_entropy, cs, impl, flat_mask,
-                _no_grad_coefficients(coefficients()),
-                (hidden.requires_grad, weight.requires_grad),
-            )  # fmt: skip
+        lp, ent, grad_h, grad_w = _gradients_in_forward(
+            hidden, weight, (flat_labels, rows, inv_t, flat_mask), need_entropy, cs, backend,
+            coefficients(),
+        )  # fmt: skip
         return lp, ent, [grad_h, grad_w]
     lp, ent = _apply(
         hidden, weight, flat_labels, rows, inv_t, need_entropy, cs, backend, flat_mask,
@@ -943,7 +922,7 @@ def _apply(
     cs = chunk_size
     if cs is None:
         cs = auto_linear_chunk_size(weight, rows=int(rows.numel()))
-    recorded = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    recorded = _gradient_recorded(hidden, weight)
     out: tuple[torch.Tensor, torch.Tensor] = _LinearLogprobsFn.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels, rows, inv_t, need_entropy, cs, impl, mask, recorded, logits
     )
