@@ -1448,10 +1448,12 @@ def logprobs_loss(
     *,
     checks: DeferredChecks | None = None,
     rl_constant: torch.Tensor | None = None,
+    label_check: tuple[torch.Tensor, int] | None = None,
 ) -> LossOutput:
     """The body of `echo_loss_from_logprobs`, for callers (the ``echoloss.nn`` modules) that
-    bring their own value ``checks`` (checked before these, reported in one submission) or
-    a device-side ``rl_constant`` (see `loss_from_logprobs`)."""
+    bring their own value ``checks`` (checked before these, reported in one submission), a
+    device-side ``rl_constant`` or the ``label_check`` their logprob op left to the loss (see
+    `loss_from_logprobs`)."""
     logprobs = check_tensor("logprobs", logprobs)
     if not logprobs.dtype.is_floating_point:
         raise TypeError(problem("logprobs", "a float tensor", describe(logprobs)))
@@ -1477,6 +1479,7 @@ def logprobs_loss(
         source="logprobs",
         checks=checks,
         rl_constant=rl_constant,
+        label_check=label_check,
     )
 
 

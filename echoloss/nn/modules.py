@@ -30,7 +30,7 @@ from echoloss import (
     Normalizers,
     selective_logprobs,
 )
-from echoloss._deferred import DeferredChecks, raise_deferred_errors
+from echoloss._deferred import DeferredChecks, on_device_path, raise_deferred_errors
 from echoloss._logging import warn_once
 from echoloss._validate import (
     check_chunk_size,
@@ -66,6 +66,7 @@ from echoloss.ops.fused_linear.op import (
     linear_logprobs_for_loss,
     start_logits,
 )
+from echoloss.ops.selective_logprobs.op import selective_logprobs_checked_by_caller
 
 __all__ = ["EchoFusedLinearGRPOLoss", "EchoGRPOLoss"]
 
@@ -121,6 +122,18 @@ def _record(source: str, **fields: Any) -> LossInputs:
             if message.startswith(ours):
                 message = theirs + message[len(ours) :]
         raise type(err)(message) from None
+
+
+def _label_check(
+    scores: torch.Tensor, labels: Any, num_classes: int | None = None
+) -> tuple[torch.Tensor, int] | None:
+    """``(labels [N], V)`` for the loss to check on the device path (the logprob op then
+    queues no check of its own: about twenty launches fewer), None on the host path (the op
+    checks them at once). ``scores``: the logits ``[..., V]``, or the hidden states with
+    ``num_classes`` V. Labels that are not a tensor are left to the op's error."""
+    if not on_device_path(scores.device) or not isinstance(labels, torch.Tensor):
+        return None
+    return labels.reshape(-1).long(), scores.shape[-1] if num_classes is None else num_classes
 
 
 def _world_size() -> int:
@@ -370,8 +383,11 @@ class EchoGRPOLoss(nn.Module):
         env_names: Sequence[str] | None,
         checks: DeferredChecks,
         source: str = "logits",
+        label_check: tuple[torch.Tensor, int] | None = None,
     ) -> LossOutput:
-        """The loss of one call from its ``[B, T]`` logprobs and entropy and its `_setup`."""
+        """The loss of one call from its ``[B, T]`` logprobs and entropy and its `_setup`;
+        ``label_check``: the labels' range check the logprob op left to the loss (device
+        path)."""
         cfg, norms, rl_constant, adv, obs, echo_w = setup
         if old_per_token_logps is None:
             # On-policy: the ratio's denominator is this pass's logprobs, so a non-finite one
@@ -404,6 +420,7 @@ class EchoGRPOLoss(nn.Module):
             {},
             checks=checks,
             rl_constant=rl_constant,
+            label_check=label_check,
         )
 
     def _rl_normalizer(
@@ -513,14 +530,19 @@ class EchoGRPOLoss(nn.Module):
         checks = DeferredChecks(logits.device)
         rl, echo, w = self._rows(attention_mask, echo_weights, checks)
         temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
+        # On the device path the loss checks the labels' range (in its fused launch, or a
+        # check of its own), not the op; the temperatures are the module's, validated.
+        label_check = _label_check(logits, selected_token_ids)
+        op = selective_logprobs if label_check is None else selective_logprobs_checked_by_caller
         with checks.collecting():  # the op's checks join the call's, in call order
-            lp, ent = selective_logprobs(
+            lp, ent = op(
                 logits,
                 selected_token_ids,
                 temperature=temp,
                 return_entropy=True,
                 mask=rl | echo,
                 chunk_size=self.row_chunk_size,
+                backend="auto",
             )
         setup = self._setup(
             rl,
@@ -547,6 +569,7 @@ class EchoGRPOLoss(nn.Module):
             inference_logprobs=inference_logprobs,
             env_names=env_names,
             checks=checks,
+            label_check=label_check,
         )
 
 
@@ -684,10 +707,12 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
                 self._row_coefficients,
                 rl, setup, ref_per_token_logps, old_per_token_logps, inference_logprobs,
             )  # fmt: skip
+        label_check = _label_check(hidden, labels, weight.shape[0])
         with checks.collecting():  # the op's checks join the call's, in call order
             lp, ent, grads = linear_logprobs_for_loss(
                 hidden, weight, labels, temp.reshape(-1), (rl | echo).reshape(-1), True,
                 row_chunk_size, "auto", coefficients, early=early,
+                labels_checked_by_caller=label_check is not None,
             )  # fmt: skip
         out = self._loss(
             lp.view(b, t),
@@ -701,6 +726,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             env_names=env_names,
             checks=checks,
             source="hidden",
+            label_check=label_check,
         )
         if grads is None:
             return out

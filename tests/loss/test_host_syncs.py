@@ -464,3 +464,29 @@ def test_module_value_errors_are_deferred_with_the_same_message(case):
         with pytest.raises(ValueError) as e:
             raise_deferred_errors()
     assert str(e.value) == expected
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
+@pytest.mark.parametrize("name", ["dapo-token-mean", "sapo-sequence-level"])
+@pytest.mark.parametrize("where", ["rl", "echo"])
+def test_module_label_out_of_range_is_reported_by_the_loss(fused, name, where):
+    """On the device path the modules' logprob op leaves the labels' range to the loss (the
+    fused launch, or the loss's own check when the PyTorch algebra runs): a participating
+    label outside ``[0, V)`` is still reported, deferred, with the host path's message; one
+    on a row that takes no part is never read."""
+    batch = _module_batch()
+    ids = batch["ids"].clone()
+    row = (1, 2) if where == "echo" else (2, 3)  # echoed / RL tokens of `_module_batch`
+    ids[row] = V + 5
+    ids[0, 5] = V + 9  # attention mask 0: not read
+    batch["ids"] = ids
+    module = _options(name)
+    expected = _host_error(lambda: _run_module(fused, module, batch))
+    assert f"got {V + 5}" in expected or str(V + 5) in expected, expected
+    with device_code_path():
+        out, _ = _run_module(fused, module, batch)  # no error yet
+        assert pending_count() >= 1
+        out.loss.backward()
+        with pytest.raises(ValueError) as e:
+            raise_deferred_errors()
+    assert str(e.value) == expected

@@ -41,6 +41,7 @@ from echoloss.loss import (
     core,
     count_normalizers,
     echo_loss,
+    echo_loss_from_hidden,
     echo_loss_from_logprobs,
 )
 from echoloss.loss.core import fuse_loss_algebra, fused_algebra_applies
@@ -581,18 +582,30 @@ def test_same_error_for_a_nan_logits_row(program_calls):
     _assert_same_error(call, f"logits row {int(rows[1500])}", program_calls)
 
 
-def test_same_error_for_a_label_out_of_range(program_calls):
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+def test_same_error_for_a_label_out_of_range(source, program_calls):
+    """The logprob op leaves the range check of the labels to the loss on the device path
+    (the fused algebra checks them in its launch; the PyTorch algebra queues the op's check):
+    the same error either way, for logits and for hidden states."""
     cfg = LossConfig()
     x = _record(cfg)
     rows = (x.rl | x.echo).nonzero().flatten()
     labels = x.labels.clone()
-    labels[rows[1900]] = V + 3
+    labels[rows[1900]] = V + 3  # (a negative label is refused by the record itself)
     x = x.replace(labels=labels)
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(N, 8, generator=g), torch.randn(V, 8, generator=g)
 
     def call():
-        echo_loss(torch.randn(N, V), x, config=cfg, backend="reference")
+        if source == "logits":
+            echo_loss(torch.randn(N, V), x, config=cfg, backend="reference")
+        else:
+            echo_loss_from_hidden(hidden, weight, x, config=cfg, backend="reference")
 
+    _assert_same_error(call, f"labels[{int(rows[1900])}]", program_calls)
     _assert_same_error(call, str(V + 3), program_calls)
+    messages = {e[2] for e in _errors_in_every_mode(call).values()}
+    assert len(messages) == 1, messages  # host and device path, fused or not: one message
 
 
 def test_same_error_for_too_small_normalizers(program_calls):

@@ -39,7 +39,7 @@ from echoloss._validate import (
     problem,
 )
 from echoloss.ops.selective_logprobs import reference, resolve_backend
-from echoloss.ops.selective_logprobs.op import labels_checked_on_device
+from echoloss.ops.selective_logprobs.op import LABEL_FIX, labels_checked_on_device
 
 __all__ = [
     "DEFAULT_LINEAR_CHUNK_ELEMENTS",
@@ -270,7 +270,10 @@ class _LinearLogprobsFn(torch.autograd.Function):
     gradient is recorded, the forward keeps that chunk's logits for backward instead (no
     second LM-head GEMM; logits-then-loss holds the same ``[n, V]`` plus their gradient):
     backward overwrites them with their gradient, so a second backward through the same graph
-    recomputes them."""
+    recomputes them.
+
+    ``rows`` None means every row in order (the device path, or no row masked out): each
+    chunk is then a slice of the per-row tensors (a view), not a gather."""
 
     @staticmethod
     def forward(
@@ -278,7 +281,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
-        rows: torch.Tensor,
+        rows: torch.Tensor | None,
         inv_t: float | torch.Tensor,
         need_entropy: bool,
         chunk_size: int,
@@ -287,37 +290,37 @@ class _LinearLogprobsFn(torch.autograd.Function):
         recorded: bool,
         logits: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n_all = hidden.shape[0]
         v = weight.shape[0]
         cdtype = reference.compute_dtype(hidden.dtype)
         dev = hidden.device
-        n = int(rows.numel())
+        n = _num_rows(rows, hidden)
         keep = recorded and 0 < n <= chunk_size  # (grad mode is off inside forward)
         inner = reference.default_chunk_size(v)
         # One chunk of every row, in order (the device path's one chunk): the phase's outputs
-        # are the op's, with no [N] buffers zero-filled and copied into.
-        whole = 0 < n == n_all <= chunk_size
+        # are the op's, with no [N] buffers allocated and copied into.
+        whole = rows is None and 0 < n <= chunk_size
         lse: torch.Tensor | None = None  # [n, 2] per-row log-sum-exp statistics
         ent_c: torch.Tensor | None = None  # [n] the rows' entropy, for backward
         if not whole:
-            lp = torch.zeros(n_all, dtype=cdtype, device=dev)
-            ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
-            lse = torch.zeros(n, 2, dtype=cdtype, device=dev)
-            ent_c = torch.zeros(n, dtype=cdtype, device=dev) if need_entropy else None
+            # Every row in order: each is written by its chunk (no fill); else rows outside
+            # the participating ones read exactly 0.
+            make = torch.empty if rows is None else torch.zeros
+            lp = make(hidden.shape[0], dtype=cdtype, device=dev)
+            ent = make(hidden.shape[0] if need_entropy else 0, dtype=cdtype, device=dev)
+            lse = torch.empty(n, 2, dtype=cdtype, device=dev)
+            ent_c = torch.empty(n, dtype=cdtype, device=dev) if need_entropy else None
         kept: torch.Tensor | None = None
         for start in range(0, n, chunk_size):
             stop = min(n, start + chunk_size)
-            idx = rows[start:stop]
             if logits is not None and start == 0 and stop == n:  # issued by start_logits
                 z = logits
             else:
-                z = _logits_chunk(_take_rows(hidden, idx, n_all), weight)
-            it = inv_t if isinstance(inv_t, float) else _take_rows(inv_t, idx, n_all)
+                z = _logits_chunk(_chunk_rows(hidden, rows, start, stop), weight)
             lp_k, lse_k, ent_k = impl.forward(
                 z,
-                _take_rows(labels, idx, n_all),
+                _chunk_rows(labels, rows, start, stop),
                 rows=None,
-                inv_temperature=it,
+                inv_temperature=_chunk_inv_t(inv_t, rows, start, stop),
                 need_entropy=need_entropy,
                 chunk_size=inner,
                 **({} if mask is None else {"mask": mask[start:stop]}),
@@ -333,12 +336,12 @@ class _LinearLogprobsFn(torch.autograd.Function):
                 ent = torch.zeros(0, dtype=cdtype, device=dev) if ent_c is None else ent_c
                 continue
             assert lse is not None
-            lp.index_copy_(0, idx, lp_k.to(cdtype))
+            _write_rows(lp, rows, start, stop, lp_k.to(cdtype))
             lse[start:stop] = lse_k
             if ent_c is not None:
                 assert ent_k is not None
                 ent_c[start:stop] = ent_k
-                ent.index_copy_(0, idx, ent_k.to(cdtype))
+                _write_rows(ent, rows, start, stop, ent_k.to(cdtype))
         assert lse is not None  # allocated, or the one chunk's
         if not need_entropy:
             ctx.mark_non_differentiable(ent)
@@ -348,60 +351,70 @@ class _LinearLogprobsFn(torch.autograd.Function):
         ctx.need_entropy = need_entropy
         ctx.chunk_size = chunk_size
         ctx.impl = impl
+        # Gradients of unused outputs stay None (the entropy of a metric): no zero-filled [N]
+        # for phase 2 to multiply.
+        ctx.set_materialize_grads(False)
         # Not a saved tensor: backward overwrites it with its gradient and drops it (a saved
         # tensor would be checked against in-place changes and kept until the graph is freed).
         ctx.kept_logits = kept
         return lp, ent
 
     @staticmethod
-    def backward(ctx: Any, grad_lp: torch.Tensor, grad_ent: torch.Tensor) -> tuple[Any, ...]:
+    def backward(
+        ctx: Any, grad_lp: torch.Tensor | None, grad_ent: torch.Tensor | None
+    ) -> tuple[Any, ...]:
         hidden, weight, labels, rows, lse, ent_c, inv_t_t, mask = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         nones = (None,) * 9
         kept, ctx.kept_logits = ctx.kept_logits, None  # consumed here (overwritten in place)
-        if not (need_h or need_w):
+        use_ent = ctx.need_entropy and grad_ent is not None and grad_ent.numel() > 0
+        if not (need_h or need_w) or (grad_lp is None and not use_ent):
             return (None, None, *nones)
         n_all = hidden.shape[0]
-        a = _take_rows(grad_lp, rows, n_all)
+        if grad_lp is None:
+            grad_lp = torch.zeros(n_all, dtype=lse.dtype, device=lse.device)
+        a = grad_lp if rows is None else grad_lp.index_select(0, rows)
         b = None
-        if ctx.need_entropy and grad_ent is not None and grad_ent.numel():
-            b = _take_rows(grad_ent, rows, n_all)
-        live = a != 0 if b is None else (a != 0) | (b != 0)
+        if use_ent:
+            assert grad_ent is not None
+            b = grad_ent if rows is None else grad_ent.index_select(0, rows)
         ent = None if b is None else ent_c
-        if mask is not None:
-            # Device path: every row stays (rows = all rows), dead ones decided on the device
-            # get exact zeros from phase 2, hence no contribution to either gradient.
-            live = live & mask
-        elif kept is None:
-            # Rows whose coefficients are all zero have exactly zero gradient: no GEMM for them.
-            keep = live.nonzero().squeeze(1)
-            rows, a, lse, live = rows[keep], a[keep], lse[keep], live[keep]
-            b = None if b is None else b[keep]
-            ent = None if ent is None else ent[keep]
-        # else: the kept logits are aligned with every participating row; dead rows get exact
-        # zeros from phase 2 as on the device path.
+        live: torch.Tensor | None = None
+        if mask is None:
+            # Rows whose coefficients are all zero have exactly zero gradient. Recomputed
+            # chunks skip them (no GEMM); kept logits are aligned with every participating
+            # row, and phase 2 writes the dead ones with exact zeros.
+            live = a != 0 if b is None else (a != 0) | (b != 0)
+            if kept is None:
+                keep = live.nonzero().squeeze(1)
+                rows = keep if rows is None else rows[keep]
+                a, lse, live = a[keep], lse[keep], live[keep]
+                b = None if b is None else b[keep]
+                ent = None if ent is None else ent[keep]
+        # else the device path: every row keeps its slot (rows is None); the rows outside the
+        # mask or with zero coefficients are decided by phase 2 on the device (exact zeros,
+        # hence no contribution to either gradient).
         inv_t = ctx.inv_t_float if inv_t_t is None else inv_t_t
 
         grad_h: torch.Tensor | None = None
         grad_w: torch.Tensor | None = None
         v = weight.shape[0]
         inner = reference.default_chunk_size(v)
-        n = int(rows.numel())
+        n = _num_rows(rows, hidden)
         acc_dtype = _grad_weight_dtype(weight, n, ctx.chunk_size)
         for start in range(0, n, ctx.chunk_size):
             stop = min(n, start + ctx.chunk_size)
-            idx = rows[start:stop]
-            h = _take_rows(hidden, idx, n_all)
+            h = _chunk_rows(hidden, rows, start, stop)
             z = kept if kept is not None else _logits_chunk(h, weight)
             kept = None
-            it = inv_t if isinstance(inv_t, float) else _take_rows(inv_t, idx, n_all)
             # Every row of z is written by phase 2 (dead rows with zeros): in place is safe.
             dz = ctx.impl.backward(
                 z,
-                _take_rows(labels, idx, n_all),
+                _chunk_rows(labels, rows, start, stop),
                 rows=None,
-                live=live[start:stop],
-                inv_temperature=it,
+                live=(mask if live is None else live)[start:stop],
+                skip_zero_rows=live is None,
+                inv_temperature=_chunk_inv_t(inv_t, rows, start, stop),
                 lse=lse[start:stop],
                 grad_logprobs=a[start:stop],
                 grad_entropy=None if b is None else b[start:stop],
@@ -410,7 +423,7 @@ class _LinearLogprobsFn(torch.autograd.Function):
                 out=z,
             )
             if need_h:
-                grad_h = _add_grad_hidden(grad_h, dz, weight, idx, hidden)
+                grad_h = _add_grad_hidden(grad_h, dz, weight, rows, start, stop, hidden)
             if need_w:
                 grad_w = _add_grad_weight(grad_w, dz, h, acc_dtype)
             del z, dz, h
@@ -422,29 +435,59 @@ class _LinearLogprobsFn(torch.autograd.Function):
         return (grad_h, grad_w, *nones)
 
 
-def _take_rows(t: torch.Tensor, idx: torch.Tensor, n_all: int) -> torch.Tensor:
-    """Rows ``idx`` of a per-row tensor (``[N, ...]``): ``t`` itself when they are every row
-    in order (the device path's one chunk: no copy and no launch), else gathered."""
-    if int(idx.numel()) == n_all:  # idx are distinct sorted row indices: all of them
-        return t
-    return t.index_select(0, idx)
+def _num_rows(rows: torch.Tensor | None, hidden: torch.Tensor) -> int:
+    """How many rows take part: every row of ``hidden`` when ``rows`` is None."""
+    return hidden.shape[0] if rows is None else int(rows.numel())
+
+
+def _chunk_rows(t: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
+    """Participating rows ``start:stop`` of a per-row tensor ``t [N, ...]``: a slice (a view,
+    no launch) when ``rows`` is None (every row in order), else gathered."""
+    if rows is None:
+        return t[start:stop]
+    return t.index_select(0, rows[start:stop])
+
+
+def _chunk_inv_t(
+    inv_t: float | torch.Tensor, rows: torch.Tensor | None, start: int, stop: int
+) -> float | torch.Tensor:
+    """The chunk's ``1/T``: the float, or its rows of the ``[N]`` per-row values."""
+    return inv_t if isinstance(inv_t, float) else _chunk_rows(inv_t, rows, start, stop)
+
+
+def _write_rows(
+    out: torch.Tensor, rows: torch.Tensor | None, start: int, stop: int, values: torch.Tensor
+) -> None:
+    """``out[rows[start:stop]] = values`` (a slice copy when ``rows`` is None)."""
+    if rows is None:
+        out[start:stop] = values
+    else:
+        out.index_copy_(0, rows[start:stop], values)
 
 
 def _add_grad_hidden(
     grad_h: torch.Tensor | None,
     dz: torch.Tensor,
     weight: torch.Tensor,
-    idx: torch.Tensor,
+    rows: torch.Tensor | None,
+    start: int,
+    stop: int,
     hidden: torch.Tensor,
 ) -> torch.Tensor:
     """``d hidden`` with the chunk's rows ``dz @ weight`` written: the product itself when the
-    chunk is every row (no zero fill and no copy), else into a zero-filled ``[N, H]``."""
-    rows_h = torch.mm(dz, weight)
-    if grad_h is None and int(idx.numel()) == hidden.shape[0]:
-        return rows_h
+    chunk is every row; every row in order (``rows`` None): written into its slice of an
+    ``[N, H]`` that every chunk fills (no zero fill, no copy); else copied into a zero-filled
+    ``[N, H]`` (rows that do not take part get exact zeros)."""
+    if rows is None:
+        if grad_h is None and stop - start == hidden.shape[0]:
+            return torch.mm(dz, weight)
+        if grad_h is None:
+            grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        torch.mm(dz, weight, out=grad_h[start:stop])
+        return grad_h
     if grad_h is None:
         grad_h = torch.zeros_like(hidden)
-    grad_h.index_copy_(0, idx, rows_h)
+    grad_h.index_copy_(0, rows[start:stop], torch.mm(dz, weight))
     return grad_h
 
 
@@ -460,7 +503,7 @@ def _chunk_gradients(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     inv_t: float | torch.Tensor,
     need_entropy: bool,
     chunk_size: int,
@@ -471,25 +514,26 @@ def _chunk_gradients(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One pass over the chunks: logits, phase 1, the rows' coefficients, phase 2 in place
     over the logits, ``d hidden`` rows and the ``d weight`` accumulation (as
-    ``_LinearLogprobsFn.backward``, with coefficients known at once)."""
-    n_all = hidden.shape[0]
+    ``_LinearLogprobsFn.backward``, with coefficients known at once). ``rows`` None: every
+    row in order, each chunk a slice."""
     v = weight.shape[0]
     cdtype = reference.compute_dtype(hidden.dtype)
     dev = hidden.device
-    n = int(rows.numel())
-    lp = torch.zeros(n_all, dtype=cdtype, device=dev)
-    ent = torch.zeros(n_all if need_entropy else 0, dtype=cdtype, device=dev)
-    grad_h = torch.zeros_like(hidden) if need[0] else None
+    n = _num_rows(rows, hidden)
+    # Every row in order: each is written by its chunk (no fill).
+    make = torch.empty if rows is None else torch.zeros
+    lp = make(hidden.shape[0], dtype=cdtype, device=dev)
+    ent = make(hidden.shape[0] if need_entropy else 0, dtype=cdtype, device=dev)
+    grad_h: torch.Tensor | None = None
     grad_w: torch.Tensor | None = None
     acc_dtype = _grad_weight_dtype(weight, n, chunk_size)
     inner = reference.default_chunk_size(v)
     for start in range(0, n, chunk_size):
         stop = min(n, start + chunk_size)
-        idx = rows[start:stop]
-        h = hidden.index_select(0, idx)
+        h = _chunk_rows(hidden, rows, start, stop)
         z = _logits_chunk(h, weight)
-        it = inv_t if isinstance(inv_t, float) else inv_t.index_select(0, idx)
-        lab = labels.index_select(0, idx)
+        it = _chunk_inv_t(inv_t, rows, start, stop)
+        lab = _chunk_rows(labels, rows, start, stop)
         chunk_mask = None if mask is None else mask[start:stop]
         lp_k, lse_k, ent_k = impl.forward(
             z,
@@ -501,9 +545,10 @@ def _chunk_gradients(
             **({} if chunk_mask is None else {"mask": chunk_mask}),
         )
         lp_k, ent_k = lp_k.to(cdtype), None if ent_k is None else ent_k.to(cdtype)
-        lp.index_copy_(0, idx, lp_k)
+        _write_rows(lp, rows, start, stop, lp_k)
         if ent_k is not None:
-            ent.index_copy_(0, idx, ent_k)
+            _write_rows(ent, rows, start, stop, ent_k)
+        idx = torch.arange(start, stop, device=dev) if rows is None else rows[start:stop]
         a, b = coefficients(idx, lp_k, ent_k)
         c = stop - start
         # Phase 2 over the chunk's logits, in place: rows outside the mask or with zero
@@ -523,11 +568,13 @@ def _chunk_gradients(
             chunk_size=inner,
             out=z,
         )
-        if grad_h is not None:
-            grad_h.index_copy_(0, idx, torch.mm(dz, weight))
+        if need[0]:
+            grad_h = _add_grad_hidden(grad_h, dz, weight, rows, start, stop, hidden)
         if need[1]:
             grad_w = _add_grad_weight(grad_w, dz, h, acc_dtype)
         del z, dz, h
+    if need[0] and grad_h is None:  # no participating row
+        grad_h = torch.zeros_like(hidden)
     return lp, ent, grad_h, _zeros_if_unwritten(grad_w, need[1], weight)
 
 
@@ -563,7 +610,7 @@ def linear_logprobs_with_gradients(
     cs = chunk_size
     if cs is None:
         cs = auto_linear_chunk_size(
-            weight, rows=int(rows.numel()), grad_weight=weight.requires_grad
+            weight, rows=_num_rows(rows, hidden), grad_weight=weight.requires_grad
         )
     prepared = (flat_labels, rows, inv_t, flat_mask)
     return _gradients_in_forward(hidden, weight, prepared, need_entropy, cs, backend, coefficients)
@@ -572,7 +619,7 @@ def linear_logprobs_with_gradients(
 def _gradients_in_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    prepared: tuple[torch.Tensor, torch.Tensor, float | torch.Tensor, torch.Tensor | None],
+    prepared: tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor, torch.Tensor | None],
     need_entropy: bool,
     chunk_size: int,
     backend: str,
@@ -639,6 +686,7 @@ def linear_logprobs_for_loss(
     coefficients: Callable[[], RowCoefficients] | None,
     *,
     early: EarlyLogits | None = None,
+    labels_checked_by_caller: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None] | None]:
     """``(logprobs [N], entropy [N] or [0], [d hidden, d weight] or None)`` for a loss entry
     point, by the cheapest of the op's three paths (``early``: the one chunk's logits from
@@ -656,10 +704,16 @@ def linear_logprobs_for_loss(
     - otherwise: backward recomputes each chunk's logits.
 
     ``hidden``/``weight`` already checked (`check_linear_inputs`); ``labels`` and
-    ``temperature`` are checked here; rows outside ``mask`` read 0 and get no gradient.
+    ``temperature`` are checked here, unless ``labels_checked_by_caller`` (on the device path
+    the caller checks the labels' range, passing ``label_check`` to `loss_from_logprobs`, and
+    gives temperatures built from its validated record: as
+    `selective_logprobs_checked_by_caller` for logits); rows outside ``mask`` read 0 and get
+    no gradient.
     """
-    flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
-    n = int(rows.numel())
+    flat_labels, rows, inv_t, flat_mask = _prepare(
+        hidden, weight, labels, temperature, mask, checked_by_caller=labels_checked_by_caller
+    )
+    n = _num_rows(rows, hidden)
     if early is not None:
         if tuple(early.logits.shape) != (n, weight.shape[0]):
             raise ValueError(
@@ -847,20 +901,17 @@ def check_linear_inputs(hidden: Any, weight: Any) -> tuple[torch.Tensor, torch.T
     return hidden, weight
 
 
-_LABEL_FIX = "pass a mask that skips rows that predict nothing (e.g. ignore_index -100)"
-
-
-def _check_labels(labels: torch.Tensor, rows: torch.Tensor, v: int) -> None:
-    lab_used = labels.index_select(0, rows)
+def _check_labels(labels: torch.Tensor, rows: torch.Tensor | None, v: int) -> None:
+    lab_used = labels if rows is None else labels.index_select(0, rows)
     bad = (lab_used < 0) | (lab_used >= v)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(
             problem(
-                f"labels[{int(rows[i])}]",
+                f"labels[{i if rows is None else int(rows[i])}]",
                 f"in [0, V={v}) on a participating row",
                 str(int(lab_used[i])),
-                _LABEL_FIX,
+                LABEL_FIX,  # the same message whichever op, or the loss, checks
             )
         )
 
@@ -871,9 +922,18 @@ def _prepare(
     labels: Any,
     temperature: Any,
     mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor, torch.Tensor | None]:
-    """Flat int64 labels, the rows to compute, ``1/T`` (float or ``[N]`` compute dtype), and on
-    the device path the ``[N]`` bool mask (the rows are then all rows)."""
+    *,
+    checked_by_caller: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor, torch.Tensor | None]:
+    """Flat int64 labels, the rows to compute (None: every row in order), ``1/T`` (float or
+    ``[N]`` compute dtype), and on the device path the ``[N]`` bool mask (the rows are then
+    every row).
+
+    ``checked_by_caller``: the caller checks the participating labels' range and the
+    temperatures' values itself (a loss entry point: its fused row algebra checks the labels
+    in its own launch, `loss_from_logprobs`'s ``label_check``, and it builds the temperatures
+    from its validated record), so on the device path nothing is queued here; the host path
+    checks the labels as always."""
     lead = hidden.shape[:1]
     v = weight.shape[0]
     labels = check_per_token(
@@ -885,19 +945,23 @@ def _prepare(
         fix="labels[j] is the token hidden[j] predicts",
     ).long()
     flat_mask: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
     if on_device_path(hidden.device):
         # Every row goes through the LM head (their count is not read on the host); rows
         # outside the mask are skipped by phase 1 and get exact zeros from phase 2.
-        rows = torch.arange(lead[0], device=hidden.device)
-        flat_mask, labels = labels_checked_on_device(labels, mask, v, _LABEL_FIX)
+        if checked_by_caller:
+            flat_mask = (
+                torch.ones_like(labels, dtype=torch.bool) if mask is None else mask.reshape(-1)
+            )
+        else:
+            flat_mask, labels = labels_checked_on_device(labels, mask, v)
     else:
-        rows = (
-            torch.arange(lead[0], device=hidden.device)
-            if mask is None
-            else mask.reshape(-1).nonzero().squeeze(1)
-        )
+        if mask is not None:
+            rows = mask.reshape(-1).nonzero().squeeze(1)
+            if int(rows.numel()) == lead[0]:
+                rows = None  # every row, in order: chunks are slices
         _check_labels(labels, rows, v)
-    temp = check_temperature(temperature, lead, hidden.device)
+    temp = check_temperature(temperature, lead, hidden.device, check_values=not checked_by_caller)
     inv_t: float | torch.Tensor
     if isinstance(temp, torch.Tensor):
         inv_t = temp.reshape(-1).to(reference.compute_dtype(hidden.dtype)).reciprocal()
@@ -910,7 +974,7 @@ def _apply(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     inv_t: float | torch.Tensor,
     need_entropy: bool,
     chunk_size: int | None,
@@ -921,7 +985,7 @@ def _apply(
     impl = resolve_backend(backend, hidden.device)
     cs = chunk_size
     if cs is None:
-        cs = auto_linear_chunk_size(weight, rows=int(rows.numel()))
+        cs = auto_linear_chunk_size(weight, rows=_num_rows(rows, hidden))
     recorded = _gradient_recorded(hidden, weight)
     out: tuple[torch.Tensor, torch.Tensor] = _LinearLogprobsFn.apply(  # type: ignore[no-untyped-call]
         hidden, weight, labels, rows, inv_t, need_entropy, cs, impl, mask, recorded, logits

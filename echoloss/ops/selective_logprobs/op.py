@@ -190,7 +190,8 @@ class _SelectiveLogprobsFn(torch.autograd.Function):
         return (grad, *nones)
 
 
-_LABEL_FIX = (
+#: The fix named by a label out of range (shared by every op and loss that checks labels).
+LABEL_FIX = (
     "pass mask= to skip rows that predict nothing (e.g. the last row of each sequence, "
     "ignore_index -100)"
 )
@@ -208,13 +209,13 @@ def _check_labels_now(labels: torch.Tensor, rows: torch.Tensor | None, v: int) -
                 f"labels[{row}]",
                 f"in [0, V={v}) on a participating row",
                 str(int(lab_used[i])),
-                _LABEL_FIX,
+                LABEL_FIX,
             )
         )
 
 
 def labels_checked_on_device(
-    labels: torch.Tensor, mask: torch.Tensor | None, v: int, fix: str = _LABEL_FIX
+    labels: torch.Tensor, mask: torch.Tensor | None, v: int, fix: str = LABEL_FIX
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Device path: ``(mask [N] bool, labels [N])``, the range check deferred.
 
@@ -239,7 +240,7 @@ def labels_checked_on_device(
 
 
 def label_range_message(
-    v: int, fix: str = _LABEL_FIX
+    v: int, fix: str = LABEL_FIX
 ) -> Callable[[Sequence[float]], Exception | None]:
     """The deferred label-range error from ``(any bad, first bad row, its label)``."""
 
