@@ -1168,9 +1168,13 @@ def _rows_of(x: LossInputs, idx: torch.Tensor) -> LossInputs:
 
 
 def unchecked_inputs(**fields: Any) -> LossInputs:
-    """A `LossInputs` of ``fields`` without validation, for `row_coefficients` when the
-    validated record can only be built after the logprobs (``echoloss.nn``'s on-policy
-    ``old_logprobs``); the same fields are validated when that record is built.
+    """A `LossInputs` of ``fields`` whose tensors' values the caller has checked itself: the
+    ``echoloss.nn`` modules check each argument as passed (named as passed, on the rows where
+    it is read: `check_float_values`, `check_echo_weight_values`) and derive the rest, so
+    their record is not validated a second time (under the record's field names, and about a
+    hundred launches per call on a GPU). Also for `row_coefficients` before the logprobs
+    exist. Metadata is not checked either; ``env_names`` (host strings) is, as `LossInputs`
+    checks it.
 
     Examples:
         >>> x = unchecked_inputs(rl_mask=torch.tensor([True, True]),
@@ -1191,6 +1195,8 @@ def unchecked_inputs(**fields: Any) -> LossInputs:
     object.__setattr__(x, "rl", rl)
     object.__setattr__(x, "echo", echo)
     object.__setattr__(x, "_versions", ())
+    if x.env_names is not None:
+        object.__setattr__(x, "env_names", x._checked_env_names())
     return x
 
 

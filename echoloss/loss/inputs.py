@@ -29,7 +29,13 @@ from echoloss._validate import (
 )
 from echoloss.loss.metrics import RESERVED_ENV
 
-__all__ = ["LOGPROB_TOLERANCE", "LossInputs", "split_rows"]
+__all__ = [
+    "LOGPROB_TOLERANCE",
+    "LossInputs",
+    "check_echo_weight_values",
+    "check_float_values",
+    "split_rows",
+]
 
 #: Largest log-probability accepted in ``inference_logprobs`` / ``old_logprobs`` /
 #: ``ref_logprobs``. A logprob is ≤ 0; one computed in fp32 for a near-certain token may round
@@ -150,14 +156,7 @@ class LossInputs:
                 )
         ew = None if self.echo_weights is None else self.echo_weights.reshape(-1)
         if ew is not None:
-            _check_rows(
-                "echo_weights",
-                ew,
-                ~((ew >= 0) & (ew < math.inf)),  # NaN fails both
-                "a finite weight ≥ 0 (0 = not echoed)",
-                "echo weights come from EchoConfig (λ or α per row)",
-                show=lambda v: repr(v),
-            )
+            check_echo_weight_values("echo_weights", ew)
         rl, echo = split_rows(rl_mask.reshape(-1), ew)
         object.__setattr__(self, "rl", rl)
         object.__setattr__(self, "echo", echo)
@@ -169,9 +168,7 @@ class LossInputs:
                 continue
             flat = value.reshape(-1)
             if f.metadata["kind"] == "float":
-                check_finite(f.name, flat, where[rows])
-            if f.metadata["logprob"]:
-                _check_logprobs(f.name, flat, where[rows])
+                check_float_values(f.name, flat, where[rows], logprob=f.metadata["logprob"])
             if f.metadata["kind"] == "int":
                 _check_rows(
                     f.name,
@@ -445,6 +442,49 @@ def _check_rows(
     checks = DeferredChecks(values.device)
     checks.add([bad.any(), row, values.index_select(0, row.view(1))], message)
     checks.submit()
+
+
+def check_echo_weight_values(
+    name: str, weights: torch.Tensor, where: torch.Tensor | None = None
+) -> None:
+    """`LossInputs`' check of ``echo_weights``: every weight ``[N]`` (on the rows ``where``,
+    None = every row) finite and ≥ 0, else name the first bad row of ``name`` (the argument
+    as the caller passed it); deferred on the device path (``echoloss/_deferred.py``).
+
+    Examples:
+        >>> check_echo_weight_values("echo_weights", torch.tensor([0.0, -1.0]))
+        Traceback (most recent call last):
+        ...
+        ValueError: echo_weights[1] must be a finite weight ≥ 0 (0 = not echoed), got -1.0; echo weights come from EchoConfig (λ or α per row)
+    """
+    bad = ~((weights >= 0) & (weights < math.inf))  # NaN fails both
+    _check_rows(
+        name,
+        weights,
+        bad if where is None else bad & where,
+        "a finite weight ≥ 0 (0 = not echoed)",
+        "echo weights come from EchoConfig (λ or α per row)",
+        show=lambda v: repr(v),
+    )
+
+
+def check_float_values(
+    name: str, values: torch.Tensor, where: torch.Tensor, *, logprob: bool
+) -> None:
+    """`LossInputs`' checks of a float field ``[N]`` on the rows ``where``: finite, and with
+    ``logprob`` a log-probability ≤ 0 (up to `LOGPROB_TOLERANCE`); errors name ``name`` (the
+    argument as the caller passed it) and are deferred on the device path.
+
+    Examples:
+        >>> check_float_values("ref_logprobs", torch.tensor([-0.5, 2.0]),
+        ...                    torch.tensor([True, True]), logprob=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: ref_logprobs[1] must be a log-probability ≤ 0 (up to 0.001), got 2.0; pass log p, not the negative log-likelihood -log p
+    """
+    check_finite(name, values, where)
+    if logprob:
+        _check_logprobs(name, values, where)
 
 
 def _check_logprobs(name: str, t: torch.Tensor, where: torch.Tensor) -> None:

@@ -25,7 +25,6 @@ from torch import nn
 
 from echoloss import (
     LossConfig,
-    LossInputs,
     LossOutput,
     Normalizers,
     selective_logprobs,
@@ -43,12 +42,12 @@ from echoloss._validate import (
     problem,
 )
 from echoloss.loss.core import (
-    check_scored_rows,
     chunk_additive,
-    logprobs_loss,
+    loss_from_logprobs,
     row_coefficients,
     unchecked_inputs,
 )
+from echoloss.loss.inputs import check_echo_weight_values, check_float_values
 from echoloss.loss.policy import get_policy
 from echoloss.nn.grpo import (
     ECHO_NORMALIZATIONS,
@@ -98,30 +97,10 @@ _LIGER_DEFAULTS: dict[str, Any] = {
 }
 
 
-#: The record's field names and the names the caller of the modules passed them as.
-_CALLER_NAMES = (
-    ("old_logprobs", "old_per_token_logps"),
-    ("ref_logprobs", "ref_per_token_logps"),
-    ("rl_mask", "attention_mask"),
-)
-
-
 def _batch_rows(mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` int64 sequence ids: the batch row of each position."""
     b, t = mask.shape
     return torch.arange(b, device=mask.device).unsqueeze(1).expand(b, t)
-
-
-def _record(source: str, **fields: Any) -> LossInputs:
-    """``LossInputs(**fields)``, with errors naming the argument the caller passed."""
-    try:
-        return LossInputs(**fields)
-    except (TypeError, ValueError) as err:
-        message = str(err)
-        for ours, theirs in _CALLER_NAMES:
-            if message.startswith(ours):
-                message = theirs + message[len(ours) :]
-        raise type(err)(message) from None
 
 
 def _label_check(
@@ -300,6 +279,9 @@ class EchoGRPOLoss(nn.Module):
                         describe(w),
                     )
                 )
+            # The values as passed, on the rows that take part (others are never read).
+            with checks.collecting():
+                check_echo_weight_values("echo_weights", w.reshape(-1), valid.reshape(-1))
             # Zero outside the mask with where (not a product: NaN · 0 is NaN).
             w = torch.where(valid, w.float(), torch.zeros((), device=w.device))
         echo = w > 0
@@ -336,6 +318,8 @@ class EchoGRPOLoss(nn.Module):
             )
         adv = adv.float()
         adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, t)
+        with checks.collecting():  # read on the RL rows
+            check_float_values("advantages", adv.reshape(-1), rl.reshape(-1), logprob=False)
         obs = (
             echo
             if observation_mask is None
@@ -358,8 +342,9 @@ class EchoGRPOLoss(nn.Module):
                 f"ref_per_token_logps: required by beta={cfg.kl_coef} ([B, T] reference-model "
                 "logprobs); or set beta=0.0"
             )
-        # Kind, shape and device of the [B, T] logprob inputs, named as passed, before the
-        # forward reads them per chunk (their values are checked with the record).
+        # The [B, T] logprob inputs, named as passed, before the forward reads them per chunk:
+        # kind, shape and device, then their values on the RL rows (where they are read),
+        # once (the call's record is built from what is checked here).
         for name, value in (
             ("ref_per_token_logps", ref_per_token_logps if cfg.kl_coef > 0 else None),
             ("old_per_token_logps", old_per_token_logps),
@@ -367,6 +352,8 @@ class EchoGRPOLoss(nn.Module):
         ):
             if value is not None:
                 check_per_token(name, value, rl.shape, rl.device, "float", what="[B, T]")
+                with checks.collecting():
+                    check_float_values(name, value.reshape(-1), rl.reshape(-1), logprob=True)
         return _CallSetup(cfg, norms, rl_constant, adv, obs, echo_w)
 
     def _loss(
@@ -389,35 +376,31 @@ class EchoGRPOLoss(nn.Module):
         ``label_check``: the labels' range check the logprob op left to the loss (device
         path)."""
         cfg, norms, rl_constant, adv, obs, echo_w = setup
-        if old_per_token_logps is None:
-            # On-policy: the ratio's denominator is this pass's logprobs, so a non-finite one
-            # is the model's output (named by its source), not an old logprob.
-            if cfg.check_finite:
-                check_scored_rows(lp.reshape(-1), rl.reshape(-1), echo.reshape(-1), source, checks)
-            old = lp.detach()
-        else:
-            old = check_tensor("old_per_token_logps", old_per_token_logps).float()
-        with checks.collecting():  # the record's checks join the call's, in call order
-            record = _record(
-                source,
-                rl_mask=rl,
-                echo_weights=echo_w,
-                advantages=adv,
-                inference_logprobs=inference_logprobs,
-                old_logprobs=old,
-                ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
-                sequence_ids=_batch_rows(rl),
-                observation_mask=obs,
-                env_names=None if env_names is None else tuple(env_names),
-            )
-        return logprobs_loss(
-            lp,
+        # On-policy the ratio's denominator is this pass's logprobs; a non-finite one is the
+        # model's output, named by its source in the loss's check of the scored rows.
+        old = lp.detach() if old_per_token_logps is None else old_per_token_logps.float()
+        # Every field was checked as the caller passed it (`_rows`, `_setup`) or derived
+        # from those: the record is not validated a second time under other names.
+        record = unchecked_inputs(
+            rl_mask=rl,
+            echo_weights=echo_w,
+            advantages=adv,
+            inference_logprobs=inference_logprobs,
+            old_logprobs=old,
+            ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
+            sequence_ids=_batch_rows(rl),
+            observation_mask=obs,
+            env_names=None if env_names is None else tuple(env_names),
+        )
+        ent = entropy.reshape(-1)
+        return loss_from_logprobs(
+            lp.reshape(-1),
+            ent if cfg.entropy_coef != 0 else ent.detach(),  # trained only with a bonus
             record,
-            entropy if cfg.entropy_coef != 0 else entropy.detach(),  # trained only with a bonus
             cfg,
             norms,
             None if self.mapping is None else self.mapping.policy_fn,
-            {},
+            source=source,
             checks=checks,
             rl_constant=rl_constant,
             label_check=label_check,
@@ -741,7 +724,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
         inference_logprobs: torch.Tensor | None,
     ) -> RowCoefficients:
         """Each row's ``d loss / d logprob`` from that row alone (`row_coefficients`) for a
-        chunk-additive loss, from the fields the record of `_loss` will hold (validated there);
+        chunk-additive loss, from the fields the record of `_loss` will hold (checked in `_setup`);
         on-policy (no ``old_per_token_logps``) the ratio's denominator is the row's own
         logprob, as in `_loss`."""
         cfg = setup.config

@@ -433,11 +433,36 @@ def test_module_given_counts_issue_no_host_sync(items, phases_uncounted):
     assert fwd.num_syncs == 0 and bwd.num_syncs == 0, (dict(fwd.syncs), dict(bwd.syncs))
 
 
+#: Values of the modules' arguments checked as passed: the error names the argument (not the
+#: record's field it becomes) and shows the value passed (not one scaled or cast from it).
+ARGUMENT_CASES = {
+    "nan-ref": ("ref_per_token_logps", (1, 1), float("nan"), "ref_per_token_logps must be finite"),
+    "positive-old": ("old_per_token_logps", (1, 1), 0.5, "old_per_token_logps[7]"),
+    "nan-inference": ("inference_logprobs", (2, 3), float("nan"), "inference_logprobs must be"),
+    "negative-echo-weight": ("echo_weights", (1, 2), -1.0, "echo_weights[8] must be a finite"),
+    "nan-advantage": ("advantages", (1,), float("inf"), "advantages must be finite"),
+}
+
+
 @pytest.mark.parametrize(
-    "case", ["attention-mask-half", "items-too-small", "echo-items-tensor-too-small", "nan-logit"]
-)
+    "case",
+    ["attention-mask-half", "items-too-small", "echo-items-tensor-too-small", "nan-logit",
+     *ARGUMENT_CASES],
+)  # fmt: skip
 def test_module_value_errors_are_deferred_with_the_same_message(case):
+    """Host and device path report the same message (on the device path, once read). History:
+    the device path named ``ref_logprobs``/``old_logprobs`` (the record's fields) where the
+    host path named the arguments, and both showed an echo weight after its scaling (-0.5
+    for a -1.0 passed)."""
     batch, kw = _module_batch(), {}
+    if case in ARGUMENT_CASES:
+        name, index, value, _ = ARGUMENT_CASES[case]
+        base = batch.get(name)
+        base = -torch.rand(B, T) if base is None else base.clone()
+        base[index] = value
+        batch[name] = base
+        if name in ("old_per_token_logps", "inference_logprobs"):
+            kw[name] = base
     if case == "attention-mask-half":
         batch["attention_mask"] = batch["attention_mask"].clone()
         batch["attention_mask"][2, 3] = 0.5
@@ -457,6 +482,10 @@ def test_module_value_errors_are_deferred_with_the_same_message(case):
 
         module.forward = forward  # type: ignore[method-assign]
     expected = _host_error(lambda: _run_module(False, module, batch, **kw))
+    if case in ARGUMENT_CASES:
+        assert ARGUMENT_CASES[case][3] in expected, expected
+        if case == "negative-echo-weight":
+            assert "got -1.0;" in expected, expected
     with device_code_path():
         out, _ = _run_module(False, module, batch, **kw)  # no error yet
         assert pending_count() >= 1

@@ -353,3 +353,54 @@ def test_fused_linear_one_chunk_launches_are_logits_then_losss(
 
 
 FUSED_LINEAR_CEILING = 5
+
+
+#: Launches per forward+backward of the ``echoloss.nn`` modules on the device path, besides the
+#: phases, the row program and (hidden states) the three GEMMs, on `test_host_syncs`'s batch
+#: (float attention mask, echo weights, observation mask, reference logprobs with ``beta``).
+#: Most are the checks of the caller's arguments, each as passed and once (the attention
+#: mask's 0/1, the echo weights, the advantages and the logprob inputs, about 7 launches each
+#: with their share of the packing), then the echo weights' scaling and the row mask. The
+#: sequence-level ``cispo``/``sapo`` run the PyTorch algebra (a custom policy: about 150 more;
+#: the module from hidden states one more each, its weight's cast).
+#: History (logits module): 136-146 (276-292 for the sequence-level ones) when the op queued
+#: its own label and temperature checks and the call's record validated every field a second
+#: time under its own names (the on-policy logprobs twice, the op's own entropy once).
+MODULE_CEILING = {
+    "grpo-token-mean": 90,
+    "bnpo-batch-token-mean": 80,
+    "dr_grpo-sequence-mean": 82,
+    "dapo-token-mean": 90,
+    "cispo-sequence-level": 231,
+    "sapo-sequence-level": 247,
+    "gspo": 90,
+    "luspo": 80,
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
+@pytest.mark.parametrize("name", sorted(MODULE_CEILING))
+def test_module_launches_do_not_grow(name, fused, phases_uncounted, row_kernel_uncounted):
+    from test_host_syncs import _module_batch, _options, _run_module
+
+    fake = importlib.import_module("echoloss.ops.selective_logprobs.op").resolve_backend
+    linear = importlib.import_module("echoloss.ops.fused_linear.op")
+    original = linear.resolve_backend
+    linear.resolve_backend = fake
+    try:
+        batch = _module_batch()
+        with device_code_path():
+            for _ in range(2):  # warm-up
+                out, _ = _run_module(fused, _options(name), batch)
+                out.loss.backward()
+                raise_deferred_errors()
+            with count_ops() as c:
+                out, _ = _run_module(fused, _options(name), batch)
+                out.loss.backward()
+            raise_deferred_errors()
+    finally:
+        linear.resolve_backend = original
+    assert c.num_syncs == 0, dict(c.syncs)
+    gemms = c.launches.get("aten::mm", 0)
+    assert gemms == (3 if fused else 0)
+    assert c.num_launches - gemms <= MODULE_CEILING[name], sorted(c.launches.items())
