@@ -23,9 +23,10 @@ timeout 120 "$PY" -m benchmarks.launch_count --n 16384 --v 151936 | tee "$OUT/gp
 # Where the time goes: kernels, launches and host time per forward+backward, echoloss vs TRL.
 timeout 90 "$PY" -m benchmarks.profile_step | tee "$OUT/gpu_check_profile.md"
 # The fused-linear op's chunk size against time and memory, beside logits-then-loss (H = 4096),
-# then the automatic chunk alone in 20 paired rounds (a difference of 0.3 % needs them).
+# then the automatic chunk alone in 20 paired rounds (a difference of 0.3 % needs them), beside
+# the same op with phase 2 writing into a new buffer (does writing over the logits cost time?).
 timeout 90 "$PY" -m benchmarks.linear_chunks | tee "$OUT/gpu_check_linear_chunks.md"
-timeout 90 "$PY" -m benchmarks.linear_chunks --chunks "" --rounds 20 --repeats 6 \
+timeout 150 "$PY" -m benchmarks.linear_chunks --chunks "" --rounds 20 --repeats 6 --new-buffer \
   | tee "$OUT/gpu_check_linear_rounds.md"
 # The chunked LM head's GEMMs one by one, and the kernels of logits-then-loss beside fused-linear.
 timeout 60 "$PY" -m benchmarks.gemm_chunks | tee "$OUT/gpu_check_gemm_chunks.md"

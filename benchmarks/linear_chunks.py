@@ -1,7 +1,7 @@
 """The fused-linear op's chunk size against its time and memory, beside logits-then-loss.
 
 ``python -m benchmarks.linear_chunks [--n 16384] [--v 151936] [--hidden 4096] [--rounds R]
-[--output FILE]``
+[--new-buffer] [--output FILE]``
 
 Forward+backward of the benchmark's loss (``benchmarks/workload.py``, bf16) from ``hidden``
 and the LM-head ``weight``: once with the ``[N, V]`` logits materialised (``echo_loss(hidden @
@@ -12,20 +12,50 @@ run falls on all cases alike), and the peak memory of one more call above what w
 before it. With ``--rounds R`` the mirrored timing is repeated ``R`` times and each round's
 medians are paired: the fused cases' difference to logits-then-loss per round, its median over
 the rounds and how many rounds each side won (a one-GPU call to call spread of several percent
-made a median of 10 unable to resolve a difference of 2-3 %). GPU only; prints Markdown,
-``--output`` writes JSON.
+made a median of 10 unable to resolve a difference of 2-3 %). ``--new-buffer`` adds the
+automatic chunk with phase 2 writing into a new ``[N, V]`` buffer instead of over the kept
+logits (`phase2_into_new_buffer`; the op itself always writes in place, which is its memory
+saving): whether writing over the logits costs time. GPU only; prints Markdown, ``--output``
+writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+@contextlib.contextmanager
+def phase2_into_new_buffer() -> Iterator[None]:
+    """Inside the block, the fused-linear op's phase 2 writes each chunk's ``dlogits`` into a
+    new buffer instead of over the chunk's logits (the ``out=`` of its backend dropped): the
+    same values, one more ``[c, V]`` buffer. For timing the in-place write against the usual
+    one; the op is unchanged outside the block (the backend is captured at forward time)."""
+    from echoloss.ops.fused_linear import op
+
+    resolve = op.resolve_backend
+
+    def new_buffer(backend: str, device: torch.device) -> Any:
+        impl = resolve(backend, device)
+
+        def backward(*args: Any, out: torch.Tensor | None = None, **kwargs: Any) -> Any:
+            return impl.backward(*args, **kwargs)
+
+        return types.SimpleNamespace(forward=impl.forward, backward=backward)
+
+    op.resolve_backend = new_buffer  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        op.resolve_backend = resolve
 
 
 def _peak_extra_gib(fn: Callable[[], Any]) -> float:
@@ -47,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", default="1764,4096,8192")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--new-buffer", action="store_true")
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -73,10 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         echo_loss(h @ w.t(), x, config=cfg).loss.backward()
         return h.grad, w.grad
 
-    def fused(chunk: int | None) -> Callable[[], Any]:
+    def fused(chunk: int | None, new_buffer: bool = False) -> Callable[[], Any]:
         def run() -> Any:
             h, w = leaves()
-            echo_loss_from_hidden(h, w, x, config=cfg, chunk_size=chunk).loss.backward()
+            with phase2_into_new_buffer() if new_buffer else contextlib.nullcontext():
+                loss = echo_loss_from_hidden(h, w, x, config=cfg, chunk_size=chunk).loss
+            loss.backward()
             return h.grad, w.grad
 
         return run
@@ -87,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         ("logits-then-loss", None, unfused),
         (f"fused-linear, automatic ({auto} rows)", auto, fused(None)),
     ]
+    if args.new_buffer:
+        cases.append(
+            ("fused-linear, automatic, phase 2 into a new buffer", auto, fused(None, True))
+        )
     fixed = [int(c) for c in args.chunks.split(",") if c.strip()]  # --chunks "": none
     cases += [(f"fused-linear, {c} rows", c, fused(c)) for c in fixed]
     ctx = Context(kind="cuda", device=dev)

@@ -329,6 +329,61 @@ def test_gpu_only_tools_say_so_on_cpu(module, capsys):
     assert "needs a CUDA device" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("chunk", [None, 7], ids=["one-chunk", "chunks-of-7"])
+def test_phase2_into_a_new_buffer_changes_no_value(chunk):
+    """`benchmarks.linear_chunks --new-buffer` times the fused-linear op with phase 2 writing
+    into a new buffer: the same loss and gradients bit for bit (only where the values are
+    written changes), and the op writes in place again after the block."""
+    from benchmarks.linear_chunks import phase2_into_new_buffer
+    from echoloss import LossInputs, echo_loss_from_hidden
+    from echoloss.ops.fused_linear import op
+
+    g = torch.Generator().manual_seed(0)
+    n, v, h = 20, 33, 8
+    x = LossInputs(
+        labels=torch.randint(0, v, (n,), generator=g),
+        rl_mask=torch.rand(n, generator=g) > 0.3,
+        echo_weights=(torch.rand(n, generator=g) > 0.7).float() * 0.5,
+        advantages=torch.randn(n, generator=g),
+        inference_logprobs=-torch.rand(n, generator=g),
+    )
+    hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    written: list[bool] = []
+    real = op.resolve_backend
+
+    def spy(backend, device):
+        impl = real(backend, device)
+
+        def backward(*a, out=None, **k):
+            written.append(out is not None)
+            return impl.backward(*a, out=out, **k) if out is not None else impl.backward(*a, **k)
+
+        return type(
+            "Impl", (), {"forward": staticmethod(impl.forward), "backward": staticmethod(backward)}
+        )
+
+    def grads():
+        hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = echo_loss_from_hidden(hh, ww, x, chunk_size=chunk, backend="reference").loss
+        loss.backward()
+        return loss.detach(), hh.grad, ww.grad
+
+    op.resolve_backend = spy  # under the wrapper: it sees what the wrapper passes on
+    try:
+        in_place = grads()
+        first, written[:] = list(written), []
+        with phase2_into_new_buffer():
+            new_buffer = grads()
+        second, written[:] = list(written), []
+        again = grads()
+    finally:
+        op.resolve_backend = real
+    assert first and all(first) and written == first  # in place, before and after the block
+    assert second and not any(second)  # into new buffers inside it
+    for a, b, c in zip(in_place, new_buffer, again, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_cuda_timing_runs_mirrored_blocks(monkeypatch):
     """GPU timing order without a GPU (CUDA events faked): each provider warms up, then runs
     half of the repeats in a block, first in order and then in reverse (A B C C B A), so that

@@ -404,3 +404,17 @@ def test_module_launches_do_not_grow(name, fused, phases_uncounted, row_kernel_u
     gemms = c.launches.get("aten::mm", 0)
     assert gemms == (3 if fused else 0)
     assert c.num_launches - gemms <= MODULE_CEILING[name], sorted(c.launches.items())
+
+
+def test_the_benchmarks_page_states_these_ceilings():
+    """``docs/benchmarks.md`` prints the CPU launch counts of this file: its table's "now"
+    column is these ceilings."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = page.split("<!-- launch-counts-cpu:begin -->")[1].split("<!-- launch-counts-cpu:end")[0]
+    rows = [r.split("|")[1:-1] for r in block.strip().splitlines()[2:]]
+    now = [r[2].strip() for r in rows]
+    assert now[0].startswith(f"{FUSED_LINEAR_CEILING} ")
+    builtin = [v for k, v in MODULE_CEILING.items() if "sequence-level" not in k]
+    sequence = [v for k, v in MODULE_CEILING.items() if "sequence-level" in k]
+    assert now[1] == f"at most {min(builtin)}–{max(builtin)}"
+    assert now[2] == f"at most {min(sequence)}–{max(sequence)}"
