@@ -88,7 +88,9 @@ def first_true(mask: torch.Tensor) -> torch.Tensor:
     """
     if mask.numel() == 0:
         return mask.new_zeros((), dtype=torch.int64)
-    return mask.reshape(-1).to(torch.uint8).argmax()
+    flat = mask.reshape(-1)
+    # A bool tensor read as uint8 in place (same bytes, no cast launch): argmax takes no bool.
+    return (flat.view(torch.uint8) if flat.dtype == torch.bool else flat.to(torch.uint8)).argmax()
 
 
 def not_finite(x: torch.Tensor) -> torch.Tensor:

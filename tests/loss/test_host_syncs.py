@@ -201,18 +201,24 @@ def _host_error(fn) -> str:
     return str(e.value)
 
 
+@pytest.mark.parametrize("entry", ["logits", "hidden"])
 @pytest.mark.parametrize(
     "case",
     ["nan-logit", "label-out-of-range", "small-normalizers", "sft-with-echo", "no-advantages"],
 )
-def test_value_errors_are_deferred_with_the_same_message(case):
+def test_value_errors_are_deferred_with_the_same_message(case, entry):
+    """``echo_loss`` and ``echo_loss_from_hidden`` (whose op leaves the labels to the loss on
+    the device path): the host path's error, deferred, word for word."""
     cfg = LossConfig()
     x = _record(cfg)
     logits = torch.randn(N, V)
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
     norms = None
     rl_row = int(x.rl.nonzero()[0, 0])
     if case == "nan-logit":
         logits[rl_row, 3] = float("nan")
+        hidden[rl_row, 1] = float("nan")
     elif case == "label-out-of-range":
         labels = x.labels.clone()
         labels[rl_row] = V + 2
@@ -224,11 +230,16 @@ def test_value_errors_are_deferred_with_the_same_message(case):
     else:
         x = x.replace(advantages=None)
     logits.requires_grad_()
+    hidden.requires_grad_()
 
     def call():
+        if entry == "hidden":
+            return echo_loss_from_hidden(hidden, weight, x, config=cfg, normalizers=norms)
         return echo_loss(logits, x, config=cfg, normalizers=norms)
 
     expected = _host_error(call)
+    if case == "nan-logit":
+        assert f"{entry} row {rl_row}" in expected, expected
     with device_code_path():
         out = call()  # no error yet: the values were checked on the device
         assert pending_count() >= 1
