@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -530,3 +532,57 @@ def test_module_label_out_of_range_is_reported_by_the_loss(fused, name, where):
         with pytest.raises(ValueError) as e:
             raise_deferred_errors()
     assert str(e.value) == expected
+
+
+#: Values a caller may pass by mistake, per argument of the modules (position, bad value).
+_BAD_ARGUMENTS = {
+    "attention_mask": [0.5, 2.0, -1.0],
+    "echo_weights": [float("nan"), -1.0, float("inf")],
+    "advantages": [float("nan"), float("-inf")],
+    "ref_per_token_logps": [float("nan"), 0.5, float("inf")],
+    "old_per_token_logps": [float("nan"), 3.0],
+    "inference_logprobs": [float("-inf"), 0.25],
+    "ids": [V, V + 7],
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
+@given(
+    data=st.data(),
+    name=st.sampled_from(sorted(MODULE_CASES)),
+    argument=st.sampled_from(sorted(_BAD_ARGUMENTS)),
+)
+@settings(max_examples=25, deadline=None)
+def test_module_errors_are_the_same_on_both_paths(fused, data, name, argument):
+    """Any one bad value in any argument of either module, at any position: the device path
+    reports, once its numbers are read, exactly the host path's error (or neither reports
+    one: a value at a position that is never read, such as a label under a zero attention
+    mask, is not an error)."""
+    batch, kw = _module_batch(), {}
+    b = data.draw(st.integers(0, B - 1), label="b")
+    t = data.draw(st.integers(0, T - 1), label="t")
+    value = data.draw(st.sampled_from(_BAD_ARGUMENTS[argument]), label="value")
+    if argument in ("old_per_token_logps", "inference_logprobs"):
+        kw[argument] = -torch.rand(B, T, generator=torch.Generator().manual_seed(9))
+        kw[argument][b, t] = value
+    elif argument == "advantages":
+        batch[argument] = batch[argument].clone()
+        batch[argument][b] = value
+    else:
+        batch[argument] = batch[argument].clone()
+        batch[argument][b, t] = value
+    module = _options(name)
+    try:
+        _run_module(fused, module, batch, **kw)
+        expected = None
+    except ValueError as e:
+        expected = str(e)
+    with device_code_path():
+        out, _ = _run_module(fused, module, batch, **kw)  # nothing raised yet
+        out.loss.backward()
+        try:
+            raise_deferred_errors()
+            got = None
+        except ValueError as e:
+            got = str(e)
+    assert got == expected
