@@ -41,7 +41,8 @@ def phase2_into_new_buffer() -> Iterator[None]:
     one; the op is unchanged outside the block (the backend is captured at forward time)."""
     from echoloss.ops.fused_linear import op
 
-    resolve = op.resolve_backend
+    # The op looks its backend up by this module-level name at each call: wrap what is there.
+    resolve = op.resolve_backend  # type: ignore[attr-defined]
 
     def new_buffer(backend: str, device: torch.device) -> Any:
         impl = resolve(backend, device)
@@ -51,11 +52,11 @@ def phase2_into_new_buffer() -> Iterator[None]:
 
         return types.SimpleNamespace(forward=impl.forward, backward=backward)
 
-    op.resolve_backend = new_buffer  # type: ignore[assignment]
+    op.resolve_backend = new_buffer  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        op.resolve_backend = resolve
+        op.resolve_backend = resolve  # type: ignore[attr-defined]
 
 
 def _peak_extra_gib(fn: Callable[[], Any]) -> float:
