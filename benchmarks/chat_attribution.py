@@ -17,6 +17,7 @@ and length.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -144,10 +145,10 @@ def measure(lengths: Sequence[int], repeats: int) -> list[dict[str, Any]]:
         msgs = conversation(n)
         gate(tok, msgs)
         providers: dict[str, Callable[[], object]] = {
-            "apply_chat_template": lambda msgs=msgs: tok.apply_chat_template(
-                msgs, tools=[TOOL], tokenize=True, return_dict=False
+            "apply_chat_template": functools.partial(
+                tok.apply_chat_template, msgs, tools=[TOOL], tokenize=True, return_dict=False
             ),
-            "attribute": lambda msgs=msgs: attribute(msgs, tok, tools=[TOOL]),
+            "attribute": functools.partial(attribute, msgs, tok, tools=[TOOL]),
         }
         for fn in providers.values():  # warm-up: compiled template, caches
             fn()
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None, *, output: Path | None = None) -> int:
     p.add_argument("--lengths", default=None, help="comma list of message counts")
     p.add_argument("--output", type=Path, default=output, help="directory for results")
     args, _ = p.parse_known_args(argv)
-    lengths = SMOKE_LENGTHS if args.smoke else LENGTHS
+    lengths: tuple[int, ...] = SMOKE_LENGTHS if args.smoke else LENGTHS
     if args.lengths:
         lengths = tuple(int(x) for x in args.lengths.split(",") if x)
     env = environment()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import gc
 import os
 import platform
@@ -156,7 +157,7 @@ def _cpu_peak_extra(fn: Callable[[], Outputs]) -> int | None:
     events.sort(key=lambda e: e.start_ns())
     cur = peak = 0
     for e in events:
-        if e.device_type() == torch.autograd.DeviceType.CPU:
+        if e.device_type() == torch.autograd.DeviceType.CPU:  # type: ignore[attr-defined]
             cur += e.nbytes()
             peak = max(peak, cur)
     return int(peak)
@@ -304,7 +305,8 @@ def _gate_rows(wl: Workload) -> torch.Tensor:
     if wl.n <= GATE_ROWS:
         return torch.arange(wl.n, device=wl.device)
     idx = torch.linspace(0, wl.n - 1, GATE_ROWS, device=wl.device).round().long()
-    return torch.unique(idx)
+    out: torch.Tensor = torch.unique(idx)
+    return out
 
 
 def _ref_logits(wl: Workload, mode: str) -> dict[str, Any]:
@@ -553,7 +555,7 @@ def run_shape(
                 runnable,
                 warmup,
                 repeats,
-                on_error=lambda name, e, rows=mode_rows: _fail(ctx, rows[name], e),
+                on_error=functools.partial(_fail_named, ctx, mode_rows),
             )
             for name in set(runnable) - set(times):
                 del runnable[name]
@@ -576,6 +578,11 @@ def run_shape(
             log("  " + format_row(mode_rows[name]))
         del ref
     return rows
+
+
+def _fail_named(ctx: Context, rows: dict[str, dict[str, Any]], name: str, e: BaseException) -> None:
+    """`_fail` for the row of provider ``name``."""
+    _fail(ctx, rows[name], e)
 
 
 def _fail(ctx: Context, row: dict[str, Any], e: BaseException) -> None:

@@ -32,10 +32,11 @@ def sweep_launch(
     n = rows_idx.numel()
     a = torch.full((n,), 1e-4, device=logits.device)
     buf = torch.empty_like(logits)
-    common = {"rows": rows_idx, "inv_temperature": 1.0, "chunk_size": 1}
 
     def phase1() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return fused.forward(logits, labels, need_entropy=True, **common)
+        return fused.forward(
+            logits, labels, rows=rows_idx, inv_temperature=1.0, chunk_size=1, need_entropy=True
+        )
 
     lp0, lse0, _ = phase1()
 
@@ -48,7 +49,9 @@ def sweep_launch(
             grad_entropy=None,
             entropy=None,
             out=buf,
-            **common,
+            rows=rows_idx,
+            inv_temperature=1.0,
+            chunk_size=1,
         )
 
     def wrap(f: Callable[[], Any]) -> Callable[[], Outputs]:

@@ -102,6 +102,12 @@ def _flat_rows(grad: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda idx: grad.index_select(0, idx)
 
 
+def _tensor(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The logprobs of an op called without ``return_entropy`` (its return type covers both)."""
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
 def _logits_step(
     wl: Workload,
     mode: str,
@@ -155,7 +161,7 @@ def _echoloss(backend: str) -> Builder:
         return _logits_step(
             wl,
             mode,
-            lambda x: selective_logprobs(x, wl.labels, backend=backend),
+            lambda x: _tensor(selective_logprobs(x, wl.labels, backend=backend)),
             lambda x: echo_loss(x, inputs, config=cfg, backend=backend).loss,
         )
 
@@ -319,7 +325,8 @@ def _liger(wl: Workload, mode: str, ctx: Context) -> Callable[[], Outputs]:
         # fp32 copy: Liger's CE keeps per-token losses in the input dtype, so on bf16 rows the
         # loss itself would be rounded to bf16 (~1e-3 relative), which the gate rejects.
         echo_in = x.view(-1, v).index_select(0, echo_rows).float()
-        return rl_loss + ECHO_WEIGHT * liger_cross_entropy(echo_in, echo_labels)
+        out: torch.Tensor = rl_loss + ECHO_WEIGHT * liger_cross_entropy(echo_in, echo_labels)
+        return out
 
     if mode == "no-grad":
 
@@ -400,7 +407,7 @@ def _linear_echoloss(wl: Workload, mode: str, ctx: Context) -> Callable[[], Outp
     return _linear_step(
         wl,
         mode,
-        lambda h, w: selective_logprobs(h @ w.t(), wl.labels, backend=backend),
+        lambda h, w: _tensor(selective_logprobs(h @ w.t(), wl.labels, backend=backend)),
         lambda h, w: echo_loss(h @ w.t(), inputs, config=cfg, backend=backend).loss,
     )
 
@@ -413,7 +420,7 @@ def _fused_linear(wl: Workload, mode: str, ctx: Context) -> Callable[[], Outputs
     return _linear_step(
         wl,
         mode,
-        lambda h, w: linear_selective_logprobs(h, w, wl.labels, backend=backend),
+        lambda h, w: _tensor(linear_selective_logprobs(h, w, wl.labels, backend=backend)),
         lambda h, w: echo_loss_from_hidden(h, w, inputs, config=cfg, backend=backend).loss,
     )
 

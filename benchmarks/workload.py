@@ -147,11 +147,14 @@ def make_workload(
 
     with torch.no_grad():
         if wl.logits is not None:
-            lp = selective_logprobs(wl.logits, labels, mask=rl, backend="reference")
+            lp_out = selective_logprobs(wl.logits, labels, mask=rl, backend="reference")
         else:
-            lp = linear_selective_logprobs(
+            assert wl.hidden is not None and wl.weight is not None
+            lp_out = linear_selective_logprobs(
                 wl.hidden, wl.weight, labels, mask=rl, backend="reference"
             )
+    assert isinstance(lp_out, torch.Tensor)  # no entropy asked
+    lp = lp_out
     noise = 0.1 * torch.randn(n, generator=g, device=device)
     wl.inference_logprobs = torch.where(rl, lp + noise, 0.0)
     return wl

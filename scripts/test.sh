@@ -9,7 +9,7 @@ source scripts/python.sh
 bash scripts/install.sh dev
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-"$PY" -m mypy  # strict on the library ([tool.mypy] in pyproject.toml)
+"$PY" -m mypy  # strict on the library and the benchmarks ([tool.mypy] in pyproject.toml)
 set +e
 "$PY" -m pytest "$@"
 rc=$?
