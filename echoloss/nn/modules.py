@@ -508,6 +508,14 @@ class EchoGRPOLoss(nn.Module):
 
         Returns:
             [`echoloss.LossOutput`][echoloss.LossOutput] ``(loss, metrics)``.
+
+        Raises:
+            TypeError, ValueError: a wrong shape, dtype or option at once; a bad value (an
+                attention mask not 0/1, a negative or non-finite echo weight, a non-finite
+                advantage, a logprob input above 0 or non-finite, a label outside ``[0, V)``,
+                on the rows where it is read) names the argument as passed and shows its
+                value, at once off CUDA and at the next host read on CUDA
+                (``echoloss/_deferred.py``), the same message either way.
         """
         raise_deferred_errors(block=False)  # errors of earlier calls whose work is done
         checks = DeferredChecks(logits.device)
