@@ -143,7 +143,7 @@ def echo_loss_from_hidden(
     # On the device path the loss checks the labels' range (the fused algebra in its own
     # launch, else a check of its own), not the op: about twenty launches fewer.
     label_check = (x.labels.reshape(-1), weight.shape[0]) if on_device_path(hidden.device) else None
-    with checks.collecting():  # the op's checks of labels and temperatures join the call's
+    with checks.collecting():  # what the op checks joins the call (none on the device path)
         lp, ent_all, grads = _logprobs(
             hidden, weight, x, cfg, spec, normalizers, policy_fn, temp, mask, need_ent,
             chunk_size, backend, early, labels_checked=label_check is not None,

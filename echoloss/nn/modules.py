@@ -525,7 +525,7 @@ class EchoGRPOLoss(nn.Module):
         # check of its own), not the op; the temperatures are the module's, validated.
         label_check = _label_check(logits, selected_token_ids)
         op = selective_logprobs if label_check is None else selective_logprobs_checked_by_caller
-        with checks.collecting():  # the op's checks join the call's, in call order
+        with checks.collecting():  # what the op checks joins the call (none on the device path)
             lp, ent = op(
                 logits,
                 selected_token_ids,
@@ -699,7 +699,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
                 rl, setup, ref_per_token_logps, old_per_token_logps, inference_logprobs,
             )  # fmt: skip
         label_check = _label_check(hidden, labels, weight.shape[0])
-        with checks.collecting():  # the op's checks join the call's, in call order
+        with checks.collecting():  # what the op checks joins the call (none on the device path)
             lp, ent, grads = linear_logprobs_for_loss(
                 hidden, weight, labels, temp.reshape(-1), (rl | echo).reshape(-1), True,
                 row_chunk_size, "auto", coefficients, early=early,
