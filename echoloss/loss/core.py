@@ -82,6 +82,7 @@ __all__ = [
     "echo_loss_from_logprobs",
     "fuse_loss_algebra",
     "fused_algebra_applies",
+    "label_check_on_device",
     "loss_from_logprobs",
     "row_coefficients",
     "row_temperature_and_entropy",
@@ -756,6 +757,24 @@ def _metrics(
 
 
 # ---------------------------------------------------------------- the loss from logprobs
+
+
+def label_check_on_device(
+    labels: Any, num_classes: int, device: torch.device
+) -> tuple[torch.Tensor, int] | None:
+    """The ``label_check`` of `loss_from_logprobs` for an entry point whose logprob op leaves
+    the labels' range to the loss: ``(labels [N] int64, V)`` on the device path (the fused
+    algebra checks them in its own launch, the PyTorch algebra queues the op's check; the op
+    then queues none: about twenty launches fewer), None on the host path (the op checks them
+    at once). Labels that are not a tensor are left to the op's error.
+
+    Examples:
+        >>> label_check_on_device(torch.tensor([1, 2]), 5, torch.device("cpu")) is None
+        True
+    """
+    if not on_device_path(device) or not isinstance(labels, torch.Tensor):
+        return None
+    return labels.reshape(-1).long(), num_classes
 
 
 def loss_from_logprobs(

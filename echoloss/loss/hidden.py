@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from echoloss._compile import compiler_disable
-from echoloss._deferred import DeferredChecks, on_device_path, raise_deferred_errors
+from echoloss._deferred import DeferredChecks, raise_deferred_errors
 from echoloss._validate import check_chunk_size
 from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
 from echoloss.loss.config import LossConfig
 from echoloss.loss.core import (
     LossOutput,
     chunk_additive,
+    label_check_on_device,
     loss_from_logprobs,
     row_coefficients,
     row_temperature_and_entropy,
@@ -140,9 +141,7 @@ def echo_loss_from_hidden(
         x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
     )
     mask = x.rl | x.echo
-    # On the device path the loss checks the labels' range (the fused algebra in its own
-    # launch, else a check of its own), not the op: about twenty launches fewer.
-    label_check = (x.labels.reshape(-1), weight.shape[0]) if on_device_path(hidden.device) else None
+    label_check = label_check_on_device(x.labels, weight.shape[0], hidden.device)
     with checks.collecting():  # what the op checks joins the call (none on the device path)
         lp, ent_all, grads = _logprobs(
             hidden, weight, x, cfg, spec, normalizers, policy_fn, temp, mask, need_ent,

@@ -29,7 +29,7 @@ from echoloss import (
     Normalizers,
     selective_logprobs,
 )
-from echoloss._deferred import DeferredChecks, on_device_path, raise_deferred_errors
+from echoloss._deferred import DeferredChecks, raise_deferred_errors
 from echoloss._logging import warn_once
 from echoloss._validate import (
     check_chunk_size,
@@ -43,6 +43,7 @@ from echoloss._validate import (
 )
 from echoloss.loss.core import (
     chunk_additive,
+    label_check_on_device,
     loss_from_logprobs,
     row_coefficients,
     unchecked_inputs,
@@ -101,18 +102,6 @@ def _batch_rows(mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` int64 sequence ids: the batch row of each position."""
     b, t = mask.shape
     return torch.arange(b, device=mask.device).unsqueeze(1).expand(b, t)
-
-
-def _label_check(
-    scores: torch.Tensor, labels: Any, num_classes: int | None = None
-) -> tuple[torch.Tensor, int] | None:
-    """``(labels [N], V)`` for the loss to check on the device path (the logprob op then
-    queues no check of its own: about twenty launches fewer), None on the host path (the op
-    checks them at once). ``scores``: the logits ``[..., V]``, or the hidden states with
-    ``num_classes`` V. Labels that are not a tensor are left to the op's error."""
-    if not on_device_path(scores.device) or not isinstance(labels, torch.Tensor):
-        return None
-    return labels.reshape(-1).long(), scores.shape[-1] if num_classes is None else num_classes
 
 
 def _world_size() -> int:
@@ -521,9 +510,9 @@ class EchoGRPOLoss(nn.Module):
         checks = DeferredChecks(logits.device)
         rl, echo, w = self._rows(attention_mask, echo_weights, checks)
         temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
-        # On the device path the loss checks the labels' range (in its fused launch, or a
-        # check of its own), not the op; the temperatures are the module's, validated.
-        label_check = _label_check(logits, selected_token_ids)
+        # On the device path the loss checks the labels' range, not the op; the temperatures
+        # are the module's, validated.
+        label_check = label_check_on_device(selected_token_ids, logits.shape[-1], logits.device)
         op = selective_logprobs if label_check is None else selective_logprobs_checked_by_caller
         with checks.collecting():  # what the op checks joins the call (none on the device path)
             lp, ent = op(
@@ -698,7 +687,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
                 self._row_coefficients,
                 rl, setup, ref_per_token_logps, old_per_token_logps, inference_logprobs,
             )  # fmt: skip
-        label_check = _label_check(hidden, labels, weight.shape[0])
+        label_check = label_check_on_device(labels, weight.shape[0], hidden.device)
         with checks.collecting():  # what the op checks joins the call (none on the device path)
             lp, ent, grads = linear_logprobs_for_loss(
                 hidden, weight, labels, temp.reshape(-1), (rl | echo).reshape(-1), True,
