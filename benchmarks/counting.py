@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounts", "count_ops"]
+__all__ = ["OpCounts", "count_ops", "record_launch"]
 
 #: Ops that make the host wait for the device whatever their arguments.
 SYNC_OPS = frozenset(
@@ -72,6 +72,7 @@ NO_LAUNCH_OPS = frozenset(
         "aten::scalar_tensor",
         "aten::promote_types",  # dtype arithmetic on the host
         "aten::result_type",
+        "aten::_unsafe_view",  # the view after a reshape's copy (the copy is counted)
     }
 )
 
@@ -163,6 +164,21 @@ def paused() -> Iterator[None]:
     finally:
         for c in _ACTIVE:
             c.paused -= 1
+
+
+def record_launch(name: str) -> None:
+    """Count one launch the dispatch mode cannot see (a Triton kernel: not an aten op) in
+    every active, unpaused count, under ``name``.
+
+    Examples:
+        >>> with count_ops() as c:
+        ...     record_launch("triton::value_check")
+        >>> dict(c.launches)
+        {'triton::value_check': 1}
+    """
+    for c in _ACTIVE:
+        if not c.paused:
+            c.launches[name] += 1
 
 
 def uncounted_reference_phases() -> Any:

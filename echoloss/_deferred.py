@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -104,6 +105,12 @@ def not_finite(x: torch.Tensor) -> torch.Tensor:
     """
     x = x.detach()
     return (x - x) != 0
+
+
+def _with_flag(message: Message) -> Message:
+    """``message`` of a row check given ``(count, row, value)``: the flag is ``count > 0``,
+    formed on the host (no launch for it)."""
+    return lambda v: message([float(v[0] > 0), v[0], v[1], v[2]])
 
 
 @dataclass
@@ -186,8 +193,9 @@ class DeferredChecks:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.deferred = on_device_path(device)
-        # Checks not packed yet, in call order: their numbers, or a function computing them.
-        self._entries: list[tuple[Numbers | Callable[[], Numbers], Message]] = []
+        # Checks not packed yet, in call order: their numbers, a function computing them, or a
+        # row check (`add_rows`, an ``echoloss.ops.value_checks.RowCheck``).
+        self._entries: list[tuple[Any, Message]] = []
         self._blocks: list[torch.Tensor] = []  # packed numbers: [k] float64 each
         self._layout: list[tuple[Message, list[int]]] = []  # positions in the blocks
 
@@ -211,6 +219,39 @@ class DeferredChecks:
         self._entries.append(
             ([n.detach() if isinstance(n, torch.Tensor) else n for n in numbers], message)
         )
+
+    def add_rows(
+        self,
+        values: torch.Tensor,
+        rows: torch.Tensor | None,
+        rule: str,
+        message: Message,
+        *,
+        threshold: float = 0.0,
+    ) -> None:
+        """Queue the check that no entry of ``values`` on ``rows`` (None = every entry) breaks
+        ``rule`` (``echoloss.ops.value_checks.RULES``); ``message`` reads its four numbers
+        ``(bad, count, first flat index, value there)``. On the device path every such check
+        of a call is computed when the checks are packed, one Triton launch each on CUDA,
+        written into one block; on the host path it is evaluated now.
+
+        Examples:
+            >>> checks = DeferredChecks(torch.device("cpu"))
+            >>> checks.add_rows(torch.tensor([1.0, -2.0]), None, "not_weight",
+            ...                 lambda v: ValueError(f"row {int(v[2])}: {v[3]}") if v[0] else None)
+            Traceback (most recent call last):
+            ...
+            ValueError: row 1: -2.0
+        """
+        from echoloss.ops.value_checks import RowCheck, value_check_numbers
+
+        check = RowCheck(values.detach(), rows, rule, threshold)
+        if not self.deferred:
+            err = message(value_check_numbers([check], backend="naive").tolist())
+            if err is not None:
+                raise err
+            return
+        self._entries.append((check, message))
 
     def add_lazy(self, compute: Callable[[], Numbers], message: Message) -> None:
         """`add` with the numbers computed by ``compute()`` when the checks are packed (at once
@@ -245,34 +286,70 @@ class DeferredChecks:
         self._layout += [(m, [offset + i for i in positions]) for m, positions in checks]
 
     def pack(self) -> None:
-        """Gather the checks queued so far into one ``[k]`` float64 block (one ``stack`` and one
-        cast per dtype, one ``cat``). Called inside the compiled loss algebra, so that computing
-        the lazy checks' numbers and packing them is part of the compiled region and only the
-        copy remains outside."""
+        """Gather the checks queued so far into one ``[k]`` float64 block: the row checks'
+        numbers first (`add_rows`: with the Triton program, one launch each, written in
+        place), then the others (one ``stack`` and one cast-copy per dtype; the row checks'
+        numbers join these on the PyTorch path). Called inside the compiled loss algebra, so
+        that computing the lazy checks' numbers and packing them is part of the compiled
+        region and only the copy remains outside."""
         if not self._entries:
             return
+        from echoloss.ops.value_checks import (
+            NUMBERS,
+            RowCheck,
+            counted,
+            fused_value_checks_run,
+            value_check_numbers,
+        )
+
         numbers: list[torch.Tensor] = []
-        spans: list[tuple[int, int, Message]] = []
+        row_checks: list[RowCheck] = []
+        # Per check in call order: (row check?, start, stop) of its numbers, its message.
+        spans: list[tuple[bool, int, int, Message]] = []
+        fused = fused_value_checks_run(self.device)
         for entry, message in self._entries:
-            values = self._values(entry() if callable(entry) else entry)
-            spans.append((len(numbers), len(numbers) + len(values), message))
+            if isinstance(entry, RowCheck) and fused:
+                start = len(NUMBERS) * len(row_checks)
+                spans.append((True, start, start + len(NUMBERS), message))
+                row_checks.append(entry)
+                continue
+            if isinstance(entry, RowCheck):  # (count, row, value), packed with the others
+                values = list(counted(entry))
+                message = _with_flag(message)
+            else:
+                values = self._values(entry() if callable(entry) else entry)
+            spans.append((False, len(numbers), len(numbers) + len(values), message))
             numbers += values
         self._entries = []
-        if not numbers:
+        if not spans:
             return
+        # One block: the row checks' numbers first (the program writes them in place), then
+        # the others, each dtype's stacked and copied (cast) into its slice: no join launch.
+        width = len(NUMBERS) * len(row_checks)
+        block = torch.empty(width + len(numbers), dtype=torch.float64, device=self.device)
+        if row_checks:
+            value_check_numbers(row_checks, out=block[:width])
+        where = [0] * len(numbers)  # position of number i in the block
         groups: dict[torch.dtype, list[int]] = {}
         for i, n in enumerate(numbers):
             groups.setdefault(n.dtype, []).append(i)
-        parts = [torch.stack([numbers[i] for i in idx]).double() for idx in groups.values()]
-        offset = sum(b.numel() for b in self._blocks)
-        where = [0] * len(numbers)  # position of number i in this block
-        k = 0
+        k = width
         for idx in groups.values():
+            block[k : k + len(idx)].copy_(torch.stack([numbers[i] for i in idx]))
             for i in idx:
-                where[i] = offset + k
+                where[i] = k
                 k += 1
-        self._blocks.append(torch.cat(parts) if len(parts) > 1 else parts[0])
-        self._layout += [(m, [where[i] for i in range(a, b)]) for a, b, m in spans]
+        offset = sum(b.numel() for b in self._blocks)
+        self._blocks.append(block)
+        self._layout += [
+            (
+                m,
+                [offset + p for p in range(a, b)]
+                if rows
+                else [offset + where[i] for i in range(a, b)],
+            )
+            for rows, a, b, m in spans
+        ]
 
     def submit(self) -> None:
         """Send the queued numbers to the host (non-blocking) and queue them for reading.

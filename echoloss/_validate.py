@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from echoloss._deferred import DeferredChecks, first_true, not_finite
+from echoloss._deferred import DeferredChecks
 
 __all__ = [
     "bool_list",
@@ -234,7 +234,6 @@ def check_mask(name: str, t: Any, fix: str = "", *, checks: Any = None) -> torch
         return tensor
     if tensor.is_complex():
         raise TypeError(problem(name, "a bool or 0/1 mask", describe(tensor), fix))
-    bad = ((tensor != 0) & (tensor != 1)).reshape(-1)  # [numel]
     integer = not tensor.dtype.is_floating_point
 
     def error(i: int, value: float) -> ValueError:
@@ -247,14 +246,12 @@ def check_mask(name: str, t: Any, fix: str = "", *, checks: Any = None) -> torch
             )
         )
 
-    if checks is not None and bad.numel():
-        row = first_true(bad)  # 0-dim
-        first = tensor.reshape(-1).index_select(0, row.view(1))
-        checks.add(
-            [bad.any(), row, first.double()],
-            lambda v: error(int(v[1]), v[2]) if v[0] else None,
-        )
-    elif bool(bad.any()):
+    if checks is not None and tensor.numel():
+        # (bad, count, first flat index, value there): one launch on CUDA, read later.
+        checks.add_rows(tensor, None, "not_01", lambda v: error(int(v[2]), v[3]) if v[0] else None)
+        return tensor != 0
+    bad = ((tensor != 0) & (tensor != 1)).reshape(-1)  # [numel]
+    if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise error(i, tensor.reshape(-1)[i].item())
     return tensor != 0
@@ -365,13 +362,8 @@ def check_finite(
         ...
         ValueError: advantages must be finite on the rows that participate, got 1 non-finite value(s), the first at row 1: nan
     """
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
+    if t.numel() == 0:
         return
-    bad = not_finite(flat)  # [N]
-    if where is not None:
-        bad = bad & where.reshape(-1)
-    row = first_true(bad)
 
     def message(v: Sequence[float]) -> Exception | None:
         if not v[0]:
@@ -385,8 +377,8 @@ def check_finite(
             )
         )
 
-    checks = DeferredChecks(flat.device)
-    checks.add([bad.any(), bad.sum(), row, flat.index_select(0, row.view(1))], message)
+    checks = DeferredChecks(t.device)
+    checks.add_rows(t, where, "not_finite", message)  # (bad, count, first row, its value)
     checks.submit()
 
 
@@ -396,25 +388,20 @@ def _check_temperature_values(flat: torch.Tensor) -> None:
     if flat.numel() == 0:
         return
 
-    def numbers() -> list[torch.Tensor]:
-        bad = ~((flat > 0) & (flat < math.inf))  # NaN fails both
-        i = first_true(bad)
-        return [bad.any(), i, flat.index_select(0, i.view(1))]
-
     def message(v: Sequence[float]) -> Exception | None:
         if not v[0]:
             return None
         return ValueError(
             problem(
-                f"temperature[{int(v[1])}]",
+                f"temperature[{int(v[2])}]",
                 "a positive finite number",
-                repr(v[2]),
+                repr(v[3]),
                 "padding rows take 1.0",
             )
         )
 
     checks = DeferredChecks(flat.device)
-    checks.add_lazy(numbers, message)  # inside a loss call: computed with the loss's checks
+    checks.add_rows(flat, None, "not_positive", message)  # inside a loss call: with its checks
     checks.submit()
 
 

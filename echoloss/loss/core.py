@@ -70,6 +70,7 @@ from echoloss.ops.selective_logprobs.op import (
     labels_checked_on_device,
     selective_logprobs_checked_by_caller,
 )
+from echoloss.ops.value_checks import fuse_value_checks
 
 __all__ = [
     "LossOutput",
@@ -222,7 +223,10 @@ def _check_finite_rows(
     """``values [N]`` finite on ``rows [N] bool`` (else name the first bad row)."""
     if values.numel() == 0:
         return
-    _defer_first_bad_row(checks, rows & not_finite(values), values, _not_finite_error(name, why))
+    error = _not_finite_error(name, why)
+    checks.add_rows(  # (bad, count, first row, its value): one launch on CUDA
+        values, rows, "not_finite", lambda v: error(int(v[2]), v[3]) if v[0] else None
+    )
 
 
 def _not_finite_error(name: str, why: str) -> Callable[[int, float], Exception]:
@@ -852,7 +856,9 @@ def fuse_loss_algebra(mode: str = "auto") -> None:
     comes from that row alone (`fused_algebra_applies`) it runs as one Triton program
     (``echoloss.ops.row_algebra``) that writes the loss, the per-row derivatives, the metrics
     and the check numbers at once; backward is one multiplication per input. Otherwise (and
-    for the compiled region of `compile_loss_algebra`) the PyTorch algebra runs.
+    for the compiled region of `compile_loss_algebra`) the PyTorch algebra runs. The deferred
+    value checks of the call's arguments follow the same mode
+    (`echoloss.ops.value_checks.fuse_value_checks`: one Triton launch per check).
 
     Args:
         mode: ``"auto"`` (the default): on CUDA when triton is importable; ``"always"``: also
@@ -865,6 +871,7 @@ def fuse_loss_algebra(mode: str = "auto") -> None:
     if mode not in _FUSE_MODES:
         raise ValueError(problem("mode", f"one of {_FUSE_MODES}", describe(mode)))
     _FUSE["mode"] = mode
+    fuse_value_checks(mode)  # the call's deferred value checks follow the algebra
 
 
 #: The built-in policies the fused algebra computes (registered ones run the PyTorch algebra).
@@ -1186,14 +1193,17 @@ def _rows_of(x: LossInputs, idx: torch.Tensor) -> LossInputs:
     return sub
 
 
-def unchecked_inputs(**fields: Any) -> LossInputs:
+def unchecked_inputs(
+    *, split: tuple[torch.Tensor, torch.Tensor] | None = None, **fields: Any
+) -> LossInputs:
     """A `LossInputs` of ``fields`` whose tensors' values the caller has checked itself: the
     ``echoloss.nn`` modules check each argument as passed (named as passed, on the rows where
     it is read: `check_float_values`, `check_echo_weight_values`) and derive the rest, so
     their record is not validated a second time (under the record's field names, and about a
     hundred launches per call on a GPU). Also for `row_coefficients` before the logprobs
     exist. Metadata is not checked either; ``env_names`` (host strings) is, as `LossInputs`
-    checks it.
+    checks it. ``split``: the flat ``(rl, echo)`` rows when the caller has them already
+    (exactly `split_rows` of ``rl_mask`` and ``echo_weights``), else they are derived.
 
     Examples:
         >>> x = unchecked_inputs(rl_mask=torch.tensor([True, True]),
@@ -1210,7 +1220,9 @@ def unchecked_inputs(**fields: Any) -> LossInputs:
             value = fields.get(f.name, f.default)
             object.__setattr__(x, f.name, value)
     ew = x.echo_weights
-    rl, echo = split_rows(x.rl_mask.reshape(-1), None if ew is None else ew.reshape(-1))
+    if split is None:
+        split = split_rows(x.rl_mask.reshape(-1), None if ew is None else ew.reshape(-1))
+    rl, echo = split
     object.__setattr__(x, "rl", rl)
     object.__setattr__(x, "echo", echo)
     object.__setattr__(x, "_versions", ())

@@ -11,14 +11,13 @@ input is one more field here.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from echoloss._deferred import DeferredChecks, first_true
+from echoloss._deferred import DeferredChecks
 from echoloss._validate import (
     check_finite,
     check_per_token,
@@ -154,6 +153,19 @@ class LossInputs:
                 check_per_token(
                     f.name, value, shape, dev, f.metadata["kind"], what="the shape of rl_mask"
                 )
+        # The value checks of every field join one block: on the device path one copy to the
+        # host per record (with the fused checks one launch per field), not one per field.
+        checks = DeferredChecks(dev)
+        with checks.collecting():
+            self._split_rows_and_check_values(rl_mask)
+            object.__setattr__(self, "env_names", self._checked_env_names())
+        checks.submit()
+        object.__setattr__(self, "_versions", self._tensor_versions())
+
+    def _split_rows_and_check_values(self, rl_mask: torch.Tensor) -> None:
+        """Set ``rl``, ``echo`` and the checked ``temperature``; check the values of every
+        field on the rows where each is read (`__post_init__`)."""
+        shape, dev = rl_mask.shape, rl_mask.device
         ew = None if self.echo_weights is None else self.echo_weights.reshape(-1)
         if ew is not None:
             check_echo_weight_values("echo_weights", ew)
@@ -173,14 +185,13 @@ class LossInputs:
                 _check_rows(
                     f.name,
                     flat,
-                    where[rows] & (flat < 0),
+                    where[rows],
+                    "below",  # 0
                     "≥ 0 on a row that participates (RL or echo)",
                     "padding rows (-1 / ignore index) must have rl_mask False and echo weight 0",
                     show=lambda v: str(int(v)),
                 )
         object.__setattr__(self, "temperature", check_temperature(self.temperature, shape, dev))
-        object.__setattr__(self, "env_names", self._checked_env_names())
-        object.__setattr__(self, "_versions", self._tensor_versions())
 
     def _tensor_versions(self) -> tuple[tuple[str, torch.Tensor, int], ...]:
         """``(field, tensor, version)`` of every tensor field: PyTorch bumps a tensor's version
@@ -422,25 +433,27 @@ class LossInputs:
 def _check_rows(
     name: str,
     values: torch.Tensor,
-    bad: torch.Tensor,
+    rows: torch.Tensor | None,
+    rule: str,
     expected: str,
     fix: str,
     *,
     show: Callable[[float], str],
+    threshold: float = 0.0,
 ) -> None:
-    """Raise naming the first row of ``bad [N]`` (with its value in ``values [N]``); deferred on
-    the device path (``echoloss/_deferred.py``)."""
+    """Raise naming the first entry of ``values [N]`` on ``rows [N]`` (None = all) that
+    breaks ``rule`` (``echoloss.ops.value_checks.RULES``), with its value; deferred on the
+    device path (``echoloss/_deferred.py``: one launch there on CUDA)."""
     if values.numel() == 0:
         return
-    row = first_true(bad)
 
     def message(v: Sequence[float]) -> Exception | None:
         if not v[0]:
             return None
-        return ValueError(problem(f"{name}[{int(v[1])}]", expected, show(v[2]), fix))
+        return ValueError(problem(f"{name}[{int(v[2])}]", expected, show(v[3]), fix))
 
     checks = DeferredChecks(values.device)
-    checks.add([bad.any(), row, values.index_select(0, row.view(1))], message)
+    checks.add_rows(values, rows, rule, message, threshold=threshold)
     checks.submit()
 
 
@@ -457,11 +470,11 @@ def check_echo_weight_values(
         ...
         ValueError: echo_weights[1] must be a finite weight ≥ 0 (0 = not echoed), got -1.0; echo weights come from EchoConfig (λ or α per row)
     """
-    bad = ~((weights >= 0) & (weights < math.inf))  # NaN fails both
     _check_rows(
         name,
         weights,
-        bad if where is None else bad & where,
+        where,
+        "not_weight",  # NaN fails too
         "a finite weight ≥ 0 (0 = not echoed)",
         "echo weights come from EchoConfig (λ or α per row)",
         show=lambda v: repr(v),
@@ -491,8 +504,10 @@ def _check_logprobs(name: str, t: torch.Tensor, where: torch.Tensor) -> None:
     _check_rows(
         name,
         t,
-        where & (t > LOGPROB_TOLERANCE),
+        where,
+        "above",
         f"a log-probability ≤ 0 (up to {LOGPROB_TOLERANCE})",
         "pass log p, not the negative log-likelihood -log p",
         show=lambda v: repr(round(v, 6)),
+        threshold=LOGPROB_TOLERANCE,
     )

@@ -550,7 +550,6 @@ def scale_echo_weights(
 def row_temperature(
     rl: torch.Tensor, echo: torch.Tensor, temperature: float, echo_temperature: str
 ) -> torch.Tensor:
-    temp = torch.full(rl.shape, float(temperature), device=rl.device)
-    if echo_temperature == "one":
-        temp = temp.masked_fill(echo, 1.0)
-    return temp
+    if echo_temperature == "one":  # one launch: scalars on both sides
+        return torch.where(echo, 1.0, float(temperature))
+    return torch.full(rl.shape, float(temperature), device=rl.device)

@@ -99,9 +99,10 @@ _LIGER_DEFAULTS: dict[str, Any] = {
 
 
 def _batch_rows(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` int64 sequence ids: the batch row of each position."""
+    """``[B, T]`` int64 sequence ids: the batch row of each position (contiguous: the loss
+    reads it flat, twice with per-env metrics)."""
     b, t = mask.shape
-    return torch.arange(b, device=mask.device).unsqueeze(1).expand(b, t)
+    return torch.arange(b, device=mask.device).unsqueeze(1).expand(b, t).contiguous()
 
 
 def _world_size() -> int:
@@ -272,9 +273,9 @@ class EchoGRPOLoss(nn.Module):
             with checks.collecting():
                 check_echo_weight_values("echo_weights", w.reshape(-1), valid.reshape(-1))
             # Zero outside the mask with where (not a product: NaN · 0 is NaN).
-            w = torch.where(valid, w.float(), torch.zeros((), device=w.device))
-        echo = w > 0
-        return valid & ~echo, echo, w
+            w = torch.where(valid, w.float(), 0.0)
+        echo = w > 0  # within the mask
+        return valid > echo, echo, w  # valid and not echoed (bools compare as 0 < 1)
 
     def _setup(
         self,
@@ -308,7 +309,7 @@ class EchoGRPOLoss(nn.Module):
         adv = adv.float()
         adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, t)
         with checks.collecting():  # read on the RL rows
-            check_float_values("advantages", adv.reshape(-1), rl.reshape(-1), logprob=False)
+            check_float_values("advantages", adv, rl, logprob=False)  # read in place
         obs = (
             echo
             if observation_mask is None
@@ -380,6 +381,7 @@ class EchoGRPOLoss(nn.Module):
             sequence_ids=_batch_rows(rl),
             observation_mask=obs,
             env_names=None if env_names is None else tuple(env_names),
+            split=(rl.reshape(-1), echo.reshape(-1)),  # `split_rows` of these: done in `_rows`
         )
         ent = entropy.reshape(-1)
         return loss_from_logprobs(
@@ -448,7 +450,10 @@ class EchoGRPOLoss(nn.Module):
         if items is not None and self.echo_normalization != "token_mean":
             items_on_device("num_echo_items_in_batch", items, None, "echo tokens", checks)
         elif items is None and self.echo_normalization == "token_mean":
-            items = _all_reduced(echo.sum())
+            # This call's echo tokens over the ranks: counted here, so nothing to check;
+            # `scale_echo_weights`' token_mean divisor with one call per step.
+            count = _all_reduced(echo.sum())
+            return echo_w / (count.clamp(min=1) / _world_size()).to(echo_w.dtype)
         return scale_echo_weights(
             echo_w,
             obs,

@@ -18,7 +18,9 @@ next step, not done here.)
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -446,6 +448,36 @@ def test_module_given_counts_issue_no_host_sync(items, phases_uncounted):
     assert fwd.num_syncs == 0 and bwd.num_syncs == 0, (dict(fwd.syncs), dict(bwd.syncs))
 
 
+@contextlib.contextmanager
+def value_checks(kind: str):
+    """Inside the block the device path's value checks run as ``kind``: ``"pytorch"`` (the
+    default off CUDA) or ``"fused"`` (the Triton program, under the interpreter on CPU: what
+    CUDA runs)."""
+    if kind == "pytorch":
+        yield
+        return
+    pytest.importorskip("triton")
+    from echoloss.ops.value_checks import fuse_value_checks
+
+    if not torch.cuda.is_available():
+        fused = importlib.import_module("echoloss.ops.value_checks.fused")
+        if not fused.interpreter_active():  # imported without the interpreter: define again
+            previous = os.environ.get("TRITON_INTERPRET")
+            os.environ["TRITON_INTERPRET"] = "1"
+            try:
+                importlib.reload(fused)
+            finally:
+                if previous is None:
+                    del os.environ["TRITON_INTERPRET"]
+                else:
+                    os.environ["TRITON_INTERPRET"] = previous
+    fuse_value_checks("always")
+    try:
+        yield
+    finally:
+        fuse_value_checks("auto")
+
+
 #: Values of the modules' arguments checked as passed: the error names the argument (not the
 #: record's field it becomes) and shows the value passed (not one scaled or cast from it).
 ARGUMENT_CASES = {
@@ -457,16 +489,18 @@ ARGUMENT_CASES = {
 }
 
 
+@pytest.mark.parametrize("checks", ["pytorch", "fused"])
 @pytest.mark.parametrize(
     "case",
     ["attention-mask-half", "items-too-small", "echo-items-tensor-too-small", "nan-logit",
      *ARGUMENT_CASES],
 )  # fmt: skip
-def test_module_value_errors_are_deferred_with_the_same_message(case):
-    """Host and device path report the same message (on the device path, once read). History:
-    the device path named ``ref_logprobs``/``old_logprobs`` (the record's fields) where the
-    host path named the arguments, and both showed an echo weight after its scaling (-0.5
-    for a -1.0 passed)."""
+def test_module_value_errors_are_deferred_with_the_same_message(case, checks):
+    """Host and device path report the same message (on the device path, once read), with
+    the device path's value checks in PyTorch or in the Triton program. History: the device
+    path named ``ref_logprobs``/``old_logprobs`` (the record's fields) where the host path
+    named the arguments, and both showed an echo weight after its scaling (-0.5 for a -1.0
+    passed)."""
     batch, kw = _module_batch(), {}
     if case in ARGUMENT_CASES:
         name, index, value, _ = ARGUMENT_CASES[case]
@@ -499,7 +533,7 @@ def test_module_value_errors_are_deferred_with_the_same_message(case):
         assert ARGUMENT_CASES[case][3] in expected, expected
         if case == "negative-echo-weight":
             assert "got -1.0;" in expected, expected
-    with device_code_path():
+    with device_code_path(), value_checks(checks):
         out, _ = _run_module(False, module, batch, **kw)  # no error yet
         assert pending_count() >= 1
         out.loss.backward()
@@ -546,6 +580,7 @@ _BAD_ARGUMENTS = {
 }
 
 
+@pytest.mark.parametrize("checks", ["pytorch", "fused"])
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
 @given(
     data=st.data(),
@@ -553,11 +588,11 @@ _BAD_ARGUMENTS = {
     argument=st.sampled_from(sorted(_BAD_ARGUMENTS)),
 )
 @settings(max_examples=25, deadline=None)
-def test_module_errors_are_the_same_on_both_paths(fused, data, name, argument):
+def test_module_errors_are_the_same_on_both_paths(checks, fused, data, name, argument):
     """Any one bad value in any argument of either module, at any position: the device path
     reports, once its numbers are read, exactly the host path's error (or neither reports
     one: a value at a position that is never read, such as a label under a zero attention
-    mask, is not an error)."""
+    mask, is not an error), with its value checks in PyTorch or in the Triton program."""
     batch, kw = _module_batch(), {}
     b = data.draw(st.integers(0, B - 1), label="b")
     t = data.draw(st.integers(0, T - 1), label="t")
@@ -577,9 +612,54 @@ def test_module_errors_are_the_same_on_both_paths(fused, data, name, argument):
         expected = None
     except ValueError as e:
         expected = str(e)
-    with device_code_path():
+    with device_code_path(), value_checks(checks):
         out, _ = _run_module(fused, module, batch, **kw)  # nothing raised yet
         out.loss.backward()
+        try:
+            raise_deferred_errors()
+            got = None
+        except ValueError as e:
+            got = str(e)
+    assert got == expected
+
+
+#: Values a caller may put in a record by mistake, per field (the record of `_record`).
+_BAD_FIELDS = {
+    "echo_weights": [float("nan"), -1.0, float("inf")],
+    "advantages": [float("nan"), float("-inf")],
+    "inference_logprobs": [float("nan"), 0.5],
+    "ref_logprobs": [float("inf"), 2.0],
+    "labels": [-3],
+    "sequence_ids": [-2],
+    "temperature": [0.0, float("nan"), -1.0],
+}
+
+
+@pytest.mark.parametrize("checks", ["pytorch", "fused"])
+@given(data=st.data(), field=st.sampled_from(sorted(_BAD_FIELDS)))
+@settings(max_examples=30, deadline=None)
+def test_record_errors_are_the_same_on_both_paths(checks, data, field):
+    """One bad value in any checked field of a `LossInputs`, at any row: built on the device
+    path, the record reports (once its numbers are read, in one copy with its other checks)
+    exactly the host path's error, or neither reports one (a row where the field is not read,
+    such as an advantage of an echo row, is not an error)."""
+    import dataclasses
+
+    x = _record(LossConfig())
+    fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(LossInputs) if f.init}
+    row = data.draw(st.integers(0, N - 1), label="row")
+    value = data.draw(st.sampled_from(_BAD_FIELDS[field]), label="value")
+    fields[field] = fields[field].clone()
+    fields[field][row] = value
+    try:
+        LossInputs(**fields)
+        expected = None
+    except ValueError as e:
+        expected = str(e)
+    with device_code_path(), value_checks(checks):
+        before = pending_count()
+        LossInputs(**fields)  # nothing raised yet
+        assert pending_count() == before + 1  # every check of the record in one copy
         try:
             raise_deferred_errors()
             got = None

@@ -29,7 +29,11 @@ if HAS_TRITON and not HAS_CUDA:
     _prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        for _name in ("echoloss.ops.selective_logprobs.fused", "echoloss.ops.row_algebra.fused"):
+        for _name in (
+            "echoloss.ops.selective_logprobs.fused",
+            "echoloss.ops.row_algebra.fused",
+            "echoloss.ops.value_checks.fused",
+        ):
             _fused = importlib.import_module(_name)
             if not _fused.interpreter_active():  # imported earlier without the interpreter
                 importlib.reload(_fused)

@@ -23,7 +23,12 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_every_op_folder_is_found():
-    assert {p.name for p in FOLDERS} == {"fused_linear", "row_algebra", "selective_logprobs"}
+    assert {p.name for p in FOLDERS} == {
+        "fused_linear",
+        "row_algebra",
+        "selective_logprobs",
+        "value_checks",
+    }
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)

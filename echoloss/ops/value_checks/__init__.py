@@ -1,0 +1,29 @@
+"""Value checks of ``[N]`` inputs as a few numbers each, for checks read later on the host.
+
+[`value_check_numbers`][echoloss.ops.value_checks.op.value_check_numbers] gives, per
+`RowCheck` (values, the rows checked, a rule of `RULES`), whether an entry breaks the rule, how
+many do, the first one's index and its value: one Triton launch per check into one float64
+block (``fused.py``) instead of about eight small PyTorch kernels each and a join
+(``naive.py``, the gold). ``echoloss._deferred.DeferredChecks`` uses it for the checks of a
+call's arguments on the device path.
+"""
+
+from __future__ import annotations
+
+from echoloss.ops.value_checks.contract import NUMBERS, RULES, RowCheck
+from echoloss.ops.value_checks.naive import counted
+from echoloss.ops.value_checks.op import (
+    fuse_value_checks,
+    fused_value_checks_run,
+    value_check_numbers,
+)
+
+__all__ = [
+    "NUMBERS",
+    "RULES",
+    "RowCheck",
+    "counted",
+    "fuse_value_checks",
+    "fused_value_checks_run",
+    "value_check_numbers",
+]

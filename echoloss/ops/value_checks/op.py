@@ -1,0 +1,183 @@
+"""`value_check_numbers`: the numbers of several value checks in one float64 block."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from echoloss.ops.value_checks import naive
+from echoloss.ops.value_checks.contract import NUMBERS, RULES, RowCheck
+
+__all__ = ["fuse_value_checks", "fused_value_checks_run", "value_check_numbers"]
+
+_MODES = ("auto", "always", "never")
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)} on {x.device}"
+    return repr(x)
+
+
+def _problem(name: str, expected: str, got: str, fix: str) -> str:
+    # echoloss._validate.problem's form, written here: echoloss._deferred imports this op, and
+    # the package's message helpers import echoloss._deferred.
+    return f"{name} must be {expected}, got {got}; {fix}"
+
+
+_MODE = {"mode": "auto"}
+
+
+def fuse_value_checks(mode: str = "auto") -> None:
+    """Choose where `value_check_numbers` runs one Triton launch per check.
+
+    Args:
+        mode: ``"auto"`` (the default): on CUDA when triton is importable; ``"always"``: also
+            on cpu tensors when the Triton interpreter is active (``TRITON_INTERPRET=1`` set
+            before echoloss is imported; for tests); ``"never"``: the PyTorch checks only.
+            ``echoloss.loss.core.fuse_loss_algebra`` sets this too.
+
+    Examples:
+        >>> fuse_value_checks("auto")
+    """
+    if mode not in _MODES:
+        raise ValueError(
+            _problem("mode", f"one of {_MODES}", _describe(mode), "pass 'auto' unless testing")
+        )
+    _MODE["mode"] = mode
+
+
+def fused_value_checks_run(device: torch.device) -> bool:
+    """Whether `value_check_numbers` runs the Triton program on ``device`` now
+    (`fuse_value_checks`; never inside a compiled region).
+
+    Examples:
+        >>> fused_value_checks_run(torch.device("cpu"))
+        False
+    """
+    return _fused_runs(device) is not None
+
+
+def _fused_runs(device: torch.device) -> ModuleType | None:
+    """The Triton module when it runs the checks on ``device`` (`fuse_value_checks`), else None."""
+    mode = _MODE["mode"]
+    if mode == "never" or (mode == "auto" and device.type != "cuda"):
+        return None
+    if torch.compiler.is_compiling():  # inside a compiled region: its own kernels do the work
+        return None
+    try:
+        from echoloss.ops.value_checks import fused
+    except ImportError:  # no triton: the PyTorch checks give the same numbers
+        return None
+    if device.type == "cuda" or (device.type == "cpu" and fused.interpreter_active()):
+        return fused
+    return None
+
+
+def _check_one(i: int, check: RowCheck, device: torch.device) -> None:
+    name = f"checks[{i}]"
+    if check.rule not in RULES:
+        raise ValueError(
+            _problem(
+                f"{name}.rule", f"one of {RULES}", _describe(check.rule), "pick a rule of RULES"
+            )
+        )
+    v = check.values
+    if not isinstance(v, torch.Tensor) or v.dtype == torch.bool or v.is_complex():
+        raise TypeError(
+            _problem(
+                f"{name}.values",
+                "a real, non-bool tensor",
+                _describe(v),
+                "check a float or int tensor",
+            )
+        )
+    if v.device != device:
+        raise ValueError(
+            _problem(f"{name}.values", f"on {device}", f"on {v.device}", "one block per device")
+        )
+    if not v.dtype.is_floating_point and check.threshold != int(check.threshold):
+        raise ValueError(
+            _problem(
+                f"{name}.threshold",
+                "a whole number for integer values",
+                repr(check.threshold),
+                "round the bound",
+            )
+        )
+    r = check.rows
+    if r is not None and (
+        not isinstance(r, torch.Tensor)
+        or r.dtype != torch.bool
+        or r.numel() != v.numel()
+        or r.device != device
+    ):
+        raise ValueError(
+            _problem(
+                f"{name}.rows",
+                f"None or a bool tensor of {v.numel()} entries on {device} (one per value)",
+                _describe(r),
+                "pass the mask of the rows to check, shaped like the values",
+            )
+        )
+
+
+def value_check_numbers(
+    checks: Sequence[RowCheck], *, backend: str = "auto", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[4 · len(checks)]`` float64: the `NUMBERS` of every check, in order.
+
+    Per check: 1 if an entry of ``values`` on ``rows`` breaks ``rule`` (else 0), how many do,
+    the flat index of the first (0 when none) and the value there. ``backend="auto"`` runs
+    one Triton launch per check writing into one block (`fuse_value_checks`), else the PyTorch
+    checks (about eight launches each, then one to join them); ``"naive"`` forces the latter.
+    Not recorded by autograd.
+
+    Args:
+        checks: `RowCheck` s, their values on one device.
+        backend: ``"auto"`` or ``"naive"``.
+        out: ``[4 · k]`` float64 on that device to write into (e.g. a slice of a larger
+            block), or None for a new tensor.
+
+    Returns:
+        ``[4 · k]`` float64 on the values' device.
+
+    Examples:
+        >>> w = torch.tensor([0.5, -1.0, float("nan")])
+        >>> value_check_numbers([RowCheck(w, None, "not_weight"),
+        ...                      RowCheck(w, torch.tensor([True, False, False]), "not_weight")]).tolist()
+        [1.0, 2.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.5]
+    """
+    if backend not in ("auto", "naive"):
+        raise ValueError(
+            _problem("backend", "'auto' or 'naive'", _describe(backend), "pass 'auto'")
+        )
+    if not checks:
+        raise ValueError(_problem("checks", "at least one RowCheck", "none", "skip the call"))
+    device = checks[0].values.device
+    for i, check in enumerate(checks):
+        _check_one(i, check, device)
+    width = len(NUMBERS)
+    if out is not None and (
+        out.dtype != torch.float64 or out.shape != (width * len(checks),) or out.device != device
+    ):
+        raise ValueError(
+            _problem(
+                "out",
+                f"float64 [{width * len(checks)}] on {device} (four numbers per check)",
+                _describe(out),
+                "pass None for a new tensor",
+            )
+        )
+    fused = None if backend == "naive" else _fused_runs(device)
+    if fused is None:
+        parts = [naive.numbers(c) for c in checks]
+        numbers = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return numbers if out is None else out.copy_(numbers)
+    if out is None:
+        out = torch.empty(width * len(checks), dtype=torch.float64, device=device)
+    for i, check in enumerate(checks):
+        fused.write(check, out[width * i : width * (i + 1)])
+    return out

@@ -1,0 +1,257 @@
+"""The value checks (``echoloss.ops.value_checks``): the Triton program against its PyTorch gold
+bit for bit, hand-computed numbers for every rule, the bound of ``above``/``below`` rounded as
+PyTorch rounds it, strided views read in place, and `DeferredChecks` keeping the call order.
+
+The program runs under the Triton interpreter on CPU (``tests/ops/conftest.py``). Sizes above
+``BLOCK`` (1024) make its loop run several times (2500: three blocks, the last one partial).
+Every number is exact: a flag, a count, an index and a value copied from the input into
+float64 (every float and integer dtype here converts exactly), so fused and gold must be equal
+(NaN where the value is NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from echoloss._deferred import DeferredChecks, device_code_path, raise_deferred_errors
+from echoloss.ops.value_checks import RULES, RowCheck, fuse_value_checks, value_check_numbers
+from echoloss.ops.value_checks import fused as fused_module
+from echoloss.ops.value_checks.fused import BLOCK, _rounded
+from echoloss.ops.value_checks.naive import rejected
+
+NAN, INF = math.nan, math.inf
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+INTS = (torch.int64, torch.int32, torch.uint8)
+
+
+@pytest.fixture(autouse=True)
+def fused_checks():
+    if not torch.cuda.is_available():
+        assert fused_module.interpreter_active()  # conftest imported it under the interpreter
+    fuse_value_checks("always")
+    yield
+    fuse_value_checks("auto")
+
+
+def both(checks):
+    """``(fused, gold)`` numbers of ``checks``."""
+    return value_check_numbers(checks), value_check_numbers(checks, backend="naive")
+
+
+def assert_same(a, b):
+    assert a.dtype == b.dtype == torch.float64 and a.shape == b.shape
+    assert torch.equal(a.isnan(), b.isnan()), (a.tolist(), b.tolist())
+    assert torch.equal(a.nan_to_num(), b.nan_to_num()), (a.tolist(), b.tolist())
+
+
+# ------------------------------------------------------------------ hand-computed numbers
+
+HAND = [
+    # (rule, values, rows, threshold, [bad, count, row, value])
+    ("not_finite", [1.0, INF, -2.0, NAN, -INF], None, 0.0, [1, 3, 1, INF]),
+    ("not_finite", [1.0, INF, -2.0, NAN], [False, False, True, True], 0.0, [1, 1, 3, NAN]),
+    ("not_finite", [1.0, -2.0], None, 0.0, [0, 0, 0, 1.0]),
+    ("above", [-1.0, 0.5, NAN, 2.0], None, 0.1, [1, 2, 1, 0.5]),  # NaN passes
+    ("below", [3.0, 0.0, -1.0, NAN, -5.0], None, 0.0, [1, 2, 2, -1.0]),
+    ("not_weight", [0.0, 0.5, -0.0, NAN, -1.0, INF], None, 0.0, [1, 3, 3, NAN]),
+    ("not_01", [0.0, 1.0, 0.5, NAN, -1.0], None, 0.0, [1, 3, 2, 0.5]),
+    ("not_01", [1.0, 0.0, 2.0], [True, True, False], 0.0, [0, 0, 0, 1.0]),
+    ("not_positive", [1.0, 0.0, INF, NAN, 1e-30], None, 0.0, [1, 3, 1, 0.0]),
+]
+
+
+@pytest.mark.parametrize(("rule", "values", "rows", "threshold", "expected"), HAND)
+def test_hand_computed_numbers(rule, values, rows, threshold, expected):
+    check = RowCheck(
+        torch.tensor(values, dtype=torch.float64),
+        None if rows is None else torch.tensor(rows),
+        rule,
+        threshold,
+    )
+    fused, gold = both([check])
+    assert_same(fused, gold)
+    want = torch.tensor(expected, dtype=torch.float64)
+    assert_same(fused, want)
+
+
+def test_every_rule_has_a_hand_case():
+    assert {case[0] for case in HAND} == set(RULES)
+
+
+def test_empty_values_write_zeros():
+    for rule in RULES:
+        fused, gold = both([RowCheck(torch.empty(0), None, rule)])
+        assert fused.tolist() == gold.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_integer_masks_and_their_values():
+    mask = torch.tensor([[1, 0, 1], [0, 7, -3]])
+    fused, gold = both([RowCheck(mask, None, "not_01"), RowCheck(mask.int(), None, "below")])
+    assert_same(fused, gold)
+    assert fused.tolist() == [1, 2, 4, 7, 1, 1, 5, -3]
+
+
+# ------------------------------------------------------------------ the bound, as PyTorch rounds it
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_above_compares_with_the_bound_rounded_to_the_values_dtype(dtype):
+    """A value equal to the dtype's rounding of 1e-3 is not above it; the next value up is.
+    (Compared with 1e-3 in float64, the fp32/bf16 rounding of 1e-3, which is above 1e-3,
+    would be rejected.)"""
+    bound = torch.tensor(1e-3, dtype=dtype)
+    up = torch.nextafter(bound.double(), torch.tensor(INF, dtype=torch.float64)).to(dtype)
+    if up == bound:  # rounded back down in a short dtype: the next representable value
+        up = torch.tensor(_next_up(bound), dtype=dtype)
+    values = torch.stack([bound, up])
+    fused, gold = both([RowCheck(values, None, "above", 1e-3)])
+    assert_same(fused, gold)
+    assert fused.tolist()[:3] == [1.0, 1.0, 1.0]
+
+
+def _next_up(x: torch.Tensor) -> float:
+    bits = x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+    return float((bits + 1).view(x.dtype))
+
+
+def test_rounding_of_the_bound_matches_pytorch_casts():
+    values = [1e-3, 0.0, -2.5, 1 / 3, 65504.0, 65520.0, 1e-8, 1e39, -1e39, 3.4e38, 1e-45]
+    values += [(-1) ** k * 1.2345678912345 * 10.0 ** (k % 80 - 40) for k in range(400)]
+    for dtype in FLOATS:
+        for x in values:
+            assert _rounded(x, dtype) == float(torch.tensor(x, dtype=dtype)), (dtype, x)
+
+
+# ------------------------------------------------------------------ fused == gold
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(FLOATS + INTS),
+    n=st.sampled_from([1, 3, 700, 1024, 1025, 2500]),
+    rule=st.sampled_from(RULES),
+    with_rows=st.booleans(),
+    bad_fraction=st.sampled_from([0.0, 0.001, 0.3]),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_equals_gold(dtype, n, rule, with_rows, bad_fraction, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        values = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+        special = torch.tensor([NAN, INF, -INF, 0.0, 1.0, -0.0, 1e-3, 2.0], dtype=dtype)
+    else:
+        values = torch.randint(0, 2, (n,), generator=g).to(dtype)
+        special = torch.tensor([2, 0, 1, 5], dtype=dtype)
+    hit = torch.rand(n, generator=g) < bad_fraction
+    pick = torch.randint(0, special.numel(), (n,), generator=g)
+    values = torch.where(hit, special[pick], values)
+    rows = (torch.rand(n, generator=g) < 0.7) if with_rows else None
+    threshold = 1e-3 if dtype.is_floating_point else 1.0
+    fused, gold = both([RowCheck(values, rows, rule, threshold)])
+    assert_same(fused, gold)
+
+
+def test_the_loop_runs_several_blocks_and_finds_the_first_bad_entry_in_any():
+    assert BLOCK == 1024
+    for where in (0, 1023, 1024, 2047, 2499):
+        values = torch.zeros(2500)
+        values[where] = NAN
+        values[2499] = INF
+        fused, gold = both([RowCheck(values, None, "not_finite")])
+        assert_same(fused, gold)
+        assert fused.tolist()[:3] == [1.0, 1.0 + (where != 2499), float(where)]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: t[:, :1].expand(7, 300),  # a [B] column expanded to [B, T]: stride 0
+        lambda t: t.t(),  # transposed
+        lambda t: t[1:, 3:250:2],  # an offset and a step
+        lambda t: t.reshape(7, 30, 10)[:, :, 4],  # 3-D base, a strided 2-D view
+        lambda t: t.reshape(7, 30, 10).transpose(0, 1),  # 3-D, not viewable as 1-D
+        lambda t: t[3, 5],  # 0-dim
+    ],
+    ids=["expanded", "transposed", "offset-step", "strided-2d", "3d", "0-dim"],
+)
+def test_strided_views_are_read_in_place_with_the_golds_numbers(make):
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(7, 300, generator=g)
+    base[2, ::37] = NAN
+    base[5, 4] = INF
+    values = make(base)
+    rows = torch.rand(values.shape, generator=g) < 0.8
+    for r in (None, rows):
+        fused, gold = both([RowCheck(values, r, "not_finite")])
+        assert_same(fused, gold)
+
+
+def test_several_checks_fill_one_block_in_order():
+    a = torch.tensor([0.0, -1.0])
+    b = torch.tensor([1.0, NAN, 3.0])
+    fused, gold = both([RowCheck(a, None, "not_weight"), RowCheck(b, None, "not_finite")])
+    assert_same(fused, gold)
+    assert fused.numel() == 8 and fused.tolist()[:4] == [1.0, 1.0, 1.0, -1.0]
+
+
+def test_bad_checks_raise_naming_the_field():
+    x = torch.zeros(3)
+    cases = [
+        (RowCheck(x, None, "nope"), "checks[0].rule must be one of"),
+        (RowCheck(x.bool(), None, "not_01"), "checks[0].values must be a real, non-bool tensor"),
+        (RowCheck(x, torch.ones(2, dtype=torch.bool), "not_finite"), "checks[0].rows must be"),
+        (RowCheck(x, torch.ones(3), "not_finite"), "checks[0].rows must be"),
+        (RowCheck(x.long(), None, "above", 0.5), "checks[0].threshold must be a whole number"),
+    ]
+    for check, message in cases:
+        with pytest.raises((TypeError, ValueError), match=message.replace("[", r"\[")):
+            value_check_numbers([check])
+    with pytest.raises(ValueError, match="backend must be 'auto' or 'naive'"):
+        value_check_numbers([RowCheck(x, None, "not_finite")], backend="triton")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        fuse_value_checks("sometimes")
+
+
+def test_naive_rule_names_are_the_contracts():
+    x = torch.tensor([NAN])
+    for rule in RULES:
+        rejected(x, rule)
+    with pytest.raises(ValueError, match="not a value-check rule"):
+        rejected(x, "nope")
+
+
+# ------------------------------------------------------------------ DeferredChecks
+
+
+def _error_after(v):
+    return ValueError(f"row {int(v[2])} value {v[3]}") if v[0] else None
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device"])
+def test_deferred_checks_keep_the_call_order_across_row_and_number_checks(device_path):
+    """The first failing check in call order is raised, whichever block its numbers are in;
+    the same error on the host path (at once) and on the device path (at the next read)."""
+
+    def run():
+        checks = DeferredChecks(torch.device("cpu"))
+        checks.add_rows(torch.tensor([1.0, 2.0]), None, "not_finite", _error_after)  # passes
+        checks.add([torch.tensor(0.0)], lambda v: ValueError("number") if v[0] else None)
+        checks.add_rows(torch.tensor([0.0, 0.5, 3.0]), None, "not_01", _error_after)  # fails
+        checks.add([torch.tensor(1.0)], lambda v: ValueError("later") if v[0] else None)
+        checks.submit()
+
+    if device_path:
+        with device_code_path():
+            run()  # nothing raised yet
+            with pytest.raises(ValueError, match=r"^row 1 value 0.5$"):
+                raise_deferred_errors()
+    else:
+        with pytest.raises(ValueError, match=r"^row 1 value 0.5$"):
+            run()
