@@ -243,9 +243,10 @@ class DeferredChecks:
             ...
             ValueError: row 1: -2.0
         """
-        from echoloss.ops.value_checks import RowCheck, value_check_numbers
+        from echoloss.ops.value_checks import RowCheck, validate_row_check, value_check_numbers
 
         check = RowCheck(values.detach(), rows, rule, threshold)
+        validate_row_check(check)  # at once on every path: a wrong rule is a bug, not a value
         if not self.deferred:
             err = message(value_check_numbers([check], backend="naive").tolist())
             if err is not None:

@@ -3,7 +3,7 @@ bit for bit, hand-computed numbers for every rule, the bound of ``above``/``belo
 PyTorch rounds it, strided views read in place, and `DeferredChecks` keeping the call order.
 
 The program runs under the Triton interpreter on CPU (``tests/ops/conftest.py``). Sizes above
-``BLOCK`` (1024) make its loop run several times (2500: three blocks, the last one partial).
+``BLOCK`` (2048) make its loop run several times (5000: three blocks, the last one partial).
 Every number is exact: a flag, a count, an index and a value copied from the input into
 float64 (every float and integer dtype here converts exactly), so fused and gold must be equal
 (NaN where the value is NaN).
@@ -11,7 +11,10 @@ float64 (every float and integer dtype here converts exactly), so fused and gold
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -87,8 +90,9 @@ def test_every_rule_has_a_hand_case():
 
 def test_empty_values_write_zeros():
     for rule in RULES:
-        fused, gold = both([RowCheck(torch.empty(0), None, rule)])
-        assert fused.tolist() == gold.tolist() == [0.0, 0.0, 0.0, 0.0]
+        for empty in (torch.empty(0), torch.empty(3, 0, 2), torch.empty(2, 4, 0)):
+            fused, gold = both([RowCheck(empty, None, rule)])
+            assert fused.tolist() == gold.tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
 def test_integer_masks_and_their_values():
@@ -135,7 +139,7 @@ def test_rounding_of_the_bound_matches_pytorch_casts():
 @settings(max_examples=40, deadline=None)
 @given(
     dtype=st.sampled_from(FLOATS + INTS),
-    n=st.sampled_from([1, 3, 700, 1024, 1025, 2500]),
+    n=st.sampled_from([1, 3, 700, 2048, 2049, 5000]),
     rule=st.sampled_from(RULES),
     with_rows=st.booleans(),
     bad_fraction=st.sampled_from([0.0, 0.001, 0.3]),
@@ -159,14 +163,17 @@ def test_fused_equals_gold(dtype, n, rule, with_rows, bad_fraction, seed):
 
 
 def test_the_loop_runs_several_blocks_and_finds_the_first_bad_entry_in_any():
-    assert BLOCK == 1024
-    for where in (0, 1023, 1024, 2047, 2499):
-        values = torch.zeros(2500)
+    assert BLOCK == 2048
+    n = 2 * BLOCK + 900  # three iterations, the last one partial
+    for where in (0, BLOCK - 1, BLOCK, 2 * BLOCK - 1, 2 * BLOCK, n - 1):
+        values = torch.zeros(n)
         values[where] = NAN
-        values[2499] = INF
-        fused, gold = both([RowCheck(values, None, "not_finite")])
-        assert_same(fused, gold)
-        assert fused.tolist()[:3] == [1.0, 1.0 + (where != 2499), float(where)]
+        values[n - 1] = INF
+        for view in (values, values.reshape(-1, 2).t()):  # flat, and two strides
+            fused, gold = both([RowCheck(view, None, "not_finite")])
+            assert_same(fused, gold)
+        flat = both([RowCheck(values, None, "not_finite")])[0]
+        assert flat.tolist()[:3] == [1.0, 1.0 + (where != n - 1), float(where)]
 
 
 @pytest.mark.parametrize(
@@ -178,8 +185,25 @@ def test_the_loop_runs_several_blocks_and_finds_the_first_bad_entry_in_any():
         lambda t: t.reshape(7, 30, 10)[:, :, 4],  # 3-D base, a strided 2-D view
         lambda t: t.reshape(7, 30, 10).transpose(0, 1),  # 3-D, not viewable as 1-D
         lambda t: t[3, 5],  # 0-dim
+        lambda t: t[2].unsqueeze(0).expand(4, 300),  # a [T] row expanded to [B, T]: stride 0
+        lambda t: t[:, 7:8],  # one column: a single stride of 300
+        lambda t: t[4:5, 10:],  # one row with an offset
+        lambda t: t[2:6],  # rows laid end to end: one stride
+        lambda t: t.reshape(7, 30, 10)[:, 3:5, :],  # 3-D, rows of two blocks
     ],
-    ids=["expanded", "transposed", "offset-step", "strided-2d", "3d", "0-dim"],
+    ids=[
+        "expanded",
+        "transposed",
+        "offset-step",
+        "strided-2d",
+        "3d",
+        "0-dim",
+        "row-expanded",
+        "column",
+        "one-row",
+        "end-to-end",
+        "3d-blocks",
+    ],
 )
 def test_strided_views_are_read_in_place_with_the_golds_numbers(make):
     g = torch.Generator().manual_seed(7)
@@ -209,10 +233,21 @@ def test_bad_checks_raise_naming_the_field():
         (RowCheck(x, torch.ones(2, dtype=torch.bool), "not_finite"), "checks[0].rows must be"),
         (RowCheck(x, torch.ones(3), "not_finite"), "checks[0].rows must be"),
         (RowCheck(x.long(), None, "above", 0.5), "checks[0].threshold must be a whole number"),
+        (RowCheck(x.long(), None, "above", math.inf), "checks[0].threshold must be a whole"),
+        (RowCheck(x, None, "above", math.nan), "checks[0].threshold must be a number (not NaN)"),
+        ((x, None, "above"), "checks[0] must be a RowCheck"),
+        (RowCheck(x, None, "not_finite"), None),  # the one below is on another device: "meta"
     ]
+    cases[-1] = (
+        RowCheck(torch.zeros(3, device="meta"), None, "not_finite"),
+        "checks[1].values must be on cpu",
+    )
     for check, message in cases:
-        with pytest.raises((TypeError, ValueError), match=message.replace("[", r"\[")):
-            value_check_numbers([check])
+        first = [RowCheck(x, None, "not_finite")] if "checks[1]" in message else []
+        with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+            value_check_numbers([*first, check])
+    with pytest.raises(ValueError, match=re.escape("out must be float64 [4] on cpu")):
+        value_check_numbers([RowCheck(x, None, "not_finite")], out=torch.empty(4))
     with pytest.raises(ValueError, match="backend must be 'auto' or 'naive'"):
         value_check_numbers([RowCheck(x, None, "not_finite")], backend="triton")
     with pytest.raises(ValueError, match="mode must be one of"):
@@ -228,6 +263,15 @@ def test_naive_rule_names_are_the_contracts():
 
 
 # ------------------------------------------------------------------ DeferredChecks
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device"])
+def test_add_rows_refuses_a_bad_check_at_once(device_path):
+    path = device_code_path() if device_path else contextlib.nullcontext()
+    with path, pytest.raises(ValueError, match=r"^check.rule must be one of"):
+        checks = DeferredChecks(torch.device("cpu"))
+        assert checks.deferred == device_path
+        checks.add_rows(torch.zeros(2), None, "finite", _error_after)
 
 
 def _error_after(v):
@@ -255,3 +299,27 @@ def test_deferred_checks_keep_the_call_order_across_row_and_number_checks(device
     else:
         with pytest.raises(ValueError, match=r"^row 1 value 0.5$"):
             run()
+
+
+# ------------------------------------------------------------------ on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
+def test_the_compiled_program_equals_the_gold_on_cuda(dtype):
+    """The compiled program (not the interpreter) on 1 to 300,000 entries, strided too."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n in (1, 1025, 300_000):
+        base = torch.randn(n, 2, generator=g, device="cuda", dtype=torch.float64)
+        base[n // 3, 0] = NAN
+        base[n - 1, 1] = -INF
+        values = base.to(dtype) if dtype.is_floating_point else (base > 1).to(dtype) * 3
+        rows = torch.rand(n, 2, generator=g, device="cuda") < 0.9
+        for rule, view in itertools.product(RULES, (values, values.t(), values[:, :1])):
+            r = rows[: view.shape[0], : view.shape[1]] if view.dim() == 2 else None
+            if view.shape != values.shape:
+                r = None
+            threshold = 1e-3 if dtype.is_floating_point else 1
+            fused, gold = both([RowCheck(view, r, rule, threshold)])
+            assert_same(fused, gold)

@@ -39,7 +39,7 @@ def _compiled(fn_obj):
     return g[getattr(fn_obj, "fn", fn_obj).__name__]
 
 
-def _compile(values: str, rule: int, has_rows: bool, ints: str, arch: int):
+def _compile(values: str, rule: int, has_rows: bool, ints: str, arch: int, flat: bool = False):
     kernel = _compiled(fused._value_check_kernel)
     types_ = {
         "values": values,
@@ -51,7 +51,7 @@ def _compile(values: str, rule: int, has_rows: bool, ints: str, arch: int):
         "stride_inner": ints,
         "bound_bits": "i64",
     }
-    consts = {"RULE": rule, "HAS_ROWS": has_rows, "BLOCK": fused.BLOCK}
+    consts = {"RULE": rule, "HAS_ROWS": has_rows, "FLAT": flat, "BLOCK": fused.BLOCK}
     names = list(kernel.arg_names)
     assert set(names) == set(types_) | set(consts)
     sig = {n: ("constexpr" if n in consts else types_[n]) for n in names}
@@ -73,12 +73,13 @@ def test_every_rule_and_dtype_compiles(arch):
 
 @needs_nvidia_backend
 def test_64_bit_strides_compile_for_sm90():
-    for values in ("*fp32", "*bf16"):
-        assert _compile(values, 0, True, "i64", 90).asm.get("cubin")
+    for values, flat in itertools.product(("*fp32", "*bf16"), [False, True]):
+        assert _compile(values, 0, True, "i64", 90, flat).asm.get("cubin")
 
 
 @needs_nvidia_backend
 @pytest.mark.parametrize("arch", [80, 90])
 def test_no_local_memory_spills(arch, tmp_path):
-    usage = _resources(_compile("*fp64", 0, True, "i64", arch).asm["cubin"], tmp_path)
-    assert "LOCAL:0" in usage, usage
+    for flat in (False, True):
+        usage = _resources(_compile("*fp64", 0, True, "i64", arch, flat).asm["cubin"], tmp_path)
+        assert "LOCAL:0" in usage, usage

@@ -15,6 +15,7 @@ from echoloss.ops.value_checks.naive import counted
 from echoloss.ops.value_checks.op import (
     fuse_value_checks,
     fused_value_checks_run,
+    validate_row_check,
     value_check_numbers,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "counted",
     "fuse_value_checks",
     "fused_value_checks_run",
+    "validate_row_check",
     "value_check_numbers",
 ]

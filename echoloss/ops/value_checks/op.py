@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -10,7 +11,12 @@ import torch
 from echoloss.ops.value_checks import naive
 from echoloss.ops.value_checks.contract import NUMBERS, RULES, RowCheck
 
-__all__ = ["fuse_value_checks", "fused_value_checks_run", "value_check_numbers"]
+__all__ = [
+    "fuse_value_checks",
+    "fused_value_checks_run",
+    "validate_row_check",
+    "value_check_numbers",
+]
 
 _MODES = ("auto", "always", "never")
 
@@ -76,8 +82,27 @@ def _fused_runs(device: torch.device) -> ModuleType | None:
     return None
 
 
-def _check_one(i: int, check: RowCheck, device: torch.device) -> None:
-    name = f"checks[{i}]"
+def validate_row_check(check: RowCheck, *, name: str = "check") -> None:
+    """Raise naming ``name`` unless ``check`` is a `RowCheck` `value_check_numbers` accepts
+    (a known rule, real non-bool values, one bool row per value on their device, a whole
+    bound for integer values).
+
+    Examples:
+        >>> validate_row_check(RowCheck(torch.zeros(2), None, "not_weight"))
+        >>> validate_row_check(RowCheck(torch.zeros(2), None, "finite"))
+        Traceback (most recent call last):
+        ...
+        ValueError: check.rule must be one of ('not_finite', 'above', 'below', 'not_weight', 'not_01', 'not_positive'), got 'finite'; pick a rule of RULES
+    """
+    if not isinstance(check, RowCheck):
+        raise TypeError(_problem(name, "a RowCheck", _describe(check), "build one: RowCheck(...)"))
+    v = check.values
+    _check_one(name, check, v.device if isinstance(v, torch.Tensor) else None)
+
+
+def _check_one(name: str, check: RowCheck, device: torch.device | None) -> None:
+    if not isinstance(check, RowCheck):
+        raise TypeError(_problem(name, "a RowCheck", _describe(check), "build one: RowCheck(...)"))
     if check.rule not in RULES:
         raise ValueError(
             _problem(
@@ -98,12 +123,17 @@ def _check_one(i: int, check: RowCheck, device: torch.device) -> None:
         raise ValueError(
             _problem(f"{name}.values", f"on {device}", f"on {v.device}", "one block per device")
         )
-    if not v.dtype.is_floating_point and check.threshold != int(check.threshold):
+    bound = check.threshold
+    if not isinstance(bound, (int, float)) or math.isnan(bound):
+        raise TypeError(
+            _problem(f"{name}.threshold", "a number (not NaN)", _describe(bound), "pass a float")
+        )
+    if not v.dtype.is_floating_point and not float(bound).is_integer():
         raise ValueError(
             _problem(
                 f"{name}.threshold",
                 "a whole number for integer values",
-                repr(check.threshold),
+                repr(bound),
                 "round the bound",
             )
         )
@@ -156,9 +186,10 @@ def value_check_numbers(
         )
     if not checks:
         raise ValueError(_problem("checks", "at least one RowCheck", "none", "skip the call"))
-    device = checks[0].values.device
+    first = getattr(checks[0], "values", None)
+    device = first.device if isinstance(first, torch.Tensor) else None
     for i, check in enumerate(checks):
-        _check_one(i, check, device)
+        _check_one(f"checks[{i}]", check, device)
     width = len(NUMBERS)
     if out is not None and (
         out.dtype != torch.float64 or out.shape != (width * len(checks),) or out.device != device
