@@ -190,6 +190,7 @@ def value_check_numbers(
     device = first.device if isinstance(first, torch.Tensor) else None
     for i, check in enumerate(checks):
         _check_one(f"checks[{i}]", check, device)
+    assert device is not None  # checks[0] passed: its values are a tensor
     width = len(NUMBERS)
     if out is not None and (
         out.dtype != torch.float64 or out.shape != (width * len(checks),) or out.device != device
