@@ -217,6 +217,22 @@ def test_strided_views_are_read_in_place_with_the_golds_numbers(make):
         assert_same(fused, gold)
 
 
+def test_strided_row_masks_are_read_as_masks():
+    """A row mask that is itself a view (every other entry of a longer mask, a transposed one)
+    selects the same rows in the program as in the gold."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(300, generator=g)
+    values[::7] = NAN
+    long_mask = torch.rand(600, generator=g) < 0.5
+    square = torch.rand(20, 15, generator=g) < 0.5
+    for rows in (long_mask[::2], long_mask[1::2], square.t().reshape(-1)[:300]):
+        fused, gold = both([RowCheck(values, rows, "not_finite")])
+        assert_same(fused, gold)
+        assert fused[1] == (values.isnan() & rows).sum()
+    fused, gold = both([RowCheck(values.reshape(15, 20).t(), square, "not_finite")])
+    assert_same(fused, gold)
+
+
 def test_several_checks_fill_one_block_in_order():
     a = torch.tensor([0.0, -1.0])
     b = torch.tensor([1.0, NAN, 3.0])

@@ -197,7 +197,8 @@ def write(check: RowCheck, out: torch.Tensor) -> None:
     tensor, inner, stride_outer, stride_inner, flat = _layout(values)
     rows = check.rows
     has_rows = rows is not None
-    flat_rows = rows.reshape(-1) if rows is not None else out  # unread without rows
+    # The rows are read with stride 1: a strided mask (mask[::2]) is copied, not misread.
+    flat_rows = rows.reshape(-1).contiguous() if rows is not None else out  # else unread
     with on_tensor_device(values):
         _value_check_kernel[(1,)](
             tensor,
