@@ -18,8 +18,10 @@ timeout 120 "$PY" -m pytest -q -m gpu tests/ops 2>&1 | tail -5 | tee -a "$OUT/gp
 timeout 120 "$PY" -m benchmarks --device cuda --quick --output "$OUT" --no-plot
 timeout 240 "$PY" -m benchmarks --device cuda --check --output "$OUT" --no-plot
 # Launches and host syncs of one echo_loss forward+backward (the three Triton kernels among the
-# launches): the default (fused row algebra), and the compiled [N] algebra (compile_loss_algebra).
-timeout 120 "$PY" -m benchmarks.launch_count --n 16384 --v 151936 | tee "$OUT/gpu_check_launches.md"
+# launches): the default (fused row algebra), and the compiled [N] algebra (compile_loss_algebra);
+# then EchoGRPOLoss with its value checks in Triton and in PyTorch, side by side (--modules).
+timeout 180 "$PY" -m benchmarks.launch_count --n 16384 --v 151936 --modules \
+  | tee "$OUT/gpu_check_launches.md"
 # Where the time goes: kernels, launches and host time per forward+backward, echoloss vs TRL.
 timeout 90 "$PY" -m benchmarks.profile_step | tee "$OUT/gpu_check_profile.md"
 # The fused-linear op's chunk size against time and memory, beside logits-then-loss (H = 4096),

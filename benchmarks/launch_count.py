@@ -1,6 +1,6 @@
 """Kernel launches and host syncs of one ``echo_loss`` forward+backward, eager vs compiled algebra.
 
-``python -m benchmarks.launch_count [--n N] [--v V] [--no-compile]``. On CUDA the launches are
+``python -m benchmarks.launch_count [--n N] [--v V] [--no-compile] [--modules]``. On CUDA the launches are
 the CUDA kernels the profiler records (the two Triton phases included, so the target "≤ 10
 besides the phases" reads as ≤ 12); host syncs come from the dispatch-mode counter
 (``benchmarks/counting.py``; dynamo does not compile under a dispatch mode, so the syncs of the
@@ -10,7 +10,9 @@ compiled row's launches are not counted there (the counter would see the eager f
 ``tests/loss/test_launch_counts.py`` counts the launches left outside the compiled regions.
 Three loss configurations (`CONFIGS`): the default, ``echoloss-train``'s per-sequence
 normalisers, and ``gspo`` with them and a sequence-level mismatch correction (the compiled
-algebra for the default only). Prints one Markdown table.
+algebra for the default only). Prints one Markdown table; ``--modules`` adds one of
+`EchoGRPOLoss` (``grpo`` and ``dapo``) with the value checks in Triton and in PyTorch side by
+side (on CUDA: kernels and median time; the checks run in PyTorch off CUDA).
 """
 
 from __future__ import annotations
@@ -129,11 +131,76 @@ def measure(
     }
 
 
+#: The `echoloss.nn` module rows of ``--modules``: (loss_type, importance_sampling_level).
+MODULE_CASES = (("grpo", "token"), ("dapo", "token"))
+
+
+def measure_module(
+    n: int, v: int, device: torch.device, loss_type: str, level: str, fused_checks: bool
+) -> dict[str, Any]:
+    """Syncs, launches and median time of one `EchoGRPOLoss` forward+backward (rows of
+    ``T = min(n, 1024)`` tokens, a float attention mask, echo weights on about 30 % of the
+    tokens, reference logprobs with ``beta = 0.04``), its value checks in the Triton program
+    (``fused_checks``) or in PyTorch: what the one-program-per-check trade costs or saves."""
+    from echoloss._deferred import device_code_path, raise_deferred_errors
+    from echoloss.nn import EchoGRPOLoss
+    from echoloss.ops.value_checks import fuse_value_checks
+
+    t = min(n, 1024)
+    b = max(1, n // t)
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(b, t)
+    mask[:, t - t // 8 :] = 0  # padding at the end of every completion
+    echo_weights = torch.where(torch.rand(b, t, generator=g) < 0.3, 0.1, 0.0) * mask
+    args = [
+        torch.randint(0, v, (b, t), generator=g).to(device),
+        mask.to(device),
+        torch.randn(b, generator=g).to(device),
+        (-torch.rand(b, t, generator=g)).to(device),
+    ]
+    echo_weights = echo_weights.to(device)
+    logits = torch.randn(b, t, v, device=device, dtype=torch.bfloat16, requires_grad=True)
+    loss_fn = EchoGRPOLoss(
+        loss_type=loss_type, importance_sampling_level=level, max_completion_length=t
+    )
+
+    def step() -> None:
+        logits.grad = None
+        loss_fn(logits, *args, echo_weights=echo_weights).loss.backward()
+
+    fuse_value_checks("auto" if fused_checks else "never")
+    try:
+        with device_code_path():
+            step()  # warm-up (and the Triton compile)
+            raise_deferred_errors()
+            with count_ops() as c:
+                step()
+            launches, ms = c.num_launches, None
+            if device.type == "cuda":
+                launches, _ = _cuda_kernels(step)
+                ms = _cuda_median_ms(step)
+            raise_deferred_errors()
+    finally:
+        fuse_value_checks("auto")
+    return {
+        "config": f"EchoGRPOLoss {loss_type} ({level})",
+        "checks": "triton" if fused_checks and device.type == "cuda" else "pytorch",
+        "host_syncs": c.num_syncs,
+        "launches": launches,
+        "median_ms": ms,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.launch_count")
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--v", type=int, default=32000)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument(
+        "--modules",
+        action="store_true",
+        help="also time EchoGRPOLoss with the value checks in Triton and in PyTorch",
+    )
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
@@ -158,7 +225,22 @@ def main(argv: list[str] | None = None) -> int:
         if r["kernels"]:
             tally = ", ".join(f"{k} x{c}" for k, c in sorted(r["kernels"].items()))
             print(f"\n{r['config']} ({'compiled' if r['compiled'] else 'eager'}): {tally}")
+    if args.modules:
+        _print_modules(args.n, args.v, device)
     return 0
+
+
+def _print_modules(n: int, v: int, device: torch.device) -> None:
+    """The ``--modules`` table: each module case with the value checks fused, then in PyTorch
+    (the same rows off CUDA, where the checks always run in PyTorch)."""
+    print(f"\nEchoGRPOLoss forward+backward, N = {n} tokens, V = {v}, bf16, {device.type}")
+    print("| module | value checks | host syncs | launches | median ms (CUDA) |")
+    print("|---|---|---|---|---|")
+    for loss_type, level in MODULE_CASES:
+        for fused in (True, False):
+            r = measure_module(n, v, device, loss_type, level, fused)
+            ms = "" if r["median_ms"] is None else f"{r['median_ms']:.3f}"
+            print(f"| {r['config']} | {r['checks']} | {r['host_syncs']} | {r['launches']} | {ms} |")
 
 
 if __name__ == "__main__":

@@ -316,6 +316,20 @@ def test_launch_count_runs_on_cpu(capsys):
     assert all(r[3].strip() == "0" for r in rows), rows  # no host sync
 
 
+def test_launch_count_modules_table_runs_on_cpu(capsys):
+    """``--modules``: one row per module case and value-check kind, no host sync; off CUDA
+    both kinds are the PyTorch checks, so their launches are equal."""
+    from benchmarks import launch_count
+
+    assert launch_count.main(["--n", "64", "--v", "32", "--no-compile", "--modules"]) == 0
+    out = capsys.readouterr().out
+    rows = [x.split("|") for x in out.splitlines() if x.startswith("| EchoGRPOLoss")]
+    assert len(rows) == 2 * len(launch_count.MODULE_CASES)
+    assert all(r[2].strip() == "pytorch" and r[3].strip() == "0" for r in rows), rows
+    launches = [int(r[4]) for r in rows]
+    assert launches[0::2] == launches[1::2]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 @pytest.mark.parametrize(
     "module", ["profile_step", "linear_chunks", "gemm_chunks", "linear_profile"]
