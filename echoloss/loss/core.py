@@ -85,6 +85,7 @@ __all__ = [
     "fused_algebra_applies",
     "label_check_on_device",
     "loss_from_logprobs",
+    "reads_sequences",
     "row_coefficients",
     "row_temperature_and_entropy",
 ]
@@ -1037,6 +1038,7 @@ def row_inputs(x: LossInputs) -> Any:
         sequence_ids=x.flat("sequence_ids"),
         observation=x.flat("observation_mask"),
         ref_logprobs=x.flat("ref_logprobs"),
+        sequences_in_order=x._sequences_in_order,
     )
 
 
@@ -1194,7 +1196,10 @@ def _rows_of(x: LossInputs, idx: torch.Tensor) -> LossInputs:
 
 
 def unchecked_inputs(
-    *, split: tuple[torch.Tensor, torch.Tensor] | None = None, **fields: Any
+    *,
+    split: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sequences_in_order: bool = False,
+    **fields: Any,
 ) -> LossInputs:
     """A `LossInputs` of ``fields`` whose tensors' values the caller has checked itself: the
     ``echoloss.nn`` modules check each argument as passed (named as passed, on the rows where
@@ -1204,6 +1209,8 @@ def unchecked_inputs(
     exist. Metadata is not checked either; ``env_names`` (host strings) is, as `LossInputs`
     checks it. ``split``: the flat ``(rl, echo)`` rows when the caller has them already
     (exactly `split_rows` of ``rl_mask`` and ``echo_weights``), else they are derived.
+    ``sequences_in_order``: the caller built ``sequence_ids`` never decreasing along the rows
+    (the fused algebra then skips their sort; a wrong promise gives wrong sequence sums).
 
     Examples:
         >>> x = unchecked_inputs(rl_mask=torch.tensor([True, True]),
@@ -1223,6 +1230,7 @@ def unchecked_inputs(
     if split is None:
         split = split_rows(x.rl_mask.reshape(-1), None if ew is None else ew.reshape(-1))
     rl, echo = split
+    object.__setattr__(x, "_sequences_in_order", sequences_in_order)
     object.__setattr__(x, "rl", rl)
     object.__setattr__(x, "echo", echo)
     object.__setattr__(x, "_versions", ())
@@ -1256,7 +1264,7 @@ def row_coefficients(
     """
     # The whole record's sequences (only where a normaliser is per sequence), counted as the
     # whole loss counts them (`local_sequences`, `row_counts`).
-    seqs_all = local_sequences(x) if _reads_sequences(cfg, None) else _no_sequences(x)
+    seqs_all = local_sequences(x) if reads_sequences(cfg, None) else _no_sequences(x)
     local = row_counts(x, seqs_all)
     counts = _Counts(
         rl_tokens=local.rl_tokens,
@@ -1329,7 +1337,7 @@ def _sequence_counts_of_rows(
     return rl_rows, z_rows
 
 
-def _reads_sequences(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:
+def reads_sequences(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:
     """Whether the loss reads the local sequences: a policy other than the per-token built-in
     ones (``gspo``, registered and per-call functions, which may read ``sequence_index``), a
     ``sequence_*`` normaliser or a sequence-level mismatch correction."""
@@ -1398,7 +1406,7 @@ def _algebra(
         check_scored_rows(lp, x.rl, x.echo, source, checks)
     # Local sequences only where a sequence-level quantity reads them (a sort and a dozen small
     # launches otherwise spent for nothing); their counts are then 0 and never used.
-    seqs = local_sequences(x) if _reads_sequences(cfg, policy_fn) else _no_sequences(x)
+    seqs = local_sequences(x) if reads_sequences(cfg, policy_fn) else _no_sequences(x)
     counts = row_counts(x, seqs)  # 0-dim device counts, as count_normalizers counts
     n_echo = counts.echo_tokens
     local = _Counts(

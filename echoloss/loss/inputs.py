@@ -141,6 +141,9 @@ class LossInputs:
     rl: torch.Tensor = field(init=False, repr=False)
     echo: torch.Tensor = field(init=False, repr=False)
     _versions: tuple[tuple[str, torch.Tensor, int], ...] = field(init=False, repr=False)
+    # Set only by `echoloss.loss.core.unchecked_inputs` for a caller that built the sequence
+    # ids itself in non-decreasing order (the nn modules): the fused algebra skips their sort.
+    _sequences_in_order: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
         rl_mask = check_tensor("rl_mask", self.rl_mask)

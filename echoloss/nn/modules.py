@@ -45,6 +45,7 @@ from echoloss.loss.core import (
     chunk_additive,
     label_check_on_device,
     loss_from_logprobs,
+    reads_sequences,
     row_coefficients,
     unchecked_inputs,
 )
@@ -378,10 +379,13 @@ class EchoGRPOLoss(nn.Module):
             inference_logprobs=inference_logprobs,
             old_logprobs=old,
             ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
-            sequence_ids=_batch_rows(rl),
+            # The batch row of each token, where something reads it (a per-sequence
+            # normaliser or policy, the per-env metrics): two launches otherwise spent.
+            sequence_ids=_batch_rows(rl) if self._reads_sequences(cfg, env_names) else None,
             observation_mask=obs,
             env_names=None if env_names is None else tuple(env_names),
             split=(rl.reshape(-1), echo.reshape(-1)),  # `split_rows` of these: done in `_rows`
+            sequences_in_order=True,  # `_batch_rows`: the batch row of each token, in order
         )
         ent = entropy.reshape(-1)
         return loss_from_logprobs(
@@ -396,6 +400,11 @@ class EchoGRPOLoss(nn.Module):
             rl_constant=rl_constant,
             label_check=label_check,
         )
+
+    def _reads_sequences(self, cfg: LossConfig, env_names: Sequence[str] | None) -> bool:
+        """Whether this call's loss reads sequence ids (`reads_sequences`, or per-env metrics)."""
+        policy_fn = None if self.mapping is None else self.mapping.policy_fn
+        return env_names is not None or reads_sequences(cfg, policy_fn)
 
     def _rl_normalizer(
         self,

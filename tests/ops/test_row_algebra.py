@@ -743,6 +743,38 @@ def test_sequence_groups_across_blocks(layout):
     assert_same_as_naive(_make_case("ppo_clip", o, seed=77), layout)
 
 
+@pytest.mark.parametrize("variant", ["ppo_clip", "gspo"])
+def test_sequences_in_order_skip_the_sort(variant, monkeypatch):
+    """Ids that never decrease along the rows (runs, padding rows inside their sequence, as the
+    ``nn`` modules build them), promised by ``sequences_in_order``: the program reads the rows
+    in place of a sorted order, no sort runs, and the result is the gold's (``3·BLOCK + 5``
+    rows: sequences cross the blocks)."""
+    n = 3 * BLOCK + 5
+    o = dict(_option_sets(variant)[0])
+    o.update(
+        n=n,
+        sequences="runs",
+        rl_divisor="count",
+        rl_normalization="sequence_mean_token_mean",
+        echo=("sequence_mean", None),
+        echo_z_epsilon=1e-3,
+    )
+    case = _make_case(variant, o, seed=78)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.repeat_interleave(torch.arange(n), torch.randint(1, 81, (n,), generator=g))[:n]
+    case.rows = case.rows._replace(sequence_ids=ids, sequences_in_order=True)
+    assert_same_as_naive(case, f"{variant}-in-order")
+    sorts = []
+    original = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or original(*a, **k))
+    _run(case, "triton")
+    assert not sorts
+    _run(
+        Case(case.lp, case.ent, case.rows._replace(sequences_in_order=False), case.params), "triton"
+    )
+    assert sorts  # without the promise the ids are sorted
+
+
 # ---------------------------------------------------------------- fp64 derivatives
 
 

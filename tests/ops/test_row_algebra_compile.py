@@ -184,8 +184,11 @@ def test_corrections_compile_for_sm90():
 @needs_nvidia_backend
 @pytest.mark.parametrize("arch", [80, 90])
 def test_sequence_groups_program_compiles_without_spills(arch, tmp_path):
-    for on, base, token_mm in ((False, 0, 0), (True, 1, 1), (True, 0, 2), (True, 2, 0)):
+    for (on, base, token_mm), in_order in itertools.product(
+        ((False, 0, 0), (True, 1, 1), (True, 0, 2), (True, 2, 0)), (False, True)
+    ):
         consts = {
+            "IN_ORDER": in_order,
             "HAS_OBS": on,
             "SUMS": on,
             "BASE": base,

@@ -267,7 +267,9 @@ class RowInputs(NamedTuple):
     equal ids form a sequence, in any order; participating rows have ids ≥ 0, which the caller
     checked) for the per-sequence normalisers, and ``observation`` (bool), the rows besides
     the echo rows that ``Z_i`` of echo ``sequence_mean`` counts. ``ref_logprobs``: the
-    reference policy's logprobs of ``kl_coef``.
+    reference policy's logprobs of ``kl_coef``. ``sequences_in_order``: the caller guarantees
+    that ``sequence_ids`` never decrease along the rows (it built them so, as the ``nn``
+    modules build the batch row of each token): the sort of the ids is skipped.
     """
 
     rl: torch.Tensor
@@ -284,3 +286,4 @@ class RowInputs(NamedTuple):
     sequence_ids: torch.Tensor | None = None
     observation: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    sequences_in_order: bool = False
