@@ -232,8 +232,9 @@ class DeferredChecks:
         """Queue the check that no entry of ``values`` on ``rows`` (None = every entry) breaks
         ``rule`` (``echoloss.ops.value_checks.RULES``); ``message`` reads its four numbers
         ``(bad, count, first flat index, value there)``. On the device path every such check
-        of a call is computed when the checks are packed, one Triton launch each on CUDA,
-        written into one block; on the host path it is evaluated now.
+        of a call is computed when the checks are packed, on CUDA in one Triton launch (a
+        program per check, eight per launch), written into one block; on the host path it is
+        evaluated now.
 
         Examples:
             >>> checks = DeferredChecks(torch.device("cpu"))
@@ -265,7 +266,8 @@ class DeferredChecks:
     def add_packed(
         self, numbers: torch.Tensor, checks: Sequence[tuple[Message, Sequence[int]]]
     ) -> None:
-        """Queue checks whose numbers a kernel already wrote into one ``[k]`` float64 tensor:
+        """Queue checks whose numbers a kernel already wrote into one ``[k]`` float tensor
+        (float64, or float32 for whole counts below 2**24, e.g. the row program's stats):
         ``checks`` lists ``(message, positions in numbers)`` in call order. No launch is added
         (the block is sent as it is); on the host path evaluate them now and raise.
 
@@ -288,11 +290,11 @@ class DeferredChecks:
 
     def pack(self) -> None:
         """Gather the checks queued so far into one ``[k]`` float64 block: the row checks'
-        numbers first (`add_rows`: with the Triton program, one launch each, written in
-        place), then the others (one ``stack`` and one cast-copy per dtype; the row checks'
-        numbers join these on the PyTorch path). Called inside the compiled loss algebra, so
-        that computing the lazy checks' numbers and packing them is part of the compiled
-        region and only the copy remains outside."""
+        numbers first (`add_rows`: with the Triton program, one launch for up to eight,
+        written in place), then the others (per dtype one ``stack``, none for a single
+        number, and one cast-copy; the row checks' numbers join these on the PyTorch path).
+        Called inside the compiled loss algebra, so that computing the lazy checks' numbers
+        and packing them is part of the compiled region and only the copy remains outside."""
         if not self._entries:
             return
         from echoloss.ops.value_checks import (
@@ -336,7 +338,13 @@ class DeferredChecks:
             groups.setdefault(n.dtype, []).append(i)
         k = width
         for idx in groups.values():
-            block[k : k + len(idx)].copy_(torch.stack([numbers[i] for i in idx]))
+            # One number is copied (cast) as it is: no stack launch for a group of one.
+            group = (
+                numbers[idx[0]].reshape(1)
+                if len(idx) == 1
+                else torch.stack([numbers[i] for i in idx])
+            )
+            block[k : k + len(idx)].copy_(group)
             for i in idx:
                 where[i] = k
                 k += 1

@@ -283,12 +283,8 @@ def _used_counts(cfg: LossConfig) -> list[str]:
     return used
 
 
-def _resolve_normalizers(
-    normalizers: Any, local: _Counts, cfg: LossConfig, checks: DeferredChecks
-) -> _Counts:
-    """``normalizers`` (checked to cover this call's own counts), or ``local`` when None."""
-    if normalizers is None:
-        return local
+def _given_normalizers(normalizers: Any) -> Normalizers:
+    """``normalizers`` if it is a `Normalizers`, else a TypeError naming it."""
     if not isinstance(normalizers, Normalizers):
         raise TypeError(
             problem(
@@ -297,26 +293,43 @@ def _resolve_normalizers(
                 describe(normalizers),
             )
         )
+    return normalizers
+
+
+def _covers_message(name: str, given: int) -> Callable[[Sequence[float]], Exception | None]:
+    """The message of the check that ``normalizers.<name>`` (``given``) is at least this
+    call's own count (``v[0]``; for ``echo_batches`` the call's echo tokens, 1 if any)."""
+
+    def message(v: Sequence[float]) -> Exception | None:
+        loc = int(v[0])
+        if name == "echo_batches":
+            loc = min(loc, 1)  # this call is one micro-batch: it has echo rows or not
+        if given >= loc:
+            return None
+        hint = (
+            " (count_normalizers needs sequence_ids for the sequence_mean* modes)"
+            if name.endswith("sequences") and given == 0
+            else ""
+        )
+        return ValueError(
+            f"normalizers.{name}={given} is smaller than this call's {loc}{hint}: normalizers "
+            "must be the sum over every micro-batch of the step on every rank "
+            "(count_normalizers for each micro-batch, summed, then all_reduce_normalizers)"
+        )
+
+    return message
+
+
+def _resolve_normalizers(
+    normalizers: Any, local: _Counts, cfg: LossConfig, checks: DeferredChecks
+) -> _Counts:
+    """``normalizers`` (checked to cover this call's own counts), or ``local`` when None."""
+    if normalizers is None:
+        return local
+    given = _given_normalizers(normalizers)
     for name in _used_counts(cfg):
-        g = getattr(normalizers, name)
-
-        def message(v: Sequence[float], name: str = name, g: int = g) -> Exception | None:
-            loc = int(v[0])
-            if g >= loc:
-                return None
-            hint = (
-                " (count_normalizers needs sequence_ids for the sequence_mean* modes)"
-                if name.endswith("sequences") and g == 0
-                else ""
-            )
-            return ValueError(
-                f"normalizers.{name}={g} is smaller than this call's {loc}{hint}: normalizers "
-                "must be the sum over every micro-batch of the step on every rank "
-                "(count_normalizers for each micro-batch, summed, then all_reduce_normalizers)"
-            )
-
-        checks.add([getattr(local, name)], message)
-    return _Counts(*(getattr(normalizers, name) for name in _COUNT_NAMES))
+        checks.add([getattr(local, name)], _covers_message(name, getattr(given, name)))
+    return _Counts(*(getattr(given, name) for name in _COUNT_NAMES))
 
 
 # ---------------------------------------------------------------- 5. RL per-token loss
@@ -859,7 +872,7 @@ def fuse_loss_algebra(mode: str = "auto") -> None:
     and the check numbers at once; backward is one multiplication per input. Otherwise (and
     for the compiled region of `compile_loss_algebra`) the PyTorch algebra runs. The deferred
     value checks of the call's arguments follow the same mode
-    (`echoloss.ops.value_checks.fuse_value_checks`: one Triton launch per check).
+    (`echoloss.ops.value_checks.fuse_value_checks`: one Triton launch per eight checks).
 
     Args:
         mode: ``"auto"`` (the default): on CUDA when triton is importable; ``"always"``: also
@@ -1086,17 +1099,22 @@ def _fused_algebra(
         first.append((_scored_rows_message(source), _check_slots("scored")))
     later: list[tuple[Callable[[Sequence[float]], Exception | None], list[int]]] = []
     if normalizers is not None:  # the given counts must cover this call's own
+        given = _given_normalizers(normalizers)
         checks.add_packed(out.checks, first)
         first = []
-        n_echo = s[STAT_SLOTS.index("echo_tokens")]
-        local = _Counts(
-            s[STAT_SLOTS.index("rl_tokens")],
-            n_echo,
-            (n_echo > 0).float(),
-            s[STAT_SLOTS.index("rl_sequences")],
-            s[STAT_SLOTS.index("echo_sequences")],
+        # The call's counts are read where the row program wrote them (no launch); a call
+        # echoes a row (`echo_batches`) when it has an echo token.
+        slot = {"echo_batches": "echo_tokens"}
+        checks.add_packed(
+            s,
+            [
+                (
+                    _covers_message(name, getattr(given, name)),
+                    [STAT_SLOTS.index(slot.get(name, name))],
+                )
+                for name in _used_counts(cfg)
+            ],
         )
-        _resolve_normalizers(normalizers, local, cfg, checks)
     if cfg.check_finite:
         if cfg.mode == "rl":
             name = f"the loss of policy {cfg.policy!r}"

@@ -31,6 +31,7 @@ __all__ = [
     "ECHO_TEMPERATURES",
     "GRPO_LOSS_TYPES",
     "GRPOLossMapping",
+    "divide_echo_weights",
     "grpo_loss_mapping",
     "row_temperature",
     "scale_echo_weights",
@@ -517,6 +518,46 @@ def scale_echo_weights(
         check_count("steps_per_generation", steps_per_generation, minimum=1, integer=True)
     )
     echoed = echo_weights > 0
+    covered = observation_mask | echoed if normalization == "sequence_mean" else echoed
+    return divide_echo_weights(
+        echo_weights,
+        echoed,
+        covered,
+        normalization=normalization,
+        num_echo_items_in_batch=num_echo_items_in_batch,
+        num_processes=num_processes,
+        accumulation_steps=accumulation_steps,
+        steps_per_generation=steps_per_generation,
+        checks=checks,
+    )
+
+
+def divide_echo_weights(
+    echo_weights: torch.Tensor,
+    echoed: torch.Tensor,
+    covered: torch.Tensor,
+    *,
+    normalization: str,
+    num_echo_items_in_batch: float | torch.Tensor | None,
+    num_processes: int,
+    accumulation_steps: int,
+    steps_per_generation: int,
+    checks: DeferredChecks | None,
+) -> torch.Tensor:
+    """`scale_echo_weights` for a caller that holds the masks already (the ``nn`` modules):
+    ``echoed`` ``[B, T]`` is ``echo_weights > 0``, ``covered`` the rows counted in ``|O_i|``
+    (``observation_mask | echoed``; read by ``"sequence_mean"`` only); the three counts are
+    validated integers ≥ 1. Three or four launches: the count, at least 1, a product of the
+    constants where it is not 1, the division.
+
+    Examples:
+        >>> w = torch.tensor([[0.0, 0.5], [0.5, 0.5]])
+        >>> divide_echo_weights(w, w > 0, w > 0, normalization="batch_token_mean",
+        ...                     num_echo_items_in_batch=None, num_processes=1,
+        ...                     accumulation_steps=1, steps_per_generation=1, checks=None)
+        tensor([[0.0000, 0.1667],
+                [0.1667, 0.1667]])
+    """
     if normalization == "token_mean":
         if num_echo_items_in_batch is None:
             raise ValueError(
@@ -538,10 +579,11 @@ def scale_echo_weights(
         divisor = items.clamp(min=1) / num_processes * accumulation_steps / steps_per_generation
         return echo_weights / divisor.to(echo_weights.dtype)
     if normalization == "batch_token_mean":
-        return echo_weights / (echoed.sum().clamp(min=1) * accumulation_steps)
+        n = echoed.sum().clamp(min=1)
+        return echo_weights / (n if accumulation_steps == 1 else n * accumulation_steps)
     if normalization == "sequence_mean":
-        z = (observation_mask | echoed).sum(dim=1, keepdim=True).clamp(min=1)
-        return echo_weights / (z * echo_weights.shape[0] * accumulation_steps)
+        z = covered.sum(dim=1, keepdim=True).clamp(min=1)
+        return echo_weights / (z * (echo_weights.shape[0] * accumulation_steps))
     raise ValueError(
         f"echo normalization={normalization!r}: expected one of {', '.join(ECHO_NORMALIZATIONS)}"
     )

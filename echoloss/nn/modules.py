@@ -55,10 +55,10 @@ from echoloss.nn.grpo import (
     ECHO_NORMALIZATIONS,
     ECHO_TEMPERATURES,
     GRPOLossMapping,
+    divide_echo_weights,
     grpo_loss_mapping,
     items_on_device,
     row_temperature,
-    scale_echo_weights,
 )
 from echoloss.ops.fused_linear.op import (
     RowCoefficients,
@@ -117,7 +117,7 @@ def _all_reduced(count: torch.Tensor) -> torch.Tensor:
     itself alone), left on the device (an all-reduce does not make the host wait)."""
     import torch.distributed as dist
 
-    count = count.double()
+    count = count.double()  # no launch when it is float64 already
     if dist.is_available() and dist.is_initialized():
         count = count.clone()
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
@@ -256,7 +256,11 @@ class EchoGRPOLoss(nn.Module):
         attention_mask: torch.Tensor,
         echo_weights: torch.Tensor | None,
         checks: DeferredChecks,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rl, echo, echo weights, scored)`` ``[B, T]``: the RL rows, the echoed rows (a
+        weight > 0 within the mask), the weights zeroed outside the mask, and the rows whose
+        logprob is computed (the mask: every row in it is RL or echoed, so no ``rl | echo``
+        launch)."""
         valid = check_mask("attention_mask", attention_mask, checks=checks)
         if echo_weights is None:
             w = torch.zeros(valid.shape, device=valid.device)
@@ -276,7 +280,15 @@ class EchoGRPOLoss(nn.Module):
             # Zero outside the mask with where (not a product: NaN · 0 is NaN).
             w = torch.where(valid, w.float(), 0.0)
         echo = w > 0  # within the mask
-        return valid > echo, echo, w  # valid and not echoed (bools compare as 0 < 1)
+        return valid > echo, echo, w, valid  # RL: valid and not echoed (False < True)
+
+    def _temperatures(self, rl: torch.Tensor, echo: torch.Tensor) -> float | torch.Tensor:
+        """Each row's sampling temperature: one float when every row has the same (no
+        launch: echo rows at 1 and a policy temperature of 1), else ``[B, T]``
+        (`row_temperature`)."""
+        if self.temperature == 1.0:
+            return 1.0
+        return row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
 
     def _setup(
         self,
@@ -311,11 +323,15 @@ class EchoGRPOLoss(nn.Module):
         adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, t)
         with checks.collecting():  # read on the RL rows
             check_float_values("advantages", adv, rl, logprob=False)  # read in place
-        obs = (
-            echo
+        given = (
+            None
             if observation_mask is None
-            else (check_mask("observation_mask", observation_mask, checks=checks) | echo)
+            else check_mask("observation_mask", observation_mask, checks=checks)
         )
+        # |O_i| (observation or echo rows) is read by the echo normaliser sequence_mean only
+        # (a config's, or the pre-scaling's): elsewhere the echo rows stand in, unread.
+        reads_observation = self.mapping is None or self.echo_normalization == "sequence_mean"
+        obs = echo if given is None or not reads_observation else given | echo
         cfg, norms = self.config, normalizers
         rl_constant = None  # dapo / cispo: the RL divisor, computed on the device
         if self.mapping is not None:
@@ -426,11 +442,12 @@ class EchoGRPOLoss(nn.Module):
         lt = mapping.loss_type
         if lt in ("dapo", "cispo"):
             if items is None:  # Liger: the batch's RL tokens, all ranks
-                count = _all_reduced(rl.sum())
+                count = _all_reduced(rl.sum(dtype=torch.float64))
             else:
                 count = items_on_device("num_items_in_batch", items, rl.sum(), "RL tokens", checks)
             # GRPOLossMapping.micro_batch's divisor with one call per step, on the device
-            return mapping.config, None, (count.clamp(min=1) / world).float()
+            divisor = count.clamp(min=1)
+            return mapping.config, None, (divisor if world == 1 else divisor / world).float()
         if items is not None:  # given but unused by this loss type: still a valid count
             items_on_device("num_items_in_batch", items, None, "RL tokens", checks)
         if lt == "bnpo":
@@ -453,7 +470,7 @@ class EchoGRPOLoss(nn.Module):
         num_echo_items_in_batch: float | torch.Tensor | None,
         checks: DeferredChecks,
     ) -> torch.Tensor:
-        """The echo weights pre-divided by the echo normaliser (`scale_echo_weights`); the
+        """The echo weights pre-divided by the echo normaliser (`divide_echo_weights`); the
         echo-token count, when not given, is this call's, all-reduced, on the device."""
         items = num_echo_items_in_batch
         if items is not None and self.echo_normalization != "token_mean":
@@ -461,10 +478,15 @@ class EchoGRPOLoss(nn.Module):
         elif items is None and self.echo_normalization == "token_mean":
             # This call's echo tokens over the ranks: counted here, so nothing to check;
             # `scale_echo_weights`' token_mean divisor with one call per step.
-            count = _all_reduced(echo.sum())
-            return echo_w / (count.clamp(min=1) / _world_size()).to(echo_w.dtype)
-        return scale_echo_weights(
+            # Three launches: the count in float64, at least 1, the division (the float64
+            # 0-dim divisor is cast in the division's kernel: exact for counts below 2**24).
+            count = _all_reduced(echo.sum(dtype=torch.float64)).clamp_(min=1)
+            world = _world_size()
+            return echo_w / (count if world == 1 else count / world)
+        # The masks are this call's (`obs` holds the echo rows already): none formed again.
+        return divide_echo_weights(
             echo_w,
+            echo,
             obs,
             normalization=self.echo_normalization,
             num_echo_items_in_batch=items,
@@ -522,8 +544,8 @@ class EchoGRPOLoss(nn.Module):
         """
         raise_deferred_errors(block=False)  # errors of earlier calls whose work is done
         checks = DeferredChecks(logits.device)
-        rl, echo, w = self._rows(attention_mask, echo_weights, checks)
-        temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
+        rl, echo, w, scored = self._rows(attention_mask, echo_weights, checks)
+        temp = self._temperatures(rl, echo)
         # On the device path the loss checks the labels' range, not the op; the temperatures
         # are the module's, validated.
         label_check = label_check_on_device(selected_token_ids, logits.shape[-1], logits.device)
@@ -534,7 +556,7 @@ class EchoGRPOLoss(nn.Module):
                 selected_token_ids,
                 temperature=temp,
                 return_entropy=True,
-                mask=rl | echo,
+                mask=scored,
                 chunk_size=self.row_chunk_size,
                 backend="auto",
             )
@@ -677,8 +699,9 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
         early = start_logits(
             hidden, weight, chunk_size=row_chunk_size
         )  # the GPU starts while we set up
-        rl, echo, w = self._rows(attention_mask, echo_weights, checks)
-        temp = row_temperature(rl, echo, self.temperature, self.config.echo_temperature)
+        rl, echo, w, scored = self._rows(attention_mask, echo_weights, checks)
+        temp = self._temperatures(rl, echo)
+        flat_temp = temp if isinstance(temp, float) else temp.reshape(-1)
         setup = self._setup(
             rl,
             echo,
@@ -704,7 +727,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
         label_check = label_check_on_device(labels, weight.shape[0], hidden.device)
         with checks.collecting():  # what the op checks joins the call (none on the device path)
             lp, ent, grads = linear_logprobs_for_loss(
-                hidden, weight, labels, temp.reshape(-1), (rl | echo).reshape(-1), True,
+                hidden, weight, labels, flat_temp, scored.reshape(-1), True,
                 row_chunk_size, "auto", coefficients, early=early,
                 labels_checked_by_caller=label_check is not None,
             )  # fmt: skip

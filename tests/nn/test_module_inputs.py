@@ -202,3 +202,79 @@ def test_logprob_inputs_are_named_before_the_forward_reads_them(name, value, err
     kw = {"ref_per_token_logps": torch.zeros(B, T), name: value}
     with pytest.raises(error, match=f"^{name}.*{match}"):
         loss_fn(*args, ids, mask, adv, echo_weights=echo, **kw)
+
+
+def _full_setup(monkeypatch):
+    """The module with every row-setup shortcut undone: per-row temperatures as a tensor,
+    the observation rows always formed, the echo weights scaled by the public
+    `scale_echo_weights` (its own masks)."""
+    from echoloss.nn import grpo as grpo_module
+    from echoloss.nn import modules
+
+    monkeypatch.setattr(
+        EchoGRPOLoss,
+        "_temperatures",
+        lambda self, rl, echo: grpo_module.row_temperature(
+            rl, echo, self.temperature, self.config.echo_temperature
+        ),
+    )
+
+    def divide(w, echoed, covered, *, normalization, **kw):
+        return scale_echo_weights(w, covered, normalization=normalization, **kw)
+
+    monkeypatch.setattr(modules, "divide_echo_weights", divide)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
+@pytest.mark.parametrize(
+    ("loss_type", "echo_normalization", "temperature"),
+    [
+        ("grpo", "token_mean", 1.0),
+        ("grpo", "sequence_mean", 1.0),
+        ("bnpo", "batch_token_mean", 0.7),
+        ("dapo", "sequence_mean", 0.7),
+        ("dr_grpo", "token_mean", 1.3),
+    ],
+)
+def test_the_row_setup_shortcuts_change_no_bit(
+    loss_type, echo_normalization, temperature, fused, monkeypatch
+):
+    """A temperature of 1 passed as one float (no per-row tensor), the observation rows formed
+    only where ``sequence_mean`` reads them, the masks of the call reused by the echo
+    scaling: loss, metrics and gradients equal those of the full setup, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    b, t, v, h = 3, 5, 11, 4
+    ids = torch.randint(0, v, (b, t), generator=g)
+    mask = (torch.rand(b, t, generator=g) < 0.9).float()
+    adv = torch.randn(b, generator=g)
+    echo = torch.where(torch.rand(b, t, generator=g) < 0.4, 0.5, 0.0)
+    obs = torch.rand(b, t, generator=g) < 0.5
+    opts = dict(
+        beta=0.0,
+        loss_type=loss_type,
+        echo_normalization=echo_normalization,
+        temperature=temperature,
+        max_completion_length=t if loss_type == "dr_grpo" else None,
+    )
+    if fused:
+        inputs = (torch.randn(b, t, h, generator=g), torch.randn(v, h, generator=g))
+    else:
+        inputs = (torch.randn(b, t, v, generator=g),)
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        loss_fn = (EchoFusedLinearGRPOLoss if fused else EchoGRPOLoss)(**opts)
+        out = loss_fn(*leaves, ids, mask, adv, echo_weights=echo, observation_mask=obs)
+        out.loss.backward()
+        return out, [x.grad for x in leaves]
+
+    out, grads = run()
+    with monkeypatch.context() as m:
+        _full_setup(m)
+        full, full_grads = run()
+    assert torch.equal(out.loss, full.loss), (out.loss, full.loss)
+    assert out.metrics.keys() == full.metrics.keys()
+    for k in out.metrics:
+        assert torch.equal(out.metrics[k], full.metrics[k]), k
+    for a, b_ in zip(grads, full_grads, strict=True):
+        assert torch.equal(a, b_)

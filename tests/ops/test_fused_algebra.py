@@ -608,17 +608,24 @@ def test_same_error_for_a_label_out_of_range(source, program_calls):
     assert len(messages) == 1, messages  # host and device path, fused or not: one message
 
 
-def test_same_error_for_too_small_normalizers(program_calls):
-    cfg = LossConfig()
+@pytest.mark.parametrize("count", ["rl_tokens", "echo_tokens", "echo_batches"])
+def test_same_error_for_too_small_normalizers(count, program_calls):
+    """The fused path reads the call's counts where the row program wrote them (its stats,
+    no launch); ``echo_batches`` from its echo-token count (1 when the call echoes a row)."""
+    cfg = LossConfig(
+        echo_normalization="batch_token_mean" if count == "echo_batches" else "token_mean"
+    )
     x = _record(cfg)
-    n_rl = int(x.rl.sum())
-    norms = Normalizers(rl_tokens=n_rl - 1, echo_tokens=N)
+    local = count_normalizers(x)
+    assert local.echo_batches == 1  # the record echoes rows
+    norms = dataclasses.replace(local, **{count: getattr(local, count) - 1})
 
     def call():
         lp = _logprobs_of(x).requires_grad_()
         echo_loss_from_logprobs(lp, x.replace(labels=None), config=cfg, normalizers=norms)
 
-    _assert_same_error(call, f"normalizers.rl_tokens={n_rl - 1}", program_calls)
+    message = f"normalizers.{count}={getattr(local, count) - 1} is smaller than this call's "
+    _assert_same_error(call, message + str(getattr(local, count)), program_calls)
 
 
 def test_same_error_for_a_final_loss_overflow(program_calls):

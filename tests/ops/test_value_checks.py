@@ -241,6 +241,48 @@ def test_several_checks_fill_one_block_in_order():
     assert fused.numel() == 8 and fused.tolist()[:4] == [1.0, 1.0, 1.0, -1.0]
 
 
+def test_one_launch_holds_every_dtype_rule_and_layout_and_more_checks_take_more(monkeypatch):
+    """A launch runs `SLOTS` checks, each program reading its own slot: checks of every dtype,
+    rule and layout (flat, strided, expanded, with and without rows) mixed in one launch, and
+    over several launches (`SLOTS` + 3 checks: the second launch's programs read slots 0-2
+    again), give the gold's numbers in order; the launches are counted."""
+    from echoloss.ops.value_checks import fused as fused_checks
+
+    if torch.cuda.is_available():
+        pytest.skip("cpu tensors run the program under the interpreter only without CUDA")
+    g = torch.Generator().manual_seed(7)
+    dtypes = (*FLOATS, *INTS, torch.int16, torch.int8)
+    checks = []
+    for i in range(fused_checks.SLOTS + 3):
+        dtype = dtypes[i % len(dtypes)]
+        rule = RULES[i % len(RULES)]
+        base = torch.randint(-2, 3, (3 * BLOCK // 2 + i,), generator=g)
+        if dtype == torch.uint8:
+            base = base.abs()
+        values = base.to(dtype)
+        if i % 3 == 1:  # strided: every other entry of a [2, k] view's transpose
+            values = values[: 2 * (values.numel() // 2)].reshape(2, -1).t()
+        elif i % 3 == 2:  # a [B] expanded to [B, T] (stride 0)
+            values = values[:40].unsqueeze(1).expand(40, 9)
+        rows = None if i % 2 else torch.rand(values.shape, generator=g) < 0.5
+        checks.append(RowCheck(values, rows, rule, 1.0))
+    launches = []
+    kernel = fused_checks._value_checks_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    active = fused_checks.interpreter_active()  # reads the kernel's type: asked before
+    monkeypatch.setattr(fused_checks, "interpreter_active", lambda: active)
+    monkeypatch.setattr(fused_checks, "_value_checks_kernel", Counted())
+    fused, gold = both(checks)
+    assert_same(fused, gold)
+    assert launches == [(fused_checks.SLOTS,), (3,)]
+    assert fused.view(-1, 4)[:, 0].sum() >= 3  # some checks fail, some pass
+
+
 def test_bad_checks_raise_naming_the_field():
     x = torch.zeros(3)
     cases = [

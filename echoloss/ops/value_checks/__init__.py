@@ -2,9 +2,9 @@
 
 [`value_check_numbers`][echoloss.ops.value_checks.op.value_check_numbers] gives, per
 `RowCheck` (values, the rows checked, a rule of `RULES`), whether an entry breaks the rule, how
-many do, the first one's index and its value: one Triton launch per check into one float64
-block (``fused.py``) instead of about eight small PyTorch kernels each and a join
-(``naive.py``, the gold). ``echoloss._deferred.DeferredChecks`` uses it for the checks of a
+many do, the first one's index and its value: one Triton launch for up to eight checks (a
+program each) into one float64 block (``fused.py``) instead of about eight small PyTorch
+kernels each and a join (``naive.py``, the gold). ``echoloss._deferred.DeferredChecks`` uses it for the checks of a
 call's arguments on the device path.
 """
 

@@ -37,7 +37,7 @@ _MODE = {"mode": "auto"}
 
 
 def fuse_value_checks(mode: str = "auto") -> None:
-    """Choose where `value_check_numbers` runs one Triton launch per check.
+    """Choose where `value_check_numbers` runs its checks in Triton (one launch, a program per check).
 
     Args:
         mode: ``"auto"`` (the default): on CUDA when triton is importable; ``"always"``: also
@@ -161,8 +161,9 @@ def value_check_numbers(
 
     Per check: 1 if an entry of ``values`` on ``rows`` breaks ``rule`` (else 0), how many do,
     the flat index of the first (0 when none) and the value there. ``backend="auto"`` runs
-    one Triton launch per check writing into one block (`fuse_value_checks`), else the PyTorch
-    checks (about eight launches each, then one to join them); ``"naive"`` forces the latter.
+    them in one Triton launch (up to eight checks; a program each) writing into one block
+    (`fuse_value_checks`), else the PyTorch checks (about eight launches each, then one to
+    join them); ``"naive"`` forces the latter.
     Not recorded by autograd.
 
     Args:
@@ -210,6 +211,5 @@ def value_check_numbers(
         return numbers if out is None else out.copy_(numbers)
     if out is None:
         out = torch.empty(width * len(checks), dtype=torch.float64, device=device)
-    for i, check in enumerate(checks):
-        fused.write(check, out[width * i : width * (i + 1)])
+    fused.write(checks, out)
     return out
