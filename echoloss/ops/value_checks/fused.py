@@ -179,12 +179,15 @@ def _value_checks_kernel(
     bound_bits = _pick(pid, bound0, bound1, bound2, bound3, bound4, bound5, bound6, bound7)
     code = _pick(pid, code0, code1, code2, code3, code4, code5, code6, code7)
     bound = tl.cast(bound_bits, tl.float64, bitcast=True)
+    # The code's fields as `_slot` packs them (`_DTYPE_SHIFT`, `_HAS_ROWS_BIT`, `_FLAT_BIT`).
     rule = code & 15
     dtype = (code >> 4) & 15
     has_rows = (code & 256) != 0
     flat = (code & 512) != 0
     rows = mask_addr.to(tl.pointer_type(tl.int8))
     # One typed pointer per dtype code (`_DTYPE_CODE`): the branch is uniform per program.
+    # Written out per dtype: a Triton variable cannot hold pointers of different types
+    # across branches, so the pointer and its scan stay inside each branch.
     if dtype == 0:
         ptr0 = addr.to(tl.pointer_type(tl.float64))
         total, row, value = _scan(ptr0, rows, n, inner, so, si, bound, rule, has_rows, flat, BLOCK)
