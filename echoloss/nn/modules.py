@@ -59,6 +59,7 @@ from echoloss.nn.grpo import (
     grpo_loss_mapping,
     items_on_device,
     row_temperature,
+    with_fields,
 )
 from echoloss.ops.fused_linear.op import (
     RowCoefficients,
@@ -215,6 +216,7 @@ class EchoGRPOLoss(nn.Module):
         self.row_chunk_size = row_chunk_size
         self.use_ref_model = use_ref_model
         self.mapping: GRPOLossMapping | None
+        self._own_rl_tokens_config: LossConfig | None = None
         if config is not None:
             if given:
                 raise ValueError(
@@ -248,6 +250,13 @@ class EchoGRPOLoss(nn.Module):
             epsilon_high=finite_float("epsilon_high", opts["epsilon_high"]),
         )
         self.config = self.mapping.config
+        # dapo / cispo on one process without a given count divide by this call's RL rows:
+        # the loss's own token_mean (counted by the loss; no launch here)
+        self._own_rl_tokens_config = (
+            with_fields(self.config, rl_normalization="token_mean", rl_normalization_constant=None)
+            if self.mapping.loss_type in ("dapo", "cispo")
+            else None
+        )
         self.temperature = finite_float("temperature", opts["temperature"])
         self.max_completion_length = opts["max_completion_length"]
 
@@ -434,6 +443,8 @@ class EchoGRPOLoss(nn.Module):
 
         ``dapo``/``cispo`` divide by the RL tokens of the batch over every rank: the count
         given, or this call's all-reduced, as a device tensor (``rl_constant``, no host read);
+        on one process without a given count, the loss's own count of the RL rows
+        (``token_mean``);
         ``bnpo`` by this call's RL tokens (the config's ``token_mean`` over the call); the other
         types by constants of the batch shape.
         """
@@ -441,6 +452,10 @@ class EchoGRPOLoss(nn.Module):
         items = num_items_in_batch
         lt = mapping.loss_type
         if lt in ("dapo", "cispo"):
+            if items is None and world == 1 and self._own_rl_tokens_config is not None:
+                # Liger's divisor, the batch's RL tokens (at least 1), is this call's: the
+                # loss counts them (three launches fewer than a count, a clamp and a cast)
+                return self._own_rl_tokens_config, None, None
             if items is None:  # Liger: the batch's RL tokens, all ranks
                 count = _all_reduced(rl.sum(dtype=torch.float64))
             else:

@@ -387,7 +387,8 @@ FUSED_LINEAR_CEILING = 5
 #: division), the flat advantages, the sequence ids where the loss reads them (built in
 #: order: their program runs without a sort), the check block's join, and the backward's seed
 #: and ``a · g``. A temperature other than 1 adds two (the per-row temperatures and their
-#: reciprocal); ``dapo``'s divisor three (the RL count, at least 1, its cast). The
+#: reciprocal); ``dapo``'s divisor is the loss's own count of RL rows on one process without a
+#: given count (none here; three more, the count, at least 1, its cast, otherwise). The
 #: sequence-level ``cispo``/``sapo`` run the PyTorch algebra (a custom policy: about 140 more).
 #: The module from hidden states launches the same. History: 22-29 (168-188 sequence-level)
 #: while each argument check was a launch of its own, the temperature of 1 a per-row tensor
@@ -407,7 +408,7 @@ MODULE_CEILING = {
     "grpo-token-mean": 14,
     "bnpo-batch-token-mean": 12,
     "dr_grpo-sequence-mean": 14,
-    "dapo-token-mean": 15,
+    "dapo-token-mean": 12,  # 15 while this call's RL count was counted, clamped and cast
     "cispo-sequence-level": 153,
     "sapo-sequence-level": 176,
     "gspo": 14,

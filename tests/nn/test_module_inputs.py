@@ -145,8 +145,10 @@ def test_module_final_loss_is_checked():
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
 @pytest.mark.parametrize("items", [None, 8, torch.tensor(8)], ids=["counted", "given", "tensor"])
 def test_non_finite_loss_names_the_real_rl_divisor(items, fused):
-    """dapo divides by the batch's RL tokens, a device tensor: the diagnosis reads it (only
-    when the error is built) and names it, not the config's placeholder constant 1."""
+    """dapo divides by the batch's RL tokens, a device tensor when given: the diagnosis reads
+    it (only when the error is built) and names it, not the config's placeholder constant 1.
+    Counted on one process it is the loss's own count of RL rows (``token_mean``), which no
+    diagnosis names (as for any token mean)."""
     logits, ids, mask, _, _ = _batch()
     adv = torch.tensor([3e38, 1.0])  # 3 tokens of -3e38 each: the RL sum overflows
     fn = EchoFusedLinearGRPOLoss if fused else EchoGRPOLoss
@@ -154,13 +156,17 @@ def test_non_finite_loss_names_the_real_rl_divisor(items, fused):
     args: tuple = (logits,)
     if fused:  # hidden = the logits, identity LM head
         args = (logits.detach().clone().requires_grad_(), torch.eye(V).requires_grad_())
-    divisor = 6 if items is None else 8  # 6 RL tokens in this call
+    divisor = (
+        ""
+        if items is None  # 6 RL tokens in this call, counted by the loss
+        else "; the RL divisor 8 (token_sum_constant's divisor of this call: the batch's RL "
+        "tokens per process)"
+    )
     expected = (
         f"loss must be finite, got -inf (loss_rl (the RL term) = -inf, loss_echo (the echo "
         f"term) = 0); the checked inputs were finite, so a product, the sum or its scaling "
-        f"overflowed; likely input: advantages (largest |value| 3e+38 at row 0); the RL divisor "
-        f"{divisor} (token_sum_constant's divisor of this call: the batch's RL tokens per "
-        f"process); bring that input to a realistic range (advantages and echo weights of order "
+        f"overflowed; likely input: advantages (largest |value| 3e+38 at row 0){divisor}"
+        f"; bring that input to a realistic range (advantages and echo weights of order "
         f"1, coefficients well below 1e30, normalisers ≥ 1), or set "
         f"LossConfig(check_finite=False) to skip this check"
     )

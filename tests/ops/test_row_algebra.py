@@ -84,11 +84,14 @@ OPTIONS: dict[str, tuple[Any, ...]] = {
     "echo": (
         ("token_mean", None),
         ("token_mean", 5000.0),
+        ("token_mean", "device"),
         ("sum", None),
         ("batch_token_mean", None),
         ("batch_token_mean", 4.0),
+        ("batch_token_mean", "device"),
         ("sequence_mean", None),
         ("sequence_mean", 40.0),
+        ("sequence_mean", "device"),
     ),
     "echo_z_epsilon": (0.0, 1e-3),
     # the ratio's base (old, inference or no logprobs given) with the mismatch correction,
@@ -139,8 +142,6 @@ def _consistent(variant: str, o: dict[str, Any]) -> dict[str, Any]:
         o["base"], o["mismatch"] = o.pop("base_mismatch")
     if o["base"] == "none":  # no inference logprobs to read
         o["mismatch_metric"] = False
-    if o["rl_divisor"] == "device":  # a device divisor is token_sum_constant's alone
-        o["rl_normalization"] = "token"
     if variant == "sft":  # the NLL of the RL rows: no policy terms (RowAlgebraParams)
         o.update(kl_tau=0.0, entropy_coef=0.0, mismatch_metric=False, mismatch=None, kl=(None, 0.0))
     return o
@@ -203,6 +204,10 @@ def _make_case(variant: str, o: dict[str, Any], seed: int) -> Case:
 
     base = o["base"]
     echo_norm, echo_div = o["echo"]
+    echo_div_dev = None
+    if echo_div == "device":
+        echo_div = 9.0  # replaced by the device tensor
+        echo_div_dev = torch.tensor(321.5 if echo_norm == "token_mean" else 3.5)
     rl_div_host: float | None = None
     rl_div_dev = None
     if o["rl_divisor"] == "host":
@@ -221,6 +226,7 @@ def _make_case(variant: str, o: dict[str, Any], seed: int) -> Case:
         sequence_ids=sid,
         observation=observation,
         ref_logprobs=ref,
+        echo_divisor=echo_div_dev,
     )
     kl_estimator, kl_coef = o["kl"]
     keys = (
@@ -382,19 +388,71 @@ def test_block_edges(n):
 
 
 def test_device_divisor_replaces_the_host_value():
-    """``RowInputs.rl_divisor`` (a device tensor) wins over ``RowAlgebraParams.rl_divisor``."""
-    lp = torch.tensor([-0.5, -1.0])
+    """``RowInputs.rl_divisor`` and ``echo_divisor`` (device tensors) win over the host values
+    of `RowAlgebraParams` and over the call's own counts, in every mode that divides."""
+    lp = torch.tensor([-0.5, -1.0, -2.0, -4.0])
     rows = RowInputs(
-        torch.tensor([True, True]),
-        torch.tensor([False, False]),
-        advantages=torch.tensor([1.0, 3.0]),
+        torch.tensor([True, True, False, False]),
+        torch.tensor([False, False, True, True]),
+        echo_weights=torch.tensor([NAN, NAN, 1.0, 0.5]),
+        advantages=torch.tensor([1.0, 3.0, NAN, NAN]),
         rl_divisor=torch.tensor(4.0),
+        sequence_ids=torch.tensor([0, 0, 0, 1]),
+        observation=torch.tensor([False, False, True, False]),
+        echo_divisor=torch.tensor(8.0),
     )
-    p = RowAlgebraParams("reinforce", rl_divisor=7.0)
-    for backend in ("triton", "naive"):
-        out, a, _ = _run(Case(lp, None, rows, p), backend)
-        assert float(out.loss.detach()) == pytest.approx((0.5 + 3.0) / 4.0, rel=2 * EPS)
-        assert a.tolist() == [-0.25, -0.75]
+    rl_sum, echo_sum = 0.5 + 3.0, 2.0 + 2.0
+    cases = {  # (rl mode, echo mode): (loss, RL a, echo a)
+        ("token", "token_mean"): (rl_sum / 4 + echo_sum / 8, [-1 / 4, -3 / 4], [-1 / 8, -0.5 / 8]),
+        # batch_token_mean: the device value divides the echo rows' count (2)
+        ("token", "batch_token_mean"): (
+            rl_sum / 4 + echo_sum / 16,
+            [-1 / 4, -3 / 4],
+            [-1 / 16, -0.5 / 16],
+        ),
+        # per sequence: sequence 0 holds both RL rows and Z = 1 echo row; sequence 1 Z = 1
+        ("sequence_mean_token_sum", "sequence_mean"): (
+            rl_sum / 4 + (2.0 / 1 + 2.0 / 1) / 8,
+            [-1 / 4, -3 / 4],
+            [-1 / 8, -0.5 / 8],
+        ),
+        ("sequence_mean_token_mean", "sequence_mean"): (
+            rl_sum / 2 / 4 + (2.0 / 1 + 2.0 / 1) / 8,
+            [-1 / 8, -3 / 8],
+            [-1 / 8, -0.5 / 8],
+        ),
+    }
+    for (rl_mode, echo_mode), (loss, rl_a, echo_a) in cases.items():
+        p = RowAlgebraParams(
+            "reinforce",
+            rl_divisor=7.0,
+            rl_normalization=rl_mode,
+            echo_normalization=echo_mode,
+            echo_divisor=5.0,
+        )
+        for backend in ("triton", "naive"):
+            out, a, _ = _run(Case(lp, None, rows, p), backend)
+            what = (rl_mode, echo_mode, backend)
+            assert float(out.loss.detach()) == pytest.approx(loss, rel=2 * EPS), what
+            assert a.tolist() == [*rl_a, *echo_a], what
+
+
+def test_device_divisors_are_one_float_on_the_device():
+    lp = torch.tensor([-0.5])
+    rows = RowInputs(rl=torch.tensor([True]), echo=torch.tensor([False]))
+    p = RowAlgebraParams("sft", low=None, high=0.0)
+    for field, value in (
+        ("rl_divisor", torch.tensor([2.0, 3.0])),
+        ("echo_divisor", torch.tensor(2)),
+        ("echo_divisor", 2.0),
+    ):
+        with pytest.raises(ValueError, match=rf"rows\.{field}.*1-element float tensor"):
+            row_algebra_op(lp, None, rows._replace(**{field: value}), p, backend="naive")
+    summed = dataclasses.replace(p, echo_normalization="sum")
+    with pytest.raises(ValueError, match=r"rows\.echo_divisor.*'sum'"):
+        row_algebra_op(
+            lp, None, rows._replace(echo_divisor=torch.tensor(2.0)), summed, backend="naive"
+        )
 
 
 # ---------------------------------------------------------------- hand-computed values
@@ -714,13 +772,6 @@ def test_sequence_normalizers_need_their_inputs():
     echo = RowAlgebraParams("sft", low=None, high=0.0, echo_normalization="sequence_mean")
     with pytest.raises(ValueError, match=r"rows\.observation"):
         row_algebra_op(lp, None, rows._replace(sequence_ids=torch.tensor([0])), echo)
-    with pytest.raises(ValueError, match=r"rows\.rl_divisor"):
-        row_algebra_op(
-            lp,
-            None,
-            rows._replace(sequence_ids=torch.tensor([0]), rl_divisor=torch.tensor(2.0)),
-            seq,
-        )
     with pytest.raises(ValueError, match="rl_normalization"):
         RowAlgebraParams("sft", low=None, high=0.0, rl_normalization="sequence")
     with pytest.raises(ValueError, match="echo_z_epsilon"):

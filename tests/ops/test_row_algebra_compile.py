@@ -31,6 +31,7 @@ TYPES = {
     "OLD": "*fp32",
     "LQ": "*fp32",
     "RL_DIV": "*fp32",
+    "ECHO_DIV": "*fp32",
     "LABELS": "*i64",
     "ENV": "*i64",
     "GROUP": "*i32",
@@ -77,7 +78,6 @@ FLAGS = (
     "HAS_W",
     "HAS_ADV",
     "HAS_LQ",
-    "ECHO_DIV_GIVEN",
     "CHECK",
     "LP_GIVEN",
     "CHECK_LABELS",
@@ -145,12 +145,13 @@ def _compile(consts, arch, kernel_obj=None, types_=None):
     )
 
 
-def _consts(policy, on, base=1, rl_div_mode=0, echo_mode=0):
+def _consts(policy, on, base=1, rl_div_mode=0, echo_mode=0, echo_div_mode=None):
     return {
         "POLICY": policy,
         **dict.fromkeys(FLAGS, on),
         "BASE": base,
         "RL_DIV_MODE": rl_div_mode,
+        "ECHO_DIV_MODE": (1 if on else 0) if echo_div_mode is None else echo_div_mode,
         "RL_PER_SEQ": on,
         "ECHO_MODE": echo_mode,
         "MISMATCH": 1 if on else 0,
@@ -172,6 +173,8 @@ def test_every_policy_compiles(arch):
 def test_modes_compile_for_sm90():
     for base, rl_div, echo in itertools.product(range(3), range(4), range(4)):
         assert _compile(_consts(1, True, base, rl_div, echo), 90).asm.get("cubin")
+    for echo, echo_div in itertools.product(range(4), range(3)):  # the echo divisor's sources
+        assert _compile(_consts(1, True, 1, 2, echo, echo_div), 90).asm.get("cubin")
 
 
 @needs_nvidia_backend

@@ -138,9 +138,9 @@ class RowAlgebraParams:
             ``RowInputs.sequence_ids``.
         rl_divisor: divisor of the RL term. ``token``: None = the call's RL rows (at least 1),
             else this value (given normalisers, at least 1, or ``token_sum_constant``'s
-            constant); a device tensor in `RowInputs` replaces it when given. Sequence modes:
-            None = the call's sequences with an RL row (at least 1), else this value (the given
-            ``rl_sequences``, at least 1).
+            constant). Sequence modes: None = the call's sequences with an RL row (at least
+            1), else this value (the given ``rl_sequences``, at least 1). In every mode a
+            device tensor in `RowInputs` replaces it when given.
         echo_normalization: ``token_mean``, ``sum``, ``batch_token_mean`` or
             ``sequence_mean`` (each echo row divided by ``Z_i + echo_z_epsilon``, ``Z_i`` the
             rows of its sequence that are observation (``RowInputs.observation``) or echo rows,
@@ -148,7 +148,8 @@ class RowAlgebraParams:
         echo_divisor: ``token_mean``: None = the call's echo rows (at least 1), else this value;
             ``batch_token_mean``: the divisor of the batch count (1 = this call alone);
             ``sequence_mean``: None = the call's sequences with an echo row (at least 1), else
-            this value (the given ``echo_sequences``, at least 1).
+            this value (the given ``echo_sequences``, at least 1). In these three modes a
+            device tensor in `RowInputs` (``echo_divisor``) replaces it when given.
         echo_z_epsilon: added to ``Z_i`` by ``sequence_mean`` (≥ 0).
         check_finite: compute the value checks.
         logprobs_given: the logprobs come from the caller (a logprob > ``logprob_tolerance``
@@ -258,8 +259,9 @@ class RowInputs(NamedTuple):
     """The per-row fields the algebra reads, flat ``[N]`` on the logprobs' device.
 
     ``rl`` and ``echo`` are disjoint bool masks; every other field is read only on the rows
-    where it matters (placeholders elsewhere, even NaN, are never multiplied). ``rl_divisor``:
-    a 0-dim device divisor of the RL term replacing ``RowAlgebraParams.rl_divisor``, or None.
+    where it matters (placeholders elsewhere, even NaN, are never multiplied). ``rl_divisor``
+    and ``echo_divisor``: 0-dim device divisors replacing ``RowAlgebraParams.rl_divisor`` and
+    ``RowAlgebraParams.echo_divisor`` (in every mode that reads those), or None.
     ``labels`` (int) with ``vocab_size``: check that every participating label is in
     ``[0, vocab_size)`` (the ``label`` check), for a caller whose logprob op did not.
     ``env_of_row`` (int, ``-1`` = no env) with ``num_envs``: the metrics also per env (env
@@ -287,3 +289,4 @@ class RowInputs(NamedTuple):
     observation: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     sequences_in_order: bool = False
+    echo_divisor: torch.Tensor | None = None

@@ -321,6 +321,7 @@ def _row_algebra_kernel(
     OLD,  # [N] float old logprobs (unused unless BASE == 1)
     LQ,  # [N] float inference logprobs (unused unless HAS_LQ)
     RL_DIV,  # [1] float device divisor (unused unless RL_DIV_MODE == 2)
+    ECHO_DIV,  # [1] float device divisor (unused unless ECHO_DIV_MODE == 2)
     LABELS,  # [N] int labels (unused unless CHECK_LABELS)
     ENV,  # [N] int env of each row, -1 = none (unused unless HAS_ENV)
     GROUP,  # [N] int32 start of each row's sequence (unused unless SEQ)
@@ -372,7 +373,8 @@ def _row_algebra_kernel(
     HAS_MM_MIN: tl.constexpr,
     HAS_KL_COEF: tl.constexpr,
     KL_EST: tl.constexpr,  # 1: k1, 2: k2, 3: k3
-    ECHO_DIV_GIVEN: tl.constexpr,
+    ECHO_DIV_MODE: tl.constexpr,  # 0: the call's echo rows / sequences, 1: echo_div_value,
+    # 2: ECHO_DIV (token_mean, sequence_mean: the divisor; batch_token_mean: of the count)
     CHECK: tl.constexpr,
     LP_GIVEN: tl.constexpr,
     CHECK_LABELS: tl.constexpr,
@@ -407,17 +409,20 @@ def _row_algebra_kernel(
         rl_div = tl.load(RL_DIV).to(tl.float32)
     else:
         rl_div = tl.maximum(tl.load(SEQS + 0).to(tl.float32), 1.0)
-    if ECHO_MODE == 0:
-        if ECHO_DIV_GIVEN:  # noqa: SIM108 (a constexpr branch, not a runtime select)
-            echo_div = echo_div_value
-        else:
-            echo_div = tl.maximum(n_echo, 1.0)
-    elif ECHO_MODE == 1:
+    # the echo divisor given (a host value or a device tensor), else 1 (batch_token_mean: the
+    # count of batches multiplying the call's echo rows)
+    if ECHO_DIV_MODE == 2:  # noqa: SIM108 (a constexpr branch, not a runtime select)
+        echo_given = tl.load(ECHO_DIV).to(tl.float32)
+    else:
+        echo_given = echo_div_value
+    if ECHO_MODE == 1:
         echo_div = 1.0
     elif ECHO_MODE == 2:
-        echo_div = tl.maximum(n_echo, 1.0) * echo_div_value
-    elif ECHO_DIV_GIVEN:
-        echo_div = echo_div_value
+        echo_div = tl.maximum(n_echo, 1.0) * echo_given
+    elif ECHO_DIV_MODE != 0:
+        echo_div = echo_given
+    elif ECHO_MODE == 0:
+        echo_div = tl.maximum(n_echo, 1.0)
     else:
         echo_div = tl.maximum(tl.load(SEQS + 1).to(tl.float32), 1.0)
 
@@ -682,7 +687,7 @@ def _row_algebra_kernel(
 
     rl_term = tl.reduce(rl_acc, 0, _sum) / rl_div
     if ECHO_MODE == 2:
-        echo_term = tl.reduce(echo_acc, 0, _sum) / tl.maximum(n_echo, 1.0) / echo_div_value
+        echo_term = tl.reduce(echo_acc, 0, _sum) / tl.maximum(n_echo, 1.0) / echo_given
     else:
         echo_term = tl.reduce(echo_acc, 0, _sum) / echo_div
     loss = rl_term + echo_term
@@ -855,11 +860,14 @@ def forward(
     else:
         base = 0
     groups = _sequence_groups(lp, rows, p, base) if p.reads_sequences else None
-    if p.rl_normalization != "token":
-        rl_div_mode = 3 if p.rl_divisor is None else 1
+    if rows.rl_divisor is not None:
+        rl_div_mode = 2
+    elif p.rl_divisor is not None:
+        rl_div_mode = 1
     else:
-        rl_div_mode = 2 if rows.rl_divisor is not None else (0 if p.rl_divisor is None else 1)
-    echo_div_given = p.echo_divisor is not None
+        rl_div_mode = 0 if p.rl_normalization == "token" else 3
+    # 2: the device divisor, 1: the host one, 0: the call's own count
+    echo_div_mode = 2 if rows.echo_divisor is not None else (0 if p.echo_divisor is None else 1)
     echo_div = 1.0 if p.echo_divisor is None else float(p.echo_divisor)
     clamp = p.log_ratio_clamp
     with on_tensor_device(lp):
@@ -873,6 +881,7 @@ def forward(
             _flat(rows.old_logprobs, lp),
             _flat(rows.inference_logprobs, lp),
             _flat(rows.rl_divisor, lp),
+            _flat(rows.echo_divisor, lp),
             _flat(rows.labels, lp),
             _flat(rows.env_of_row, lp),
             *(groups[:4] if groups is not None else (lp, lp, lp, lp)),
@@ -919,7 +928,7 @@ def forward(
             HAS_MM_MIN=p.mismatch_min is not None,
             HAS_KL_COEF=p.kl_coef != 0,
             KL_EST=_KL_CODE[p.kl_estimator],
-            ECHO_DIV_GIVEN=echo_div_given,
+            ECHO_DIV_MODE=echo_div_mode,
             CHECK=p.check_finite,
             LP_GIVEN=p.logprobs_given,
             CHECK_LABELS=rows.labels is not None,

@@ -31,6 +31,15 @@ def _on(rows: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
     return torch.where(rows, values.reshape(-1).to(F32), 0.0)
 
 
+def _divisor(
+    device: torch.Tensor | None, host: float | None, own: torch.Tensor | float
+) -> torch.Tensor | float:
+    """A term's divisor: the device one (fp32), else the host one, else the call's ``own``."""
+    if device is not None:
+        return device.to(F32).reshape(())
+    return own if host is None else float(host)
+
+
 def _clamp(x: torch.Tensor, c: float | None) -> torch.Tensor:
     return x if c is None else x.clamp(-c, c)
 
@@ -246,34 +255,31 @@ def forward(
         if seq_counts is not None and p.rl_normalization != "token":
             # as the loss module: per-sequence sums (index_add), then over the sequences
             seq, rl_rows, _, s_rl, _ = seq_counts
-            s_div = float(max(s_rl, 1)) if p.rl_divisor is None else float(p.rl_divisor)
+            s_div = _divisor(rows.rl_divisor, p.rl_divisor, float(max(s_rl, 1)))
             per_seq = torch.zeros_like(rl_rows).index_add(0, seq, per_rl)
             if p.rl_normalization == "sequence_mean_token_mean":
                 per_seq = per_seq / rl_rows.clamp(min=1)
             rl_term = per_seq.sum() / s_div
-        elif p.rl_divisor is None and rows.rl_divisor is None:
-            rl_term = per_rl.sum() / n_rl.clamp(min=1)
-        elif rows.rl_divisor is not None:
-            rl_term = per_rl.sum() / rows.rl_divisor.to(F32)
         else:
-            rl_term = per_rl.sum() / float(p.rl_divisor or 1.0)
+            rl_term = per_rl.sum() / _divisor(rows.rl_divisor, p.rl_divisor, n_rl.clamp(min=1))
         lp_echo = torch.where(echo, leaf, 0.0)
         echo_per = _on(echo, rows.echo_weights) * -lp_echo
         echo_sum = echo_per.sum()
         if p.echo_normalization == "sequence_mean":
             assert seq_counts is not None
             seq, _, z, _, s_echo = seq_counts
-            s_div = float(max(s_echo, 1)) if p.echo_divisor is None else float(p.echo_divisor)
+            s_div = _divisor(rows.echo_divisor, p.echo_divisor, float(max(s_echo, 1)))
             per_seq = torch.zeros_like(z).index_add(0, seq, echo_per)
             denom = (z + p.echo_z_epsilon).masked_fill(z == 0, 1.0)
             echo_term = (per_seq / denom).sum() / s_div
         elif p.echo_normalization == "sum":
             echo_term = echo_sum
         elif p.echo_normalization == "token_mean":
-            d = n_echo.clamp(min=1) if p.echo_divisor is None else p.echo_divisor
-            echo_term = echo_sum / d
+            echo_term = echo_sum / _divisor(rows.echo_divisor, p.echo_divisor, n_echo.clamp(min=1))
         else:
-            echo_term = echo_sum / n_echo.clamp(min=1) / (p.echo_divisor or 1.0)
+            echo_term = (
+                echo_sum / n_echo.clamp(min=1) / _divisor(rows.echo_divisor, p.echo_divisor, 1.0)
+            )
         loss = rl_term + echo_term
         wrt = [leaf] + ([ent_leaf] if train_ent and ent_leaf is not None else [])
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)

@@ -179,14 +179,26 @@ def row_algebra(
                 describe(rows.sequence_ids),
             )
         )
-    if params.rl_normalization != "token" and rows.rl_divisor is not None:
+    for name, divisor in (("rl_divisor", rows.rl_divisor), ("echo_divisor", rows.echo_divisor)):
+        if divisor is not None and (
+            not isinstance(divisor, torch.Tensor)
+            or divisor.numel() != 1
+            or not divisor.dtype.is_floating_point
+            or divisor.device != logprobs.device
+        ):
+            raise ValueError(
+                problem(
+                    f"rows.{name}",
+                    f"None or a 1-element float tensor on {logprobs.device} (the term's divisor)",
+                    describe(divisor),
+                )
+            )
+    if params.echo_normalization == "sum" and rows.echo_divisor is not None:
         raise ValueError(
             problem(
-                "rows.rl_divisor",
-                f"None with rl_normalization={params.rl_normalization!r} (a per-sequence "
-                "normaliser divides by sequence counts: the given count goes in "
-                "params.rl_divisor)",
-                describe(rows.rl_divisor),
+                "rows.echo_divisor",
+                "None with echo_normalization='sum' (nothing divides the echo sum)",
+                describe(rows.echo_divisor),
             )
         )
     if params.echo_normalization == "sequence_mean" and rows.observation is None:
