@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from _pretrained import smollm2_bf16, smollm2_dir
+from _pretrained import smollm2_dir, smollm2_fastest
 
 from echoloss._optional import MissingExtraError
 from echoloss.pretrained import (
@@ -84,7 +84,7 @@ def test_a_damaged_file_is_refused_with_its_hash(monkeypatch, tmp_path):
 
 
 def test_one_greedy_generation_answers_in_the_chat_format():
-    model, tok = smollm2_bf16()
+    model, tok = smollm2_fastest()
     messages = [{"role": "user", "content": "What is 2+3? Answer with the number only."}]
     enc = tok.apply_chat_template(
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True

@@ -114,7 +114,9 @@ class ModelConfig(_Section):
     num_kv_heads: int = Field(2, ge=1)
     intermediate_size: int = Field(192, ge=8)
     max_position_embeddings: int = Field(1024, ge=16)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # auto: bf16 on a GPU, fp32 on CPU; fastest: bf16 on a GPU or a CPU with AVX512-BF16/AMX
+    # (where bf16 matmuls are native), fp32 elsewhere (runtime.compute_dtype)
+    dtype: Literal["auto", "fastest", "float32", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attn_implementation: str = "sdpa"  # "eager", "sdpa", or "flash_attention_2" (packed varlen)
 

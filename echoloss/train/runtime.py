@@ -24,6 +24,7 @@ __all__ = [
     "Ranks",
     "autocast",
     "compute_dtype",
+    "cpu_computes_bf16_natively",
     "gather",
     "release_process_group",
     "seed_everything",
@@ -77,11 +78,35 @@ def release_process_group() -> None:
         _OWNED_GROUP.clear()
 
 
+def cpu_computes_bf16_natively() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX). Without them PyTorch
+    emulates bf16 matmuls: a SmolLM2-135M forward+backward on 4 x 400 tokens took 407 s in bf16
+    and 17 s in fp32 on an AVX2-only CPU; with them bf16 is the faster one (about 9x).
+
+    Example:
+        >>> isinstance(cpu_computes_bf16_natively(), bool)
+        True
+    """
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     """The dtype the model computes in: ``model.dtype``, where ``auto`` is bf16 on a GPU and
-    fp32 on CPU. The parameters are fp32 whatever it is (fp32 master weights: `autocast`)."""
+    fp32 on CPU, and ``fastest`` is bf16 on a GPU or on a CPU that computes bf16 natively
+    (`cpu_computes_bf16_natively`) and fp32 elsewhere. The parameters are fp32 whatever it is
+    (fp32 master weights: `autocast`).
+
+    Example:
+        >>> from echoloss.train.config import parse_config
+        >>> compute_dtype(parse_config({"model": {"dtype": "auto"}}), torch.device("cpu"))
+        torch.float32
+    """
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if cfg.model.dtype == "fastest":
+        native = device.type == "cuda" or cpu_computes_bf16_natively()
+        return torch.bfloat16 if native else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
 
 

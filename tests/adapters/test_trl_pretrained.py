@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from _pretrained import smollm2_dir, smollm2_tokenizer
+from _pretrained import fastest_dtype, smollm2_dir, smollm2_tokenizer
 
 trl = pytest.importorskip("trl")
 torch = pytest.importorskip("torch")
@@ -65,7 +65,7 @@ def test_echo_grpo_steps_on_smollm2_with_tool_calls(tmp_path):
     from transformers import AutoModelForCausalLM
 
     tok = smollm2_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=fastest_dtype())
     env = Calculator()
     rewards: dict[str, float] = {}
     result_tokens: list[int] = []
@@ -100,7 +100,7 @@ def test_echo_grpo_steps_on_smollm2_with_tool_calls(tmp_path):
         logging_steps=1,
         report_to="none",
         use_cpu=True,
-        bf16=True,
+        bf16=fastest_dtype() == torch.bfloat16,
         save_strategy="no",
         beta=0.0,
     )

@@ -580,23 +580,10 @@ _BAD_ARGUMENTS = {
 }
 
 
-@pytest.mark.parametrize("checks", ["pytorch", "fused"])
-@pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
-@given(
-    data=st.data(),
-    name=st.sampled_from(sorted(MODULE_CASES)),
-    argument=st.sampled_from(sorted(_BAD_ARGUMENTS)),
-)
-@settings(max_examples=25, deadline=None)
-def test_module_errors_are_the_same_on_both_paths(checks, fused, data, name, argument):
-    """Any one bad value in any argument of either module, at any position: the device path
-    reports, once its numbers are read, exactly the host path's error (or neither reports
-    one: a value at a position that is never read, such as a label under a zero attention
-    mask, is not an error), with its value checks in PyTorch or in the Triton program."""
+def _module_errors(checks: str, fused: bool, name: str, argument: str, b: int, t: int, value):
+    """The error of the host path and the device path's deferred error (or None) for one bad
+    value of ``argument`` at ``[b, t]`` (``[b]`` for advantages)."""
     batch, kw = _module_batch(), {}
-    b = data.draw(st.integers(0, B - 1), label="b")
-    t = data.draw(st.integers(0, T - 1), label="t")
-    value = data.draw(st.sampled_from(_BAD_ARGUMENTS[argument]), label="value")
     if argument in ("old_per_token_logps", "inference_logprobs"):
         kw[argument] = -torch.rand(B, T, generator=torch.Generator().manual_seed(9))
         kw[argument][b, t] = value
@@ -620,7 +607,50 @@ def test_module_errors_are_the_same_on_both_paths(checks, fused, data, name, arg
             got = None
         except ValueError as e:
             got = str(e)
+    return expected, got
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
+@given(
+    data=st.data(),
+    name=st.sampled_from(sorted(MODULE_CASES)),
+    argument=st.sampled_from(sorted(_BAD_ARGUMENTS)),
+)
+@settings(max_examples=25, deadline=None)
+def test_module_errors_are_the_same_on_both_paths(fused, data, name, argument):
+    """Any one bad value in any argument of either module, at any position: the device path
+    reports, once its numbers are read, exactly the host path's error (or neither reports
+    one: a value at a position that is never read, such as a label under a zero attention
+    mask, is not an error). The device path's value checks in PyTorch here; in the Triton
+    program below."""
+    b = data.draw(st.integers(0, B - 1), label="b")
+    t = data.draw(st.integers(0, T - 1), label="t")
+    value = data.draw(st.sampled_from(_BAD_ARGUMENTS[argument]), label="value")
+    expected, got = _module_errors("pytorch", fused, name, argument, b, t, value)
     assert got == expected
+
+
+#: One read position per argument (an RL token of row 2; an echoed token for the echo
+#: weights) and one never read (a label under a zero attention mask): the Triton value-check
+#: program runs under the interpreter on CPU, ~5 s a case, so it gets each argument once, the
+#: modules, entry points and bad values cycled (its slots against the gold: test_value_checks).
+_FUSED_CHECK_CASES = [
+    (argument, (1, 2) if argument == "echo_weights" else (2, 3), i)
+    for i, argument in enumerate(sorted(_BAD_ARGUMENTS))
+] + [("ids", (0, 5), 0)]
+
+
+@pytest.mark.parametrize(("argument", "where", "i"), _FUSED_CHECK_CASES)
+def test_module_errors_are_the_same_with_the_fused_value_checks(argument, where, i):
+    """As above with the device path's value checks in the Triton program (what CUDA runs)."""
+    names = sorted(MODULE_CASES)
+    values = _BAD_ARGUMENTS[argument]
+    b, t = where
+    expected, got = _module_errors(
+        "fused", i % 2 == 1, names[i % len(names)], argument, b, t, values[i % len(values)]
+    )
+    assert got == expected
+    assert (expected is None) == (where == (0, 5)), expected  # the read ones are errors
 
 
 #: Values a caller may put in a record by mistake, per field (the record of `_record`).
@@ -635,20 +665,13 @@ _BAD_FIELDS = {
 }
 
 
-@pytest.mark.parametrize("checks", ["pytorch", "fused"])
-@given(data=st.data(), field=st.sampled_from(sorted(_BAD_FIELDS)))
-@settings(max_examples=30, deadline=None)
-def test_record_errors_are_the_same_on_both_paths(checks, data, field):
-    """One bad value in any checked field of a `LossInputs`, at any row: built on the device
-    path, the record reports (once its numbers are read, in one copy with its other checks)
-    exactly the host path's error, or neither reports one (a row where the field is not read,
-    such as an advantage of an echo row, is not an error)."""
+def _record_errors(checks: str, field: str, row: int, value):
+    """The host path's error and the device path's deferred one (or None) of a `LossInputs`
+    with one bad value of ``field`` at ``row``."""
     import dataclasses
 
     x = _record(LossConfig())
     fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(LossInputs) if f.init}
-    row = data.draw(st.integers(0, N - 1), label="row")
-    value = data.draw(st.sampled_from(_BAD_FIELDS[field]), label="value")
     fields[field] = fields[field].clone()
     fields[field][row] = value
     try:
@@ -665,4 +688,27 @@ def test_record_errors_are_the_same_on_both_paths(checks, data, field):
             got = None
         except ValueError as e:
             got = str(e)
+    return expected, got
+
+
+@given(data=st.data(), field=st.sampled_from(sorted(_BAD_FIELDS)))
+@settings(max_examples=30, deadline=None)
+def test_record_errors_are_the_same_on_both_paths(data, field):
+    """One bad value in any checked field of a `LossInputs`, at any row: built on the device
+    path, the record reports (once its numbers are read, in one copy with its other checks)
+    exactly the host path's error, or neither reports one (a row where the field is not read,
+    such as an advantage of an echo row, is not an error). Value checks in PyTorch here."""
+    row = data.draw(st.integers(0, N - 1), label="row")
+    value = data.draw(st.sampled_from(_BAD_FIELDS[field]), label="value")
+    expected, got = _record_errors("pytorch", field, row, value)
+    assert got == expected
+
+
+@pytest.mark.parametrize(("field", "i"), [(f, i) for i, f in enumerate(sorted(_BAD_FIELDS))])
+def test_record_errors_are_the_same_with_the_fused_value_checks(field, i):
+    """As above with the value checks in the Triton program (under the interpreter on CPU, ~4 s
+    a case: each field once, at the first or the last row, the bad values cycled)."""
+    values = _BAD_FIELDS[field]
+    row = 0 if i % 2 == 0 else N - 1
+    expected, got = _record_errors("fused", field, row, values[i % len(values)])
     assert got == expected

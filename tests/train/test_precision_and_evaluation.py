@@ -12,7 +12,7 @@ from _train_helpers import FAST, REPO, fast_config
 from safetensors.torch import load_file
 
 from echoloss.train import config as config_module
-from echoloss.train import probes
+from echoloss.train import probes, runtime
 from echoloss.train.config import (
     ConfigWarning,
     load_config,
@@ -21,7 +21,7 @@ from echoloss.train.config import (
 )
 from echoloss.train.model import build_tiny_model, build_tokenizer, packed_logits
 from echoloss.train.recipe import train
-from echoloss.train.runtime import autocast
+from echoloss.train.runtime import autocast, compute_dtype
 
 ONE_UPDATE = {
     "warmup.steps": 0,
@@ -192,3 +192,16 @@ def test_a_pretrained_model_at_tiny_rates_warns_once(tmp_path, monkeypatch):
     with pytest.warns(ConfigWarning, match="optim.lr = 0.01 are learning rates") as seen:
         train(fast_config(tmp_path / "b", **over), log=lambda _: None)
     assert len([w for w in seen if "learning rates" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_fastest_is_bf16_only_where_the_cpu_computes_it_natively(monkeypatch, native):
+    """``fastest`` on CPU follows the CPU's bf16 instructions (emulated bf16 is ~24x slower than
+    fp32); on a GPU it is bf16; ``auto`` stays fp32 on every CPU."""
+    monkeypatch.setattr(runtime, "cpu_computes_bf16_natively", lambda: native)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    fastest = parse_config({"model": {"dtype": "fastest"}})
+    assert compute_dtype(fastest, cpu) == (torch.bfloat16 if native else torch.float32)
+    assert compute_dtype(fastest, cuda) == torch.bfloat16
+    assert compute_dtype(parse_config({}), cpu) == torch.float32
+    assert load_config(REPO / "configs" / "pretrained.toml").model.dtype == "fastest"
