@@ -254,6 +254,44 @@ def _not_finite_error(name: str, why: str) -> Callable[[int, float], Exception]:
 _COUNT_NAMES = ("rl_tokens", "echo_tokens", "echo_batches", "rl_sequences", "echo_sequences")
 
 
+class Divisors(NamedTuple):
+    """Denominators a caller computed for one call, replacing the loss's own (the ``nn``
+    modules: Liger's and TRL's divisors of one step).
+
+    Each is a Python float (a constant of the call: no launch) or a 0-dim fp32 tensor on the
+    loss's device (a count given as a tensor or all-reduced over ranks: read by the kernels,
+    never by the host); None = the loss's own (its count, the given `Normalizers`, the config's
+    constant).
+
+    Attributes:
+        rl: the RL term's divisor, in every RL mode: ``token_mean``'s RL-token count,
+            ``token_sum_constant``'s constant, the ``sequence_mean*`` modes' ``S_RL``.
+        echo: the echo term's divisor of ``token_mean`` (echo tokens) and ``sequence_mean``
+            (``S_echo``); refused with ``batch_token_mean`` and ``sum``.
+
+    Example:
+        >>> Divisors(rl=4.0)
+        Divisors(rl=4.0, echo=None)
+    """
+
+    rl: float | torch.Tensor | None = None
+    echo: float | torch.Tensor | None = None
+
+
+#: The loss's own divisors everywhere.
+NO_DIVISORS = Divisors()
+
+#: The echo modes whose divisor `Divisors.echo` replaces.
+_ECHO_DIVIDED = ("token_mean", "sequence_mean")
+
+
+def _divisor(
+    given: float | torch.Tensor | None, count: int | torch.Tensor
+) -> float | int | torch.Tensor:
+    """The caller's divisor when given (used as is), else the count, at least 1."""
+    return _at_least_one(count) if given is None else given
+
+
 class _Counts(NamedTuple):
     """The denominators of one call: Python ints (given normalisers) or 0-dim device counts."""
 
@@ -522,26 +560,26 @@ def _rl_term(
     cfg: LossConfig,
     norms: _Counts,
     seqs: LocalSequences,
-    rl_constant: torch.Tensor | None = None,
+    divisor: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``L_RL``: ``per_tok [N]`` (0 outside RL rows) normalised by ``cfg.rl_normalization``
-    (``rl_constant``, a 0-dim device tensor, replaces ``rl_normalization_constant`` when given)."""
+    (``divisor``, `Divisors.rl`, replaces the mode's denominator when given)."""
     mode = cfg.rl_normalization
     if mode == "token_mean":
-        return per_tok.sum() / _at_least_one(norms.rl_tokens)  # 0-dim
+        return per_tok.sum() / _divisor(divisor, norms.rl_tokens)  # 0-dim
     if mode == "token_sum_constant":
-        if rl_constant is not None:
-            return per_tok.sum() / rl_constant  # 0-dim
+        if divisor is not None:
+            return per_tok.sum() / divisor  # 0-dim
         assert cfg.rl_normalization_constant is not None  # LossConfig
         return per_tok.sum() / cfg.rl_normalization_constant  # 0-dim
     assert seqs.rl_index is not None  # _check_requirements
     if mode == "sequence_mean_token_sum":
-        return per_tok.sum() / _at_least_one(norms.rl_sequences)  # 0-dim
+        return per_tok.sum() / _divisor(divisor, norms.rl_sequences)  # 0-dim
     # sequence_mean_token_mean: Σ_i (Σ_{t∈RL_i} ℓ_t / |RL_i|) / S_RL
     counts = _rl_rows_per_sequence(rl, seqs, per_tok.dtype)  # [S+1]
     per_seq = per_tok.new_zeros(seqs.size).index_add(0, seqs.rl_index, per_tok)  # [S+1]
     per_seq_mean = (per_seq / counts.clamp(min=1))[:-1]  # [N] the padding slot dropped
-    return per_seq_mean.sum() / _at_least_one(norms.rl_sequences)  # 0-dim
+    return per_seq_mean.sum() / _divisor(divisor, norms.rl_sequences)  # 0-dim
 
 
 def _rl_rows_per_sequence(
@@ -569,12 +607,14 @@ def _echo_term(
     norms: _Counts,
     n_echo: torch.Tensor,
     seqs: LocalSequences,
+    divisor: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``L_echo``: ``per_tok = w·(-log p) [N]`` (0 outside echo rows) normalised by
-    ``cfg.echo_normalization``."""
+    ``cfg.echo_normalization`` (``divisor``, `Divisors.echo`, replaces the denominator of
+    ``token_mean`` and ``sequence_mean`` when given)."""
     mode = cfg.echo_normalization
     if mode == "token_mean":
-        return per_tok.sum() / _at_least_one(norms.echo_tokens)  # 0-dim
+        return per_tok.sum() / _divisor(divisor, norms.echo_tokens)  # 0-dim
     if mode == "sum":
         return per_tok.sum()  # 0-dim
     if mode == "batch_token_mean":
@@ -584,7 +624,7 @@ def _echo_term(
     z = _observation_counts(x, seqs)  # [S+1]
     per_seq = per_tok.new_zeros(seqs.size).index_add(0, seqs.echo_index, per_tok)  # [S+1]
     denom = _echo_z_denominator(z, cfg.echo_z_epsilon, per_tok.dtype)  # [S+1]
-    return (per_seq / denom)[:-1].sum() / _at_least_one(norms.echo_sequences)  # 0-dim
+    return (per_seq / denom)[:-1].sum() / _divisor(divisor, norms.echo_sequences)  # 0-dim
 
 
 def _echo_z_denominator(z: torch.Tensor, epsilon: float, dtype: torch.dtype) -> torch.Tensor:
@@ -604,7 +644,7 @@ class _Suspects(NamedTuple):
     echo_idx: torch.Tensor
     ent: torch.Tensor | None
     cfg: LossConfig
-    rl_constant: torch.Tensor | None = None  # the device-side RL divisor, read only here
+    divisors: Divisors = NO_DIVISORS  # the caller's divisors (device ones read only here)
 
 
 def _largest(name: str, values: torch.Tensor | None, rows: torch.Tensor) -> tuple[float, str]:
@@ -631,12 +671,13 @@ def _rl_suspects(s: _Suspects) -> list[tuple[float, str]]:
     if cfg.entropy_coef:
         big, _ = _largest("entropy", s.ent, s.rl_idx)
         out.append((abs(cfg.entropy_coef) * max(big, 1.0), f"entropy_coef={cfg.entropy_coef:g}"))
-    if cfg.rl_normalization == "token_sum_constant" and s.rl_constant is not None:
+    given = s.divisors.rl
+    if isinstance(given, torch.Tensor):
         # The divisor the call used (a device tensor; read on the host only to build this error).
-        d = float(s.rl_constant)
-        what = "token_sum_constant's divisor of this call: the batch's RL tokens per process"
+        d = float(given)
+        what = f"{cfg.rl_normalization}'s divisor of this call: the batch's RL tokens per process"
         out.append((1.0 / d, f"the RL divisor {d:g} ({what})"))
-    elif cfg.rl_normalization == "token_sum_constant":
+    elif cfg.rl_normalization == "token_sum_constant" and given is None:
         c = cfg.rl_normalization_constant
         assert c is not None  # LossConfig
         out.append((1.0 / c, f"rl_normalization_constant={c:g} (the divisor)"))
@@ -645,6 +686,10 @@ def _rl_suspects(s: _Suspects) -> list[tuple[float, str]]:
 
 def _echo_suspects(s: _Suspects) -> list[tuple[float, str]]:
     out = [_largest("echo_weights", s.x.echo_weights, s.echo_idx)]
+    if isinstance(s.divisors.echo, torch.Tensor):  # read on the host only for this error
+        d = float(s.divisors.echo)
+        what = f"{s.cfg.echo_normalization}'s divisor of this call: the batch's echo tokens per process"
+        out.append((1.0 / d, f"the echo divisor {d:g} ({what})"))
     if s.cfg.echo_normalization == "sequence_mean" and s.cfg.echo_z_epsilon:
         out.append((0.0, f"echo_z_epsilon={s.cfg.echo_z_epsilon:g}"))
     return [o for o in out if o[1]]
@@ -706,17 +751,17 @@ def _check_final_loss(
     ent: torch.Tensor | None,
     cfg: LossConfig,
     checks: DeferredChecks,
-    rl_constant: torch.Tensor | None = None,
+    divisors: Divisors = NO_DIVISORS,
 ) -> None:
     """`check_final_loss` through ``checks``: the diagnosis (which reads the suspects' values,
-    ``rl_constant`` included) runs only when the error is raised."""
+    the device ``divisors`` included) runs only when the error is raised."""
 
-    message = _final_loss_message(x, ent, cfg, rl_constant)
+    message = _final_loss_message(x, ent, cfg, divisors)
     checks.add([not_finite(loss), loss, rl_term, echo_term], message)
 
 
 def _final_loss_message(
-    x: LossInputs, ent: torch.Tensor | None, cfg: LossConfig, rl_constant: torch.Tensor | None
+    x: LossInputs, ent: torch.Tensor | None, cfg: LossConfig, divisors: Divisors
 ) -> Callable[[Sequence[float]], Exception | None]:
     """The error of `_check_final_loss` from ``(not finite, loss, rl_term, echo_term)``."""
 
@@ -724,7 +769,7 @@ def _final_loss_message(
         if not v[0]:
             return None
         rl_idx, echo_idx = x.rl.nonzero().squeeze(1), x.echo.nonzero().squeeze(1)
-        suspects = _Suspects(x, rl_idx, echo_idx, ent, cfg, rl_constant)
+        suspects = _Suspects(x, rl_idx, echo_idx, ent, cfg, divisors)
         return _final_loss_error(v[1], v[2], v[3], suspects)
 
     return message
@@ -806,7 +851,7 @@ def loss_from_logprobs(
     source: str,
     spec: PolicySpec | None = None,
     checks: DeferredChecks | None = None,
-    rl_constant: torch.Tensor | None = None,
+    divisors: Divisors = NO_DIVISORS,
     label_check: tuple[torch.Tensor, int] | None = None,
 ) -> LossOutput:
     """The loss algebra shared by every entry point, on ``[N]`` logprobs already scored.
@@ -825,9 +870,8 @@ def loss_from_logprobs(
         source: the argument the logprobs came from, for error messages.
         spec: the policy's spec when the requirements were already checked.
         checks: the call's value checks so far (submitted here); None = a new set.
-        rl_constant: 0-dim fp32 divisor of ``rl_normalization="token_sum_constant"`` computed
-            on the device (a count all-reduced or given as a tensor), replacing
-            ``cfg.rl_normalization_constant``; None = the config's.
+        divisors: the caller's denominators of the two terms (`Divisors`), replacing the
+            loss's own; each a Python float or a 0-dim fp32 tensor on ``lp``'s device.
         label_check: ``(labels [N], V)`` when the logprob op left the range check of the
             participating labels to this call (device path, fused algebra expected): the
             fused launch checks them; the PyTorch algebra queues the op's own check.
@@ -836,11 +880,16 @@ def loss_from_logprobs(
         [`LossOutput`][echoloss.loss.LossOutput].
     """
     checks = DeferredChecks(lp.device) if checks is None else checks
+    if divisors.echo is not None and cfg.echo_normalization not in _ECHO_DIVIDED:
+        raise ValueError(
+            f"divisors.echo: replaces the divisor of echo_normalization {_ECHO_DIVIDED}, got "
+            f"echo_normalization={cfg.echo_normalization!r} (pass None)"
+        )
     if spec is None:
         spec = check_requirements(x, cfg, policy_fn, checks)
     if fused_algebra_applies(lp, ent, x, cfg, normalizers, policy_fn):
         loss, metrics = _fused_algebra(
-            lp, ent, x, cfg, normalizers, source, checks, rl_constant, label_check
+            lp, ent, x, cfg, normalizers, source, checks, divisors, label_check
         )
     else:
         if label_check is not None and on_device_path(lp.device):
@@ -849,7 +898,7 @@ def loss_from_logprobs(
         if _COMPILE.options is not None and on_device_path(lp.device):
             algebra = _compiled_algebra()
         loss, metrics = algebra(
-            lp, ent, x, cfg, normalizers, policy_fn, source, spec, checks, rl_constant
+            lp, ent, x, cfg, normalizers, policy_fn, source, spec, checks, divisors
         )
     checks.submit()
     return LossOutput(loss, metrics)
@@ -1063,6 +1112,15 @@ def _check_slots(check: str) -> list[int]:
     return [i for i, name in enumerate(CHECK_SLOTS) if name.split("_")[0] == check]
 
 
+def _host_or_device(
+    divisor: float | torch.Tensor | None,
+) -> tuple[float | None, torch.Tensor | None]:
+    """A `Divisors` entry as ``(host constant, device tensor)``, at most one of them set."""
+    if divisor is None or isinstance(divisor, torch.Tensor):
+        return None, divisor
+    return float(divisor), None
+
+
 def _fused_algebra(
     lp: torch.Tensor,
     ent: torch.Tensor | None,
@@ -1071,7 +1129,7 @@ def _fused_algebra(
     normalizers: Normalizers | None,
     source: str,
     checks: DeferredChecks,
-    rl_constant: torch.Tensor | None,
+    divisors: Divisors,
     label_check: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`_algebra` for a call `fused_algebra_applies` to: one launch of the row algebra, its
@@ -1079,12 +1137,20 @@ def _fused_algebra(
     (the labels' range first, as the logprob op queues it before the loss)."""
     from echoloss.ops.row_algebra import STAT_SLOTS, row_algebra
 
+    params = _row_algebra_params(cfg, ent, x, normalizers)
+    # The caller's divisors: a float is the program's constant, a tensor read by the program.
+    rl_host, rl_device = _host_or_device(divisors.rl)
+    echo_host, echo_device = _host_or_device(divisors.echo)
     params = dataclasses.replace(
-        _row_algebra_params(cfg, ent, x, normalizers), logprobs_given=source == "logprobs"
+        params,
+        logprobs_given=source == "logprobs",
+        rl_divisor=params.rl_divisor if rl_host is None else rl_host,
+        echo_divisor=params.echo_divisor if echo_host is None else echo_host,
     )
     env_of_row, env_list = _env_of_rows(x, lp.device)  # per-env metrics: one program per env
     rows = row_inputs(x)._replace(
-        rl_divisor=rl_constant if cfg.rl_normalization == "token_sum_constant" else None,
+        rl_divisor=rl_device,
+        echo_divisor=echo_device,
         labels=None if label_check is None else label_check[0],
         vocab_size=0 if label_check is None else label_check[1],
         env_of_row=env_of_row if env_list else None,
@@ -1130,7 +1196,7 @@ def _fused_algebra(
                         _check_slots("entropy"),
                     )
                 )
-        later.append((_final_loss_message(x, ent, cfg, rl_constant), _check_slots("loss")))
+        later.append((_final_loss_message(x, ent, cfg, divisors), _check_slots("loss")))
     if first or later:  # one block, no launch (two around the normalisers' checks)
         checks.add_packed(out.checks, first + later)
     # The keys in `loss_metrics`' order: per key (all, then each env) the counts, the echo NLL,
@@ -1263,7 +1329,7 @@ def row_coefficients(
     spec: PolicySpec,
     normalizers: Normalizers | None,
     *,
-    rl_constant: torch.Tensor | None = None,
+    divisors: Divisors = NO_DIVISORS,
     own_old_logprobs: bool = False,
 ) -> Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
@@ -1274,7 +1340,7 @@ def row_coefficients(
 
     The rows' loss is the loss algebra itself (`_rl_per_token`, `_rl_term`, `_echo_term`) on
     the rows' fields with the call's denominators (counted on all rows here;
-    ``rl_constant`` as in `loss_from_logprobs`), differentiated by autograd: the same
+    ``divisors`` as in `loss_from_logprobs`), differentiated by autograd: the same
     operations per row as the whole loss, so the same derivatives. Value checks are left to
     the whole loss, which runs them once. ``own_old_logprobs``: the ratio's denominator of each
     row is its own logprob, detached (on-policy, as ``echoloss.nn`` without old logprobs, whose
@@ -1318,18 +1384,19 @@ def row_coefficients(
             # the same operations per row (a division by its sequence's count, then by S_RL)
             assert rl_rows is not None
             count = rl_rows.index_select(0, rows).to(lp_leaf.dtype).clamp(min=1)  # [c]
-            rl_term = (rl.per_token / count).sum() / _at_least_one(norms.rl_sequences)
+            rl_term = (rl.per_token / count).sum() / _divisor(divisors.rl, norms.rl_sequences)
         elif cfg.rl_normalization == "sequence_mean_token_sum":
-            rl_term = rl.per_token.sum() / _at_least_one(norms.rl_sequences)
+            rl_term = rl.per_token.sum() / _divisor(divisors.rl, norms.rl_sequences)
         else:
-            rl_term = _rl_term(rl.per_token, sub.rl, cfg, norms, seqs, rl_constant)
+            rl_term = _rl_term(rl.per_token, sub.rl, cfg, norms, seqs, divisors.rl)
         if cfg.echo_normalization == "sequence_mean":  # Σ_i (Σ_t w·nll / (Z_i + ε)) / S_echo
             assert z_rows is not None
             z = z_rows.index_select(0, rows)  # [c]
             denom = _echo_z_denominator(z, cfg.echo_z_epsilon, lp_leaf.dtype)
-            echo_term = ((w_echo * -lp_echo) / denom).sum() / _at_least_one(norms.echo_sequences)
+            per_row = (w_echo * -lp_echo) / denom  # [c]
+            echo_term = per_row.sum() / _divisor(divisors.echo, norms.echo_sequences)
         else:
-            echo_term = _echo_term(w_echo * -lp_echo, sub, cfg, norms, n_echo, seqs)
+            echo_term = _echo_term(w_echo * -lp_echo, sub, cfg, norms, n_echo, seqs, divisors.echo)
         wrt = [lp_leaf] + ([ent_leaf] if ent_leaf is not None and ent_leaf.requires_grad else [])
         grads = torch.autograd.grad(rl_term + echo_term, wrt, allow_unused=True)
         a = torch.zeros_like(lp) if grads[0] is None else grads[0]
@@ -1417,7 +1484,7 @@ def _algebra(
     source: str,
     spec: PolicySpec,
     checks: DeferredChecks,
-    rl_constant: torch.Tensor | None = None,
+    divisors: Divisors = NO_DIVISORS,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The body of `loss_from_logprobs`: ``(loss, metrics)`` from the ``[N]`` logprobs."""
     if cfg.check_finite:
@@ -1437,18 +1504,18 @@ def _algebra(
     norms = _resolve_normalizers(normalizers, local, cfg, checks)
 
     rl = _rl_per_token(lp, ent, x, seqs, cfg, spec, policy_fn, checks)
-    rl_term = _rl_term(rl.per_token, x.rl, cfg, norms, seqs, rl_constant)  # 0-dim
+    rl_term = _rl_term(rl.per_token, x.rl, cfg, norms, seqs, divisors.rl)  # 0-dim
 
     # Echo rows: -w · logprob, no ratio / trust region / KL / adv_tau.
     lp_echo = torch.where(x.echo, lp, 0.0)  # [N]
     w_echo = _on_rows(x.echo, x.echo_weights, lp_echo)  # [N]
-    echo_term = _echo_term(w_echo * -lp_echo, x, cfg, norms, n_echo, seqs)  # 0-dim
+    echo_term = _echo_term(w_echo * -lp_echo, x, cfg, norms, n_echo, seqs, divisors.echo)
 
     # Connected to the graph through lp even without any RL or echo row (then exactly 0 with
     # zero gradients): distributed backward must not hang.
     loss = rl_term + echo_term  # 0-dim
     if cfg.check_finite:
-        _check_final_loss(loss, rl_term, echo_term, x, ent, cfg, checks, rl_constant)
+        _check_final_loss(loss, rl_term, echo_term, x, ent, cfg, checks, divisors)
     metrics = _metrics(
         x, rl, ent, cfg, -lp_echo.detach(), {"loss_rl": rl_term, "loss_echo": echo_term}
     )
@@ -1510,12 +1577,12 @@ def logprobs_loss(
     fields: dict[str, Any],
     *,
     checks: DeferredChecks | None = None,
-    rl_constant: torch.Tensor | None = None,
+    divisors: Divisors = NO_DIVISORS,
     label_check: tuple[torch.Tensor, int] | None = None,
 ) -> LossOutput:
     """The body of `echo_loss_from_logprobs`, for callers (the ``echoloss.nn`` modules) that
     bring their own value ``checks`` (checked before these, reported in one submission), a
-    device-side ``rl_constant`` or the ``label_check`` their logprob op left to the loss (see
+    caller's ``divisors`` or the ``label_check`` their logprob op left to the loss (see
     `loss_from_logprobs`)."""
     logprobs = check_tensor("logprobs", logprobs)
     if not logprobs.dtype.is_floating_point:
@@ -1541,7 +1608,7 @@ def logprobs_loss(
         policy_fn,
         source="logprobs",
         checks=checks,
-        rl_constant=rl_constant,
+        divisors=divisors,
         label_check=label_check,
     )
 

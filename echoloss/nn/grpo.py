@@ -544,7 +544,7 @@ def divide_echo_weights(
     steps_per_generation: int,
     checks: DeferredChecks | None,
 ) -> torch.Tensor:
-    """`scale_echo_weights` for a caller that holds the masks already (the ``nn`` modules):
+    """`scale_echo_weights` for a caller that holds the masks already:
     ``echoed`` ``[B, T]`` is ``echo_weights > 0``, ``covered`` the rows counted in ``|O_i|``
     (``observation_mask | echoed``; read by ``"sequence_mean"`` only); the three counts are
     validated integers ≥ 1. Three or four launches: the count, at least 1, a product of the

@@ -42,6 +42,7 @@ from echoloss._validate import (
     problem,
 )
 from echoloss.loss.core import (
+    Divisors,
     chunk_additive,
     label_check_on_device,
     loss_from_logprobs,
@@ -55,7 +56,6 @@ from echoloss.nn.grpo import (
     ECHO_NORMALIZATIONS,
     ECHO_TEMPERATURES,
     GRPOLossMapping,
-    divide_echo_weights,
     grpo_loss_mapping,
     items_on_device,
     row_temperature,
@@ -78,10 +78,10 @@ class _CallSetup(NamedTuple):
 
     config: LossConfig
     normalizers: Normalizers | None
-    rl_constant: torch.Tensor | None  # dapo / cispo: the RL divisor, on the device
+    divisors: Divisors  # the call's RL and echo divisors (Liger's and TRL's, one call a step)
     advantages: torch.Tensor  # [B, T] float
     observation_mask: torch.Tensor  # [B, T] bool
-    echo_weights: torch.Tensor  # [B, T] float, scaled by the echo normaliser
+    echo_weights: torch.Tensor  # [B, T] float, as passed (0 outside the mask)
 
 
 # Liger's constructor defaults (liger-kernel 0.8.5), used where an option is left as None.
@@ -215,6 +215,8 @@ class EchoGRPOLoss(nn.Module):
         self.echo_normalization = echo_normalization
         self.row_chunk_size = row_chunk_size
         self.use_ref_model = use_ref_model
+        # The sequence ids of the last call's shape (`_sequence_ids`): ((B, T, device), ids).
+        self._last_sequence_ids: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
         self.mapping: GRPOLossMapping | None
         self._own_rl_tokens_config: LossConfig | None = None
         if config is not None:
@@ -249,7 +251,12 @@ class EchoGRPOLoss(nn.Module):
             epsilon_low=finite_float("epsilon_low", opts["epsilon_low"]),
             epsilon_high=finite_float("epsilon_high", opts["epsilon_high"]),
         )
-        self.config = self.mapping.config
+        # The echo normaliser is the loss's own (with the call's divisor where it is a given
+        # or all-reduced count, or the batch size), not weights pre-divided by it: three to
+        # five launches fewer. ε = 0: Liger's and TRL's sequence mean divide by |O_i| alone.
+        self.config = with_fields(
+            self.mapping.config, echo_normalization=echo_normalization, echo_z_epsilon=0.0
+        )
         # dapo / cispo on one process without a given count divide by this call's RL rows:
         # the loss's own token_mean (counted by the loss; no launch here)
         self._own_rl_tokens_config = (
@@ -337,22 +344,21 @@ class EchoGRPOLoss(nn.Module):
             if observation_mask is None
             else check_mask("observation_mask", observation_mask, checks=checks)
         )
-        # |O_i| (observation or echo rows) is read by the echo normaliser sequence_mean only
-        # (a config's, or the pre-scaling's): elsewhere the echo rows stand in, unread.
+        # |O_i| (observation or echo rows) is read by the echo normaliser sequence_mean only:
+        # elsewhere the echo rows stand in, unread. The loss counts `observation | echo`
+        # itself, so the mask goes as given (no launch).
         reads_observation = self.mapping is None or self.echo_normalization == "sequence_mean"
-        obs = echo if given is None or not reads_observation else given | echo
-        cfg, norms = self.config, normalizers
-        rl_constant = None  # dapo / cispo: the RL divisor, computed on the device
+        obs = echo if given is None or not reads_observation else given
+        cfg, norms, divisors = self.config, normalizers, Divisors()
         if self.mapping is not None:
             if normalizers is not None:
                 raise ValueError(
                     "normalizers: the GRPO options fix the normaliser per call (loss_type); "
                     "pass num_items_in_batch instead, or use config=LossConfig(...)"
                 )
-            cfg, norms, rl_constant = self._rl_normalizer(
-                self.mapping, rl, b, num_items_in_batch, checks
-            )
-            echo_w = self._scaled_echo_weights(echo_w, echo, obs, num_echo_items_in_batch, checks)
+            cfg, rl_divisor = self._rl_normalizer(self.mapping, rl, b, num_items_in_batch, checks)
+            echo_divisor = self._echo_divisor(echo, b, num_echo_items_in_batch, checks)
+            divisors = Divisors(rl=rl_divisor, echo=echo_divisor)
         if cfg.kl_coef > 0 and ref_per_token_logps is None:
             raise ValueError(
                 f"ref_per_token_logps: required by beta={cfg.kl_coef} ([B, T] reference-model "
@@ -370,7 +376,7 @@ class EchoGRPOLoss(nn.Module):
                 check_per_token(name, value, rl.shape, rl.device, "float", what="[B, T]")
                 with checks.collecting():
                     check_float_values(name, value.reshape(-1), rl.reshape(-1), logprob=True)
-        return _CallSetup(cfg, norms, rl_constant, adv, obs, echo_w)
+        return _CallSetup(cfg, norms, divisors, adv, obs, echo_w)
 
     def _loss(
         self,
@@ -391,7 +397,7 @@ class EchoGRPOLoss(nn.Module):
         """The loss of one call from its ``[B, T]`` logprobs and entropy and its `_setup`;
         ``label_check``: the labels' range check the logprob op left to the loss (device
         path)."""
-        cfg, norms, rl_constant, adv, obs, echo_w = setup
+        cfg, norms, divisors, adv, obs, echo_w = setup
         # On-policy the ratio's denominator is this pass's logprobs; a non-finite one is the
         # model's output, named by its source in the loss's check of the scored rows.
         old = lp.detach() if old_per_token_logps is None else old_per_token_logps.float()
@@ -406,7 +412,7 @@ class EchoGRPOLoss(nn.Module):
             ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
             # The batch row of each token, where something reads it (a per-sequence
             # normaliser or policy, the per-env metrics): two launches otherwise spent.
-            sequence_ids=_batch_rows(rl) if self._reads_sequences(cfg, env_names) else None,
+            sequence_ids=self._sequence_ids(rl) if self._reads_sequences(cfg, env_names) else None,
             observation_mask=obs,
             env_names=None if env_names is None else tuple(env_names),
             split=(rl.reshape(-1), echo.reshape(-1)),  # `split_rows` of these: done in `_rows`
@@ -422,9 +428,26 @@ class EchoGRPOLoss(nn.Module):
             None if self.mapping is None else self.mapping.policy_fn,
             source=source,
             checks=checks,
-            rl_constant=rl_constant,
+            divisors=divisors,
             label_check=label_check,
         )
+
+    def _sequence_ids(self, rl: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` int64: the batch row of each position (`_batch_rows`). The last shape's
+        ids are kept for the next call of that shape (a trainer at a fixed shape: two
+        launches a call saved). Not kept when made under inference mode (autograd cannot
+        save its tensors for a later training call) or during a CUDA graph capture (its
+        memory belongs to the graph)."""
+        b, t = rl.shape
+        key = (b, t, rl.device)
+        last = self._last_sequence_ids
+        if last is not None and last[0] == key:
+            return last[1]
+        ids = _batch_rows(rl)
+        capturing = rl.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not torch.is_inference_mode_enabled() and not capturing:
+            self._last_sequence_ids = (key, ids)
+        return ids
 
     def _reads_sequences(self, cfg: LossConfig, env_names: Sequence[str] | None) -> bool:
         """Whether this call's loss reads sequence ids (`reads_sequences`, or per-env metrics)."""
@@ -438,15 +461,14 @@ class EchoGRPOLoss(nn.Module):
         batch_size: int,
         num_items_in_batch: float | torch.Tensor | None,
         checks: DeferredChecks,
-    ) -> tuple[LossConfig, Normalizers | None, torch.Tensor | None]:
-        """``(config, normalizers, rl_constant)`` of one call (one call = one step, as Liger).
+    ) -> tuple[LossConfig, float | torch.Tensor | None]:
+        """``(config, RL divisor)`` of one call (one call = one step, as Liger).
 
         ``dapo``/``cispo`` divide by the RL tokens of the batch over every rank: the count
-        given, or this call's all-reduced, as a device tensor (``rl_constant``, no host read);
-        on one process without a given count, the loss's own count of the RL rows
-        (``token_mean``);
-        ``bnpo`` by this call's RL tokens (the config's ``token_mean`` over the call); the other
-        types by constants of the batch shape.
+        given, or this call's all-reduced, as a device tensor (no host read); on one process
+        without a given count, the loss's own count of the RL rows (``token_mean``); ``bnpo``
+        by this call's RL tokens (the config's ``token_mean``); the other types by constants of
+        the batch shape (`GRPOLossMapping.micro_batch`), passed as floats.
         """
         world = _world_size()
         items = num_items_in_batch
@@ -455,18 +477,18 @@ class EchoGRPOLoss(nn.Module):
             if items is None and world == 1 and self._own_rl_tokens_config is not None:
                 # Liger's divisor, the batch's RL tokens (at least 1), is this call's: the
                 # loss counts them (three launches fewer than a count, a clamp and a cast)
-                return self._own_rl_tokens_config, None, None
+                return self._own_rl_tokens_config, None
             if items is None:  # Liger: the batch's RL tokens, all ranks
                 count = _all_reduced(rl.sum(dtype=torch.float64))
             else:
                 count = items_on_device("num_items_in_batch", items, rl.sum(), "RL tokens", checks)
             # GRPOLossMapping.micro_batch's divisor with one call per step, on the device
             divisor = count.clamp(min=1)
-            return mapping.config, None, (divisor if world == 1 else divisor / world).float()
+            return self.config, (divisor if world == 1 else divisor / world).float()
         if items is not None:  # given but unused by this loss type: still a valid count
             items_on_device("num_items_in_batch", items, None, "RL tokens", checks)
         if lt == "bnpo":
-            return mapping.config, None, None
+            return self.config, None
         cfg, norms = mapping.micro_batch(
             batch_size=batch_size,
             max_completion_length=self.max_completion_length or 0,
@@ -475,41 +497,40 @@ class EchoGRPOLoss(nn.Module):
             accumulation_steps=1,
             steps_per_generation=1,
         )
-        return cfg, norms, None
+        if norms is not None:  # grpo, sapo: every completion counts (B), as a constant
+            return self.config, float(max(norms.rl_sequences, 1))
+        assert cfg.rl_normalization_constant is not None  # dr_grpo, luspo: token_sum_constant
+        return self.config, cfg.rl_normalization_constant
 
-    def _scaled_echo_weights(
+    def _echo_divisor(
         self,
-        echo_w: torch.Tensor,
         echo: torch.Tensor,
-        obs: torch.Tensor,
+        batch_size: int,
         num_echo_items_in_batch: float | torch.Tensor | None,
         checks: DeferredChecks,
-    ) -> torch.Tensor:
-        """The echo weights pre-divided by the echo normaliser (`divide_echo_weights`); the
-        echo-token count, when not given, is this call's, all-reduced, on the device."""
+    ) -> float | torch.Tensor | None:
+        """The echo term's divisor of one call (`scale_echo_weights`' normalisers with one
+        call a step), None where it is the loss's own count: ``token_mean`` the echo tokens of
+        the batch over every rank (given, or this call's all-reduced, on the device; this
+        call's own on one process); ``batch_token_mean`` this call's echo tokens (the loss's);
+        ``sequence_mean`` every completion (``B``; ``|O_i|`` is the loss's)."""
         items = num_echo_items_in_batch
-        if items is not None and self.echo_normalization != "token_mean":
-            items_on_device("num_echo_items_in_batch", items, None, "echo tokens", checks)
-        elif items is None and self.echo_normalization == "token_mean":
-            # This call's echo tokens over the ranks: counted here, so nothing to check;
-            # `scale_echo_weights`' token_mean divisor with one call per step.
-            # Three launches: the count in float64, at least 1, the division (the float64
-            # 0-dim divisor is cast in the division's kernel: exact for counts below 2**24).
-            count = _all_reduced(echo.sum(dtype=torch.float64)).clamp_(min=1)
-            world = _world_size()
-            return echo_w / (count if world == 1 else count / world)
-        # The masks are this call's (`obs` holds the echo rows already): none formed again.
-        return divide_echo_weights(
-            echo_w,
-            echo,
-            obs,
-            normalization=self.echo_normalization,
-            num_echo_items_in_batch=items,
-            num_processes=_world_size(),
-            accumulation_steps=1,
-            steps_per_generation=1,
-            checks=checks,
-        )
+        world = _world_size()
+        if self.echo_normalization != "token_mean":
+            if items is not None:  # given but unused by this normaliser: still a valid count
+                items_on_device("num_echo_items_in_batch", items, None, "echo tokens", checks)
+            return float(batch_size) if self.echo_normalization == "sequence_mean" else None
+        if items is None and world == 1:
+            return None  # this call's echo tokens: the loss counts them (no launch here)
+        if items is None:  # the batch's echo tokens over the ranks
+            count = _all_reduced(echo.sum(dtype=torch.float64))
+        else:
+            count = items_on_device(
+                "num_echo_items_in_batch", items, echo.sum(), "echo tokens", checks
+            )
+        # max(·, 1): only a batch without echo tokens has a count of 0, and its term is 0.
+        divisor = count.clamp(min=1)
+        return (divisor if world == 1 else divisor / world).float()
 
     def forward(
         self,
@@ -785,13 +806,13 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             old_logprobs=None if old_per_token_logps is None else old_per_token_logps.float(),
             ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
             observation_mask=setup.observation_mask,
-            sequence_ids=_batch_rows(rl),  # as `_loss`'s record: one sequence per batch row
+            sequence_ids=self._sequence_ids(rl),  # as `_loss`'s: one sequence per batch row
         )
         return row_coefficients(
             x,
             cfg,
             get_policy(cfg.policy),
             setup.normalizers,
-            rl_constant=setup.rl_constant,
+            divisors=setup.divisors,
             own_old_logprobs=old_per_token_logps is None,
         )

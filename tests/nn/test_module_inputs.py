@@ -211,11 +211,8 @@ def test_logprob_inputs_are_named_before_the_forward_reads_them(name, value, err
 
 
 def _full_setup(monkeypatch):
-    """The module with every row-setup shortcut undone: per-row temperatures as a tensor,
-    the observation rows always formed, the echo weights scaled by the public
-    `scale_echo_weights` (its own masks)."""
+    """The module with every row-setup shortcut undone: per-row temperatures as a tensor."""
     from echoloss.nn import grpo as grpo_module
-    from echoloss.nn import modules
 
     monkeypatch.setattr(
         EchoGRPOLoss,
@@ -224,11 +221,6 @@ def _full_setup(monkeypatch):
             rl, echo, self.temperature, self.config.echo_temperature
         ),
     )
-
-    def divide(w, echoed, covered, *, normalization, **kw):
-        return scale_echo_weights(w, covered, normalization=normalization, **kw)
-
-    monkeypatch.setattr(modules, "divide_echo_weights", divide)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "hidden"])
@@ -245,9 +237,8 @@ def _full_setup(monkeypatch):
 def test_the_row_setup_shortcuts_change_no_bit(
     loss_type, echo_normalization, temperature, fused, monkeypatch
 ):
-    """A temperature of 1 passed as one float (no per-row tensor), the observation rows formed
-    only where ``sequence_mean`` reads them, the masks of the call reused by the echo
-    scaling: loss, metrics and gradients equal those of the full setup, bit for bit."""
+    """A temperature of 1 passed as one float (no per-row tensor): loss, metrics and
+    gradients equal those of the full setup, bit for bit."""
     g = torch.Generator().manual_seed(3)
     b, t, v, h = 3, 5, 11, 4
     ids = torch.randint(0, v, (b, t), generator=g)
