@@ -17,6 +17,12 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# Under pytest-xdist (scripts/test.sh) each worker gets its share of the CPUs for torch's
+# intra-op threads: the workers together use every core once, not once each.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 
 @pytest.fixture(autouse=True)
 def _fresh_warn_once():
