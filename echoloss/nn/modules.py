@@ -141,8 +141,10 @@ class EchoGRPOLoss(nn.Module):
         config: an [`echoloss.LossConfig`][echoloss.LossConfig] instead of the options above
             (not both); the terms are then normalised by the config over this call.
         echo_normalization: ``"token_mean"``, ``"sequence_mean"`` or ``"batch_token_mean"``
-            ([`scale_echo_weights`][echoloss.nn.grpo.scale_echo_weights]; with one call per
-            step ``token_mean`` and ``batch_token_mean`` agree).
+            ([`scale_echo_weights`][echoloss.nn.grpo.scale_echo_weights]'s normalisers with
+            one call per step, so ``token_mean`` and ``batch_token_mean`` agree; the loss
+            divides the echo sum once, where TRL's adapter pre-divides the weights: the same
+            value up to rounding).
         echo_temperature: ``"one"`` (echo rows at ``T = 1``) or ``"sampling"``.
         row_chunk_size: rows per chunk of the logprob computation (None = automatic).
 
@@ -323,8 +325,8 @@ class EchoGRPOLoss(nn.Module):
         checks: DeferredChecks,
     ) -> _CallSetup:
         """Everything of one call's loss that does not read the logprobs: the config, the
-        normalisers, the RL divisor and the ``[B, T]`` advantages, observation mask and scaled
-        echo weights (checked here)."""
+        normalisers, the RL and echo divisors and the ``[B, T]`` advantages, observation mask
+        and echo weights (checked here)."""
         b, t = rl.shape
         adv = check_tensor("advantages", advantages)
         if adv.shape not in ((b,), (b, t)) or not adv.dtype.is_floating_point:
