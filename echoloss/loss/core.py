@@ -629,7 +629,10 @@ def _echo_term(
 
 def _echo_z_denominator(z: torch.Tensor, epsilon: float, dtype: torch.dtype) -> torch.Tensor:
     """``Z_i + ε`` in ``dtype`` (any shape, per sequence or gathered per row), 1 where
-    ``Z_i = 0``: a sequence without echo rows contributes 0, not 0/ε."""
+    ``Z_i = 0``: a sequence without echo rows contributes 0, not 0/ε. With ε = 0 (the
+    default) that is ``max(Z_i, 1)`` of the whole number ``Z_i``: two launches, not four."""
+    if epsilon == 0.0:
+        return z.to(dtype).clamp(min=1.0)
     return (z.to(dtype) + epsilon).masked_fill(z == 0, 1.0)
 
 

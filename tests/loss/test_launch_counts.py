@@ -414,7 +414,7 @@ MODULE_CEILING = {
     # the PyTorch algebra (sequence-level ratios): its echo sequence mean now counts |O_i|
     # per sequence (sapo was 176 with the weights pre-divided)
     "cispo-sequence-level": 149,
-    "sapo-sequence-level": 186,
+    "sapo-sequence-level": 184,
     "gspo": 9,
     "luspo": 9,
 }
