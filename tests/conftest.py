@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from _interpreter_scan import install as install_log_step_scan
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -22,6 +23,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+# The Triton interpreter's scans vectorised for every test that runs a kernel under it
+# (tests/_interpreter_scan.py; a no-op without triton).
+install_log_step_scan()
 
 
 @pytest.fixture(autouse=True)

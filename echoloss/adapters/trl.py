@@ -597,7 +597,6 @@ def _build_classes() -> None:
                 entropy=ent.detach(),
                 config=cfg,
                 normalizers=norms,
-                policy_fn=mapping.policy_fn,
             )
             mode = "train" if training else "eval"
             for key, value in result.metrics.items():

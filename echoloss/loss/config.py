@@ -21,7 +21,17 @@ __all__ = [
 
 #: The built-in policies (``LossConfig.policy`` also accepts any name given to
 #: :func:`echoloss.loss.register_policy`).
-Policy = Literal["dppo", "ppo_clip", "cispo", "gspo", "reinforce", "custom"]
+Policy = Literal[
+    "dppo",
+    "ppo_clip",
+    "cispo",
+    "cispo_sequence",
+    "gspo",
+    "sapo",
+    "sapo_sequence",
+    "reinforce",
+    "custom",
+]
 RLNormalization = Literal[
     "token_mean", "sequence_mean_token_mean", "sequence_mean_token_sum", "token_sum_constant"
 ]
@@ -42,7 +52,9 @@ class LossConfig(BaseModel):
         mode: ``"rl"`` (policy loss on RL rows) or ``"sft"`` (plain ``-logprob`` on the rows of
             ``rl_mask``, no advantages; echo rows are rejected in this mode).
         policy: the RL loss on each RL token: ``"dppo"`` (prime-rl's default), ``"ppo_clip"``,
-            ``"cispo"``, ``"gspo"`` (sequence-level ratio), ``"reinforce"`` (no ratio), or
+            ``"cispo"``, ``"gspo"`` (ppo_clip on the sequence-level ratio), ``"sapo"`` (a
+            sigmoid-gated soft trust region), ``"cispo_sequence"`` and ``"sapo_sequence"`` (their
+            sequence-level ratios), ``"reinforce"`` (no ratio), or
             ``"custom"`` (a ``policy_fn`` given to ``echo_loss``), or a name registered with
             [`echoloss.loss.register_policy`][echoloss.loss.policy.register_policy]. A policy parameter the chosen policy does not
             read (e.g. ``eps_high`` with ``"dppo"``) is rejected unless it keeps its default.
@@ -57,7 +69,10 @@ class LossConfig(BaseModel):
         dual_clip: ppo_clip dual-clip constant ``c > 1`` bounding the loss of ``A < 0`` tokens
             at ``-c·A``; None = off.
         cispo_max, cispo_min: bounds of CISPO's detached importance weight ``clamp(r, min, max)``;
-            ``cispo_min`` None = no lower bound.
+            ``cispo_min`` None = no lower bound. Read by ``cispo`` and ``cispo_sequence``.
+        sapo_temperature_pos, sapo_temperature_neg: the temperatures ``τ`` of SAPO's gate
+            ``σ(τ·(r - 1)) · 4/τ`` for tokens with ``A > 0`` and the others (TRL's defaults
+            1.0 and 1.05). > 0. Read by ``sapo`` and ``sapo_sequence``.
         log_ratio_clamp: the log ratio is clamped to ``±log_ratio_clamp`` before ``exp`` in every
             ratio (policy ratio, importance weights, k3), as verl and OpenRLHF do; a clamped token
             gets no ratio gradient. None = no clamp. > 0.
@@ -128,6 +143,8 @@ class LossConfig(BaseModel):
     dual_clip: float | None = Field(None, gt=1)
     cispo_max: float = Field(5.0, gt=0)
     cispo_min: float | None = Field(None, ge=0)
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    sapo_temperature_neg: float = Field(1.05, gt=0)
     log_ratio_clamp: float | None = Field(20.0, gt=0)
     mismatch: MismatchMode | None = None
     mismatch_max: float = Field(3.0, gt=0)

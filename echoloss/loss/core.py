@@ -60,6 +60,7 @@ from echoloss.loss.policy import (
     PolicySpec,
     RecordRows,
     check_policy_output,
+    get_policy,
     k3,
     kl_penalty,
     mismatch_weights,
@@ -941,7 +942,9 @@ def fuse_loss_algebra(mode: str = "auto") -> None:
 
 
 #: The built-in policies the fused algebra computes (registered ones run the PyTorch algebra).
-_FUSED_POLICIES = frozenset({"dppo", "ppo_clip", "cispo", "reinforce", "gspo"})
+_FUSED_POLICIES = frozenset(
+    {"dppo", "ppo_clip", "cispo", "reinforce", "gspo", "cispo_sequence", "sapo", "sapo_sequence"}
+)
 
 
 def _triton_row_algebra_runs(device: torch.device) -> bool:
@@ -966,7 +969,7 @@ def fused_algebra_applies(
     """Whether this call's algebra runs fused (`fuse_loss_algebra`).
 
     Covered: ``mode="sft"`` and every built-in policy (``dppo``, ``ppo_clip``, ``cispo``,
-    ``reinforce``, ``gspo``) with ``kl_tau``, the entropy bonus, the reference KL
+    ``reinforce``, ``gspo``, ``cispo_sequence``, ``sapo``, ``sapo_sequence``) with ``kl_tau``, the entropy bonus, the reference KL
     (``kl_coef``) and any mismatch correction or none, every RL and echo normalisation (what
     is per sequence, with one sort of the sequence ids and one launch more), fp32 logprobs,
     with or without the per-env metrics of ``env_names`` (one program more per env). Custom
@@ -1007,7 +1010,8 @@ def _fused_algebra_covers(
     if cfg.mode == "rl" and cfg.mismatch is not None and x.inference_logprobs is None:
         return False  # the PyTorch algebra reports the missing inference logprobs
     per_sequence = cfg.mode == "rl" and (
-        cfg.policy == "gspo" or (cfg.mismatch is not None and cfg.mismatch.startswith("sequence"))
+        get_policy(cfg.policy).needs_sequences
+        or (cfg.mismatch is not None and cfg.mismatch.startswith("sequence"))
     )
     if per_sequence and x.sequence_ids is None:
         return False  # ... and the missing sequence ids
@@ -1038,8 +1042,10 @@ def _row_algebra_params(
         policy, low, high = "dppo", cfg.dppo_low, cfg.dppo_high
     elif cfg.policy in ("ppo_clip", "gspo"):
         policy, (low, high) = cfg.policy, cfg.resolved_eps
-    elif cfg.policy == "cispo":
-        policy, low, high = "cispo", cfg.cispo_min, cfg.cispo_max
+    elif cfg.policy in ("cispo", "cispo_sequence"):
+        policy, low, high = cfg.policy, cfg.cispo_min, cfg.cispo_max
+    elif cfg.policy in ("sapo", "sapo_sequence"):
+        policy, low, high = cfg.policy, None, 0.0  # the temperatures below
     else:
         policy, low, high = "reinforce", None, 0.0
     rl_divisor: float | None = None
@@ -1066,6 +1072,8 @@ def _row_algebra_params(
         low=low,
         high=high,
         dual_clip=cfg.dual_clip if policy == "ppo_clip" else None,
+        sapo_temperature_pos=cfg.sapo_temperature_pos,
+        sapo_temperature_neg=cfg.sapo_temperature_neg,
         log_ratio_clamp=cfg.log_ratio_clamp,
         kl_tau=cfg.resolved_kl_tau if rl_mode else 0.0,
         entropy_coef=cfg.entropy_coef if rl_mode else 0.0,
@@ -1240,18 +1248,19 @@ def _fused_algebra(
 # ---------------------------------------------------------------- chunk-additive losses
 
 #: Built-in policies whose per-token loss depends on that token alone.
-_ROW_SEPARABLE_POLICIES = frozenset({"dppo", "ppo_clip", "cispo", "reinforce"})
+_ROW_SEPARABLE_POLICIES = frozenset({"dppo", "ppo_clip", "cispo", "reinforce", "sapo"})
 
 
 def chunk_additive(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:
     """Whether the loss is a sum of per-row terms over denominators known before any logprob.
 
     True for the per-token built-in policies (``dppo``, ``ppo_clip``, ``cispo``,
-    ``reinforce``) and ``mode="sft"``, with a token-level mismatch correction or none, and any
+    ``reinforce``, ``sapo``) and ``mode="sft"``, with a token-level mismatch correction or none, and any
     RL and echo normalisation: the denominators are then given (``normalizers``, constants) or
     counted from the masks and sequence ids alone (a sequence's RL rows and ``Z_i`` too), so
     each row's derivative ``d loss / d logprob`` can be formed from that row as soon as its
-    logprob exists. False for a sequence-level ratio (``gspo``) or mismatch correction, whose
+    logprob exists. False for a sequence-level ratio (``gspo``, ``cispo_sequence``,
+    ``sapo_sequence``) or mismatch correction, whose
     weight of a row depends on the other rows' logprobs, and custom policies.
 
     Examples:

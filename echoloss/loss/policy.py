@@ -38,6 +38,7 @@ __all__ = [
     "ppo_clip_loss",
     "register_policy",
     "reinforce_loss",
+    "sapo_loss",
     "sequence_mean",
 ]
 
@@ -143,6 +144,10 @@ class BuiltinPolicyParameters(Protocol):
     def cispo_max(self) -> float: ...
     @property
     def cispo_min(self) -> float | None: ...
+    @property
+    def sapo_temperature_pos(self) -> float: ...
+    @property
+    def sapo_temperature_neg(self) -> float: ...
     @property
     def log_ratio_clamp(self) -> float | None: ...
     @property
@@ -268,17 +273,23 @@ def cispo_loss(
     weight_max: float,
     weight_min: float | None = None,
     log_ratio_clamp: float | None = None,
+    sequence_level: bool = False,
 ) -> PolicyOutput:
     """CISPO: a clipped, detached importance weight times the REINFORCE term.
 
     ``loss = -sg(clamp(r, weight_min, weight_max)) · A · lp``; ``d loss / d lp = -w · A``: every
-    token keeps a gradient (none is dropped).
+    token keeps a gradient (none is dropped). ``sequence_level``: the weight is of the
+    sequence's ratio ``s_i = exp(mean_{t ∈ RL_i} ρ_t)`` for every RL token of sequence ``i``
+    (TRL's ``cispo`` with ``importance_sampling_level="sequence"``); still detached, so the
+    derivative stays ``-w_i · A``.
 
     Args:
-        inputs: the RL rows.
+        inputs: the RL rows (``sequence_index`` required with ``sequence_level``).
         weight_max: upper bound of the weight (``LossConfig.cispo_max``).
         weight_min: lower bound, or None.
-        log_ratio_clamp: clamp of ``ρ`` before ``exp`` (None = none).
+        log_ratio_clamp: clamp of ``ρ`` (of the mean ``ρ`` at the sequence level) before
+            ``exp`` (None = none).
+        sequence_level: the sequence's ratio instead of the token's.
 
     Returns:
         [`PolicyOutput`][echoloss.loss.policy.PolicyOutput] with flags ``clipped``, ``clipped_low``, ``clipped_high`` (the
@@ -292,7 +303,11 @@ def cispo_loss(
     """
     lp, adv = inputs.logprobs, inputs.advantages
     with torch.no_grad():
-        ratio = _exp_ratio(lp - inputs.old_logprobs, log_ratio_clamp)
+        log_ratio = lp - inputs.old_logprobs
+        if sequence_level:
+            ratio = _sequence_ratio(log_ratio, inputs, log_ratio_clamp, "cispo_sequence")
+        else:
+            ratio = _exp_ratio(log_ratio, log_ratio_clamp)
         weight = ratio.clamp(min=weight_min, max=weight_max)
         high = ratio > weight_max
         low = ratio < weight_min if weight_min is not None else torch.zeros_like(high)
@@ -329,16 +344,68 @@ def gspo_loss(
         >>> gspo_loss(x, eps_low=3e-4, eps_high=4e-4).loss
         tensor([-1., -1.], grad_fn=<NegBackward0>)
     """
+    log_ratio = inputs.logprobs - inputs.old_logprobs
+    seq_ratio = _sequence_ratio(log_ratio, inputs, log_ratio_clamp, "gspo")
+    obj, flags = _clipped_objective(seq_ratio, inputs.advantages, eps_low, eps_high)
+    return PolicyOutput(-obj, flags)
+
+
+def _sequence_ratio(
+    log_ratio: torch.Tensor, inputs: PolicyInputs, clamp: float | None, policy: str
+) -> torch.Tensor:
+    """``[n]``: each RL row's ``s_i = exp(clamp(mean_{t ∈ RL_i} ρ_t))`` of its sequence ``i``
+    (differentiable; the exponential taken once per sequence)."""
     if inputs.sequence_index is None:
         raise ValueError(
-            "policy='gspo' needs sequence_ids: the ratio is a per-sequence mean; pass "
+            f"policy={policy!r} needs sequence_ids: the ratio is a per-sequence mean; pass "
             "sequence_ids=[N] int64 (row -> sequence, -1 for padding) to echo_loss"
         )
     idx = inputs.sequence_index
-    mean_log_ratio = sequence_mean(inputs.logprobs - inputs.old_logprobs, idx, inputs.num_sequences)
-    seq_ratio = _exp_ratio(mean_log_ratio, log_ratio_clamp)
-    obj, flags = _clipped_objective(seq_ratio[idx], inputs.advantages, eps_low, eps_high)
-    return PolicyOutput(-obj, flags)
+    return _exp_ratio(sequence_mean(log_ratio, idx, inputs.num_sequences), clamp)[idx]
+
+
+def sapo_loss(
+    inputs: PolicyInputs,
+    *,
+    temperature_pos: float,
+    temperature_neg: float,
+    log_ratio_clamp: float | None = None,
+    sequence_level: bool = False,
+) -> PolicyOutput:
+    """SAPO: a soft, sigmoid-gated trust region in place of the clip.
+
+    ``loss = -σ(τ·(r - 1)) · 4/τ · A`` with ``τ = temperature_pos`` where ``A > 0`` and
+    ``temperature_neg`` elsewhere (TRL's ``sapo``). The gate's slope at ``r = 1`` is 1, so near
+    the old policy it is the plain policy gradient, and it decays smoothly as ``r`` leaves 1
+    instead of dropping to 0 at a clip bound: ``d loss / d lp = -4·A·σ·(1 - σ)·r``.
+    ``sequence_level``: ``r`` is the sequence's ratio ``s_i = exp(mean_{t ∈ RL_i} ρ_t)``
+    (``importance_sampling_level="sequence"``) and the gradient flows through the mean:
+    ``d loss / d lp_k = -Σ_{t ∈ RL_i} 4·A_t·σ_t·(1 - σ_t) · s_i / |RL_i|``.
+
+    Args:
+        inputs: the RL rows (``sequence_index`` required with ``sequence_level``).
+        temperature_pos, temperature_neg: the gate's temperatures (> 0).
+        log_ratio_clamp: clamp of ``ρ`` (of the mean ``ρ`` at the sequence level) before
+            ``exp`` (None = none).
+        sequence_level: the sequence's ratio instead of the token's.
+
+    Returns:
+        [`PolicyOutput`][echoloss.loss.policy.PolicyOutput] without flags (nothing is clipped).
+
+    Examples:
+        >>> lp = torch.tensor([0.0, 0.0], requires_grad=True)
+        >>> x = PolicyInputs(lp, torch.zeros(2), torch.tensor([1.0, -1.0]), None, 0)
+        >>> sapo_loss(x, temperature_pos=1.0, temperature_neg=2.0).loss  # σ(0)·4/τ·A at r = 1
+        tensor([-2.,  1.], grad_fn=<MulBackward0>)
+    """
+    log_ratio = inputs.logprobs - inputs.old_logprobs
+    if sequence_level:
+        ratio = _sequence_ratio(log_ratio, inputs, log_ratio_clamp, "sapo_sequence")
+    else:
+        ratio = _exp_ratio(log_ratio, log_ratio_clamp)
+    adv = inputs.advantages
+    tau = torch.where(adv > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    return PolicyOutput(-(torch.sigmoid(tau * (ratio - 1)) * (4 / tau)) * adv, {})
 
 
 def reinforce_loss(inputs: PolicyInputs) -> PolicyOutput:
@@ -460,6 +527,8 @@ POLICY_PARAMETERS: tuple[str, ...] = (
     "dual_clip",
     "cispo_max",
     "cispo_min",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
 )
 
 
@@ -757,6 +826,34 @@ def _cispo(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
     )
 
 
+def _cispo_sequence(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
+    return cispo_loss(
+        x,
+        weight_max=c.cispo_max,
+        weight_min=c.cispo_min,
+        log_ratio_clamp=c.log_ratio_clamp,
+        sequence_level=True,
+    )
+
+
+def _sapo(x: PolicyInputs, c: BuiltinPolicyParameters, *, sequence_level: bool) -> PolicyOutput:
+    return sapo_loss(
+        x,
+        temperature_pos=c.sapo_temperature_pos,
+        temperature_neg=c.sapo_temperature_neg,
+        log_ratio_clamp=c.log_ratio_clamp,
+        sequence_level=sequence_level,
+    )
+
+
+def _sapo_token(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
+    return _sapo(x, c, sequence_level=False)
+
+
+def _sapo_sequence(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
+    return _sapo(x, c, sequence_level=True)
+
+
 def _gspo(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
     lo, hi = c.resolved_eps
     return gspo_loss(x, eps_low=lo, eps_high=hi, log_ratio_clamp=c.log_ratio_clamp)
@@ -777,6 +874,18 @@ register_policy(
     all_rows=True,
 )
 register_policy("cispo", _cispo, reads=("cispo_max", "cispo_min"), all_rows=True)
+register_policy(
+    "cispo_sequence",
+    _cispo_sequence,
+    reads=("cispo_max", "cispo_min"),
+    needs_sequences=True,
+    all_rows=True,
+)
+_SAPO_READS = ("sapo_temperature_pos", "sapo_temperature_neg")
+register_policy("sapo", _sapo_token, reads=_SAPO_READS, all_rows=True)
+register_policy(
+    "sapo_sequence", _sapo_sequence, reads=_SAPO_READS, needs_sequences=True, all_rows=True
+)
 register_policy(
     "gspo",
     _gspo,

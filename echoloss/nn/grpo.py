@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from echoloss import LossConfig, Normalizers, PolicyInputs, PolicyOutput
+from echoloss import LossConfig, Normalizers
 from echoloss._deferred import DeferredChecks
 from echoloss._validate import check_count, describe, finite_float, problem
 
@@ -67,13 +67,10 @@ class GRPOLossMapping:
         config: the [`echoloss.LossConfig`][echoloss.loss.config.LossConfig] of every micro-batch except its RL normaliser
             constant, which [`micro_batch`][echoloss.nn.grpo.GRPOLossMapping.micro_batch] fills in (the echo term always uses
             ``echo_normalization="sum"`` on pre-scaled weights, see [`scale_echo_weights`][echoloss.nn.grpo.scale_echo_weights]).
-        policy_fn: the custom policy of ``sapo`` and sequence-level ``cispo`` (TRL's formula on
-            the RL rows), else None.
     """
 
     loss_type: str
     config: LossConfig
-    policy_fn: Any = None
 
     def micro_batch(
         self,
@@ -342,7 +339,6 @@ def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> 
             "mismatch_max": float(hi),
             "mismatch_min": args.vllm_importance_sampling_clip_min,
         }
-    policy_fn: Callable[[PolicyInputs, LossConfig], PolicyOutput] | None = None
     fields: dict[str, Any] = {
         "kl_tau": 0.0,
         "kl_coef": beta,
@@ -360,15 +356,15 @@ def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> 
             eps_high=epsilon_high,
             dual_clip=None if delta is None else float(delta),
         )
-    elif lt == "cispo" and not sequence:
-        fields.update(policy="cispo", cispo_max=epsilon_high, cispo_min=None)
-    elif lt == "cispo":
-        fields.update(policy="custom", allow_echo_with_custom_policy=True)
-        policy_fn = _SequenceCispo(epsilon_high)
+    elif lt == "cispo":  # TRL caps the ratio at epsilon_high itself, with no lower bound
+        fields.update(
+            policy="cispo_sequence" if sequence else "cispo", cispo_max=epsilon_high, cispo_min=None
+        )
     else:  # sapo
-        fields.update(policy="custom", allow_echo_with_custom_policy=True)
-        policy_fn = _Sapo(
-            float(args.sapo_temperature_pos), float(args.sapo_temperature_neg), sequence
+        fields.update(
+            policy="sapo_sequence" if sequence else "sapo",
+            sapo_temperature_pos=float(args.sapo_temperature_pos),
+            sapo_temperature_neg=float(args.sapo_temperature_neg),
         )
     fields["rl_normalization"] = {
         "grpo": "sequence_mean_token_mean",
@@ -377,7 +373,7 @@ def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> 
     }.get(lt, "token_sum_constant")
     if fields["rl_normalization"] == "token_sum_constant":
         fields["rl_normalization_constant"] = 1.0  # replaced per micro-batch
-    return GRPOLossMapping(lt, LossConfig(**fields), policy_fn)
+    return GRPOLossMapping(lt, LossConfig(**fields))
 
 
 def _check_options(args: Any, *, epsilon_low: float, epsilon_high: float) -> None:
@@ -416,55 +412,6 @@ def _check_options(args: Any, *, epsilon_low: float, epsilon_high: float) -> Non
                 describe(temperature),
             )
         )
-
-
-def _log_ratio(inputs: PolicyInputs, sequence: bool) -> torch.Tensor:
-    log_ratio = inputs.logprobs - inputs.old_logprobs
-    if not sequence:
-        return log_ratio
-    if inputs.sequence_index is None:  # pragma: no cover - the adapter always passes them
-        raise ValueError("a sequence-level ratio needs sequence_ids")
-    idx, num = inputs.sequence_index, inputs.num_sequences
-    sums = log_ratio.new_zeros(num).index_add(0, idx, log_ratio)
-    rows = log_ratio.new_zeros(num).index_add(0, idx, torch.ones_like(log_ratio))  # [S]
-    return (sums / rows.clamp(min=1)).index_select(0, idx)
-
-
-@dataclass(frozen=True)
-class _Sapo:
-    """TRL's ``sapo``: ``-σ(τ (r - 1)) · 4/τ · A`` with ``τ`` by the sign of ``A``."""
-
-    temperature_pos: float
-    temperature_neg: float
-    sequence: bool
-    #: Runs on every row at once (rows that are not RL carry log ratio 0, advantage 0 and a
-    #: padding sequence), so the loss reads nothing on the host (`echoloss.loss.core`).
-    all_rows: ClassVar[bool] = True
-
-    def __call__(self, inputs: PolicyInputs, config: LossConfig) -> PolicyOutput:
-        ratio = torch.exp(_log_ratio(inputs, self.sequence))
-        adv = inputs.advantages
-        tau = torch.where(
-            adv > 0,
-            torch.full_like(adv, self.temperature_pos),
-            torch.full_like(adv, self.temperature_neg),
-        )
-        return PolicyOutput(-(torch.sigmoid(tau * (ratio - 1)) * 4 / tau) * adv, {})
-
-
-@dataclass(frozen=True)
-class _SequenceCispo:
-    """TRL's ``cispo`` with sequence-level ratios: ``-sg(min(s, ε_high)) · A · log p``."""
-
-    epsilon_high: float
-    all_rows: ClassVar[bool] = True  # as `_Sapo.all_rows`
-
-    def __call__(self, inputs: PolicyInputs, config: LossConfig) -> PolicyOutput:
-        with torch.no_grad():
-            ratio = torch.exp(_log_ratio(inputs, True))
-            clipped = ratio > self.epsilon_high
-            weight = ratio.clamp(max=self.epsilon_high)
-        return PolicyOutput(-weight * inputs.advantages * inputs.logprobs, {"clipped": clipped})
 
 
 def scale_echo_weights(

@@ -427,7 +427,7 @@ class EchoGRPOLoss(nn.Module):
             record,
             cfg,
             norms,
-            None if self.mapping is None else self.mapping.policy_fn,
+            None,
             source=source,
             checks=checks,
             divisors=divisors,
@@ -453,8 +453,7 @@ class EchoGRPOLoss(nn.Module):
 
     def _reads_sequences(self, cfg: LossConfig, env_names: Sequence[str] | None) -> bool:
         """Whether this call's loss reads sequence ids (`reads_sequences`, or per-env metrics)."""
-        policy_fn = None if self.mapping is None else self.mapping.policy_fn
-        return env_names is not None or reads_sequences(cfg, policy_fn)
+        return env_names is not None or reads_sequences(cfg, None)
 
     def _rl_normalizer(
         self,
@@ -754,10 +753,9 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             normalizers=normalizers,
             checks=checks,
         )
-        policy_fn = None if self.mapping is None else self.mapping.policy_fn
         labels = selected_token_ids.reshape(-1)
         coefficients = None
-        if chunk_additive(setup.config, policy_fn):
+        if chunk_additive(setup.config, None):
             coefficients = functools.partial(
                 self._row_coefficients,
                 rl, setup, ref_per_token_logps, old_per_token_logps, inference_logprobs,

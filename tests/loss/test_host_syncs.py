@@ -328,6 +328,7 @@ MODULE_CASES = {
     "dapo-token-mean": ("dapo", "token", "token_mean"),
     "cispo-sequence-level": ("cispo", "sequence", "token_mean"),
     "sapo-sequence-level": ("sapo", "sequence", "sequence_mean"),
+    "sapo": ("sapo", "token", "batch_token_mean"),
     "gspo": ("grpo", "sequence", "token_mean"),
     "luspo": ("luspo", "token", "batch_token_mean"),
 }

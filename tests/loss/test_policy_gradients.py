@@ -119,6 +119,37 @@ def test_gspo(eps):
     _close(g, want)
 
 
+@pytest.mark.parametrize("temperatures", [(1.0, 1.05), (8.0, 0.3)])
+def test_sapo(temperatures):
+    pos, neg = temperatures
+    g, _ = _grad(LossConfig(policy="sapo", sapo_temperature_pos=pos, sapo_temperature_neg=neg))
+    r = RHO.exp()
+    tau = torch.where(ADV > 0, pos, neg).to(F64)
+    gate = torch.sigmoid(tau * (r - 1))
+    # d/dlp of -σ(τ(r - 1))·4/τ·A = -4·A·σ(1 - σ)·r: the slope of the plain policy gradient at
+    # r = 1 (σ = 1/2), smaller away from it on both sides
+    _close(g, -4 * ADV * gate * (1 - gate) * r / N)
+
+
+def test_sequence_level_sapo_and_cispo():
+    g_sapo, _ = _grad(LossConfig(policy="sapo_sequence"))
+    g_cispo, _ = _grad(LossConfig(policy="cispo_sequence", cispo_max=1.1))
+    want_sapo = torch.zeros(N, dtype=F64)
+    want_cispo = torch.zeros(N, dtype=F64)
+    for s in (0, 1):
+        rows = s == SEQ
+        ratio = RHO[rows].mean().exp()
+        adv = ADV[rows]
+        tau = torch.where(adv > 0, 1.0, 1.05).to(F64)
+        gate = torch.sigmoid(tau * (ratio - 1))
+        # every token of sequence i: Σ_t -4·A_t·σ_t(1 - σ_t) · s_i / |RL_i| (through the mean)
+        want_sapo[rows] = (-4 * adv * gate * (1 - gate)).sum() * ratio / rows.sum() / N
+        # the weight min(s_i, 1.1) is detached: -w_i·A_t per token
+        want_cispo[rows] = -ratio.clamp(max=1.1) * adv / N
+    _close(g_sapo, want_sapo)
+    _close(g_cispo, want_cispo)
+
+
 def test_reinforce():
     g, _ = _grad(LossConfig(policy="reinforce"))
     _close(g, -ADV / N)
@@ -185,6 +216,10 @@ def test_entropy_bonus_gradient_on_rl_rows_only():
 
 GRADCHECK_CONFIGS = {
     "dppo": LossConfig(kl_tau=0.05),
+    "sapo": LossConfig(policy="sapo", sapo_temperature_neg=2.0),
+    "sapo_sequence_seqmean": LossConfig(
+        policy="sapo_sequence", rl_normalization="sequence_mean_token_mean"
+    ),
     "ppo_clip_dual": LossConfig(policy="ppo_clip", dual_clip=2.0, eps_high=0.28),
     "gspo_seqmean": LossConfig(
         policy="gspo",

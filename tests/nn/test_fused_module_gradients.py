@@ -34,6 +34,7 @@ ADDITIVE = {
     "bnpo": dict(loss_type="bnpo", beta=0.0, echo_normalization="batch_token_mean"),
     "dr_grpo": dict(loss_type="dr_grpo", beta=0.0, max_completion_length=T),
     "cispo": dict(loss_type="cispo", beta=0.0, epsilon_high=3.0),
+    "sapo": dict(loss_type="sapo", beta=0.0, sapo_temperature_neg=1.3),
     "luspo": dict(loss_type="luspo", beta=0.0, temperature=0.7, echo_temperature="sampling"),
     "config-mismatch-entropy": dict(
         config=LossConfig(
@@ -55,10 +56,11 @@ ADDITIVE |= {
         )
     ),
 }
-#: Not chunk-additive: sequence-level ratios, custom policies.
+#: Not chunk-additive: sequence-level ratios (each row's weight reads its sequence's rows).
 RECOMPUTE = {
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.0),
-    "sapo": dict(loss_type="sapo", beta=0.0),
+    "sapo-sequence": dict(loss_type="sapo", importance_sampling_level="sequence", beta=0.0),
+    "cispo-sequence": dict(loss_type="cispo", importance_sampling_level="sequence", beta=0.0),
 }
 
 

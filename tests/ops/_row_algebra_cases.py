@@ -96,38 +96,50 @@ def bounds(case: Case) -> tuple[float, torch.Tensor]:
     c = math.inf if p.log_ratio_clamp is None else p.log_ratio_clamp
     r = torch.exp(rho.clamp(-c, c))
     adv = on(rl, rows.advantages).abs() * p.adv_tau
+    sequence_ratio = p.policy in ("gspo", "sapo_sequence")  # a derivative through s_i
+    if p.reads_sequence_sums:  # each row's sequence, its RL rows and its ratio s_i
+        seq = torch.unique(rows.sequence_ids.reshape(-1), return_inverse=True)[1]
+        rl_rows = torch.zeros(int(seq.max()) + 1, dtype=torch.float64).index_add(
+            0, seq, rl.double()
+        )
+        mean = torch.zeros_like(rl_rows).index_add(0, seq, rho) / rl_rows.clamp(min=1)
+        s_row = torch.exp(mean.clamp(-c, c))[seq]
     if p.policy == "sft":
         t_rl, g_rl = lp.abs(), torch.ones_like(lp)
     else:
+        m_grad = None  # the derivative's bound per |A|, where it is not the loss's
         if p.policy == "reinforce":
             m, with_lp = torch.ones_like(r), True
-        elif p.policy == "cispo":
+        elif p.policy in ("cispo", "cispo_sequence"):
             m, with_lp = torch.full_like(r, p.high), True
         elif p.policy == "dppo":
             m, with_lp = r, False
         elif p.policy == "gspo":  # the sequence's ratio s_i, ≤ max(s_i, 1 + high) per term
-            seq = torch.unique(rows.sequence_ids.reshape(-1), return_inverse=True)[1]
-            rl_rows = torch.zeros(int(seq.max()) + 1, dtype=torch.float64).index_add(
-                0, seq, rl.double()
-            )
-            mean = torch.zeros_like(rl_rows).index_add(0, seq, rho) / rl_rows.clamp(min=1)
-            s_i = torch.exp(mean.clamp(-c, c)).clamp(min=1 + p.high)
-            m, with_lp = s_i[seq], False
+            m, with_lp = s_row.clamp(min=1 + p.high), False
+        elif p.policy in ("sapo", "sapo_sequence"):
+            # the loss σ·4/τ·|A| ≤ 4/τ·|A|; the derivative 4·|A|·σ·(1 − σ)·r with σ's own
+            # rounding entering unscaled through 1 − σ: its terms are bounded by 4·|A|·r
+            pos = on(rl, rows.advantages) > 0
+            tau = torch.where(pos, p.sapo_temperature_pos, p.sapo_temperature_neg).double()
+            m, with_lp = 4 / tau, False
+            m_grad = 4 * (s_row if p.policy == "sapo_sequence" else r)
         else:  # ppo_clip: A > 0 is capped by 1 + high, A < 0 grows with r (up to the dual clip)
             pos = on(rl, rows.advantages) > 0
             m = torch.where(pos, torch.full_like(r, 1 + p.high), r.clamp(min=1 + p.high))
             if p.dual_clip is not None:
                 m = torch.where(pos, m, m.clamp(max=p.dual_clip))
             with_lp = False
+        m_grad = m if m_grad is None else m_grad
         if p.mismatch is not None and p.mismatch.startswith("token"):  # a weight in [min, max]
             lq = on(rl, rows.inference_logprobs)
             weight = torch.exp((base - lq).clamp(-c, c))
-            m = m * weight.clamp(min=p.mismatch_min or 0.0, max=p.mismatch_max)
+            weight = weight.clamp(min=p.mismatch_min or 0.0, max=p.mismatch_max)
+            m, m_grad = m * weight, m_grad * weight
         elif p.mismatch is not None:  # the sequence's weight: at most mismatch_max
-            m = m * p.mismatch_max
+            m, m_grad = m * p.mismatch_max, m_grad * p.mismatch_max
         t_rl = adv * m * (1 + lp.abs() if with_lp else 1)
-        g_rl = adv * m
-        if p.policy == "gspo":  # every row of a sequence gets Σ_t w_t·|A_t|·s_i / |RL_i|
+        g_rl = adv * m_grad
+        if sequence_ratio:  # every row of a sequence gets Σ_t w_t·|A_t|·(bound) / |RL_i|
             seq_sum = torch.zeros_like(rl_rows).index_add(0, seq, g_rl)
             g_rl = torch.where(rl, (seq_sum / rl_rows.clamp(min=1))[seq], 0.0)
         if p.kl_coef:  # the estimate of d = ref - lp and its derivative

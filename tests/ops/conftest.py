@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch._dynamo
 from _fused_cases import HAS_CUDA, HAS_TRITON, INTERPRETER_BLOCK_V
-from _interpreter_scan import install as install_log_step_scan
 
 # torch._dynamo is imported above, before `poison_empty` patches torch.empty: its tables record
 # the torch functions when it is first imported (which a TorchDispatchMode does lazily, e.g.
@@ -27,7 +26,6 @@ from _interpreter_scan import install as install_log_step_scan
 # the process at torch.empty.
 
 if HAS_TRITON and not HAS_CUDA:
-    install_log_step_scan()  # the interpreter's scans vectorised (_interpreter_scan.py)
     _prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:

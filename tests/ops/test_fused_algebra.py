@@ -120,6 +120,14 @@ ACCEPTED |= {
         policy="gspo", eps_low=0.2, eps_high=0.2, mismatch="token_mask", kl_coef=0.05
     ),
     "dppo-sequence-mask": LossConfig(mismatch="sequence_mask", mismatch_min=0.5),
+    "sapo-entropy": LossConfig(policy="sapo", entropy_coef=0.01, sapo_temperature_neg=1.5),
+    "sapo-sequence-means-token-truncate": LossConfig(
+        policy="sapo_sequence",
+        rl_normalization="sequence_mean_token_mean",
+        echo_normalization="sequence_mean",
+        mismatch="token_truncate",
+    ),
+    "cispo-sequence-k3": LossConfig(policy="cispo_sequence", cispo_max=1.2, kl_coef=0.1),
 }
 
 #: Configurations it leaves to the PyTorch algebra (besides custom policies and fp64

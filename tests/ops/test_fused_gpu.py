@@ -300,6 +300,11 @@ _FUSED_CONFIGS = {
     "gspo-sequence-means": LossConfig(
         policy="gspo", eps_low=0.2, eps_high=0.2, rl_normalization="sequence_mean_token_mean"
     ),
+    "sapo": LossConfig(policy="sapo", kl_coef=0.05),
+    "sapo-sequence-means": LossConfig(
+        policy="sapo_sequence", rl_normalization="sequence_mean_token_mean"
+    ),
+    "cispo-sequence": LossConfig(policy="cispo_sequence", cispo_max=1.5),
 }
 
 

@@ -69,6 +69,21 @@ VARIANTS = {
     "sft": dict(policy="sft", low=None, high=0.0),
     "gspo": dict(policy="gspo", low=3e-4, high=4e-4),
     "gspo_wide": dict(policy="gspo", low=0.2, high=0.28, adv_tau=0.7),
+    "cispo_sequence": dict(policy="cispo_sequence", low=0.5, high=1.5),
+    # TRL's default temperatures; sharp gates (τ = 8: saturated beyond |r − 1| ≈ 1) with an
+    # advantage scale
+    "sapo": dict(policy="sapo", low=None, high=0.0),
+    "sapo_sharp": dict(
+        policy="sapo", low=None, high=0.0, sapo_temperature_pos=8.0, sapo_temperature_neg=0.3
+    ),
+    "sapo_sequence": dict(
+        policy="sapo_sequence",
+        low=None,
+        high=0.0,
+        sapo_temperature_pos=0.7,
+        sapo_temperature_neg=2.5,
+        adv_tau=0.7,
+    ),
 }
 
 #: The options and their values; every value of every option runs for every variant
@@ -704,6 +719,79 @@ def test_gspo_by_hand():
         assert stat(out, "flag1") == 0.0, backend
 
 
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def test_sapo_by_hand():
+    """sapo (τ⁺ = 1, τ⁻ = 1.05): ``−σ(τ·(r − 1))·4/τ·A`` over 3 RL rows, token_mean.
+
+    row 0, A = 1,  r = 1.5: σ(0.5) = 0.62246, term −4·0.62246, a = −4·σ(1 − σ)·r/3;
+    row 1, A = −2, r = 0.5: σ(−0.525), term +2·4/1.05·σ, a = +8·σ(1 − σ)·0.5/3;
+    row 2, A = 0,  r = 1: term 0 and a = 0 (τ⁻ for A ≤ 0, as TRL; no term either way);
+    row 3, echo, w = 0.5, lp = −0.7: 0.35, a = −0.5. No flags."""
+    lp = torch.tensor([-1.0, -2.0, -0.3, -0.7])
+    rows = RowInputs(
+        rl=torch.tensor([True, True, True, False]),
+        echo=torch.tensor([False, False, False, True]),
+        echo_weights=torch.tensor([NAN, NAN, NAN, 0.5]),
+        advantages=torch.tensor([1.0, -2.0, 0.0, NAN]),
+        old_logprobs=torch.tensor([-1.0 - math.log(1.5), -2.0 - math.log(0.5), -0.3, NAN]),
+    )
+    p = RowAlgebraParams("sapo", low=None, high=0.0, sapo_temperature_neg=1.05)
+    g0, g1 = _sigmoid(0.5), _sigmoid(1.05 * -0.5)
+    loss = (-4 * g0 + 2 * 4 / 1.05 * g1) / 3 + 0.35
+    expected = [-4 * g0 * (1 - g0) * 1.5 / 3, 8 * g1 * (1 - g1) * 0.5 / 3, 0.0, -0.5]
+    for (out, a, _), backend in _both(Case(lp, None, rows, p)):
+        # fp32 inputs: old = lp − log r rounds, so r is 1.5 and 0.5 to a few ulps
+        assert float(out.loss.detach()) == pytest.approx(loss, rel=1e-6), backend
+        assert a.tolist() == pytest.approx(expected, rel=1e-6), backend
+        assert a[2] == 0, backend
+        assert [stat(out, f"flag{i}") for i in range(4)] == [0.0] * 4, backend
+
+
+def test_sequence_level_sapo_and_cispo_by_hand():
+    """One sequence (id 4) of two RL rows, ρ = 0.1 and 0.3 (s = e^0.2), A = 1 and −1, and
+    one sequence (id 2) of one RL row, ρ = −0.1 (s = e^−0.1), A = 2; token_mean over 3.
+
+    sapo_sequence (τ⁺ = 1, τ⁻ = 2): rows 0 and 1 share s = e^0.2 but not τ: terms
+    −4σ(0.2214) and +2σ(2·0.2214), and ∂/∂ℓ of both through the mean, −4·(σ⁺(1 − σ⁺)·1 +
+    σ⁻(1 − σ⁻)·(−1))·s/2 on each; row 2 −2·σ(e^−0.1 − 1)·4, a = −8σ(1 − σ)·s.
+    cispo_sequence (max 1.2): weights min(s, 1.2) = 1.2 (clipped high) on both rows of
+    sequence 4 and e^−0.1 on row 2; the weight is detached: a = −w·A/3."""
+    lp = torch.tensor([-1.0, -0.5, -2.0, -0.4])
+    rows = RowInputs(
+        rl=torch.tensor([True, True, True, False]),
+        echo=torch.tensor([False, False, False, True]),
+        echo_weights=torch.tensor([NAN, NAN, NAN, 1.0]),
+        advantages=torch.tensor([1.0, -1.0, 2.0, NAN]),
+        old_logprobs=torch.tensor([-1.1, -0.8, -1.9, NAN]),
+        sequence_ids=torch.tensor([4, 4, 2, 2]),
+    )
+    s4, s2 = math.exp(0.2), math.exp(-0.1)
+    gp, gn, g2 = _sigmoid(s4 - 1), _sigmoid(2 * (s4 - 1)), _sigmoid(s2 - 1)
+    through_mean = -4 * (gp * (1 - gp) - gn * (1 - gn)) * s4 / 2 / 3
+    sapo = (
+        RowAlgebraParams("sapo_sequence", low=None, high=0.0, sapo_temperature_neg=2.0),
+        (-4 * gp + 2 * gn - 8 * g2) / 3 + 0.4,
+        [through_mean, through_mean, -8 * g2 * (1 - g2) * s2 / 3, -1.0],
+        [0.0, 0.0, 0.0],
+    )
+    cispo = (
+        RowAlgebraParams("cispo_sequence", low=None, high=1.2),
+        (-(1.2 * 1 * -1.0) - (1.2 * -1 * -0.5) - (s2 * 2 * -2.0)) / 3 + 0.4,  # −w·A·lp
+        [-1.2 / 3, 1.2 / 3, -2 * s2 / 3, -1.0],
+        [2 / 3, 0.0, 2 / 3],
+    )
+    for name, (p, loss, expected, flags) in {"sapo": sapo, "cispo": cispo}.items():
+        for (out, a, _), backend in _both(Case(lp, None, rows, p)):
+            # fp32 inputs: ρ = lp − old carries the rounding of −1.1, −0.8 (a few ulps of 1)
+            assert float(out.loss.detach()) == pytest.approx(loss, rel=1e-6), (name, backend)
+            assert a.tolist() == pytest.approx(expected, rel=1e-5), (name, backend)
+            got = [stat(out, f"flag{i}") for i in range(3)]
+            assert got == pytest.approx(flags, rel=EPS), (name, backend)
+
+
 def test_sequence_normalizations_by_hand():
     """Per-sequence normalisers on three sequences whose rows are interleaved (ids 9, 4, 9,
     2, 4, 9 ...): reinforce RL rows, echo rows, observation rows counted in ``Z_i``.
@@ -858,8 +946,13 @@ def _loss_config(p: RowAlgebraParams) -> LossConfig:
         kw.update(eps_low=p.low, eps_high=p.high, dual_clip=p.dual_clip)
     elif p.policy == "gspo":
         kw.update(eps_low=p.low, eps_high=p.high)
-    elif p.policy == "cispo":
+    elif p.policy in ("cispo", "cispo_sequence"):
         kw.update(cispo_min=p.low, cispo_max=p.high)
+    elif p.policy in ("sapo", "sapo_sequence"):
+        kw.update(
+            sapo_temperature_pos=p.sapo_temperature_pos,
+            sapo_temperature_neg=p.sapo_temperature_neg,
+        )
     return LossConfig(policy=p.policy, **kw)
 
 
@@ -870,6 +963,8 @@ FP64_CASES = {
     "cispo_no_low": dict(echo_normalization="sum"),
     "reinforce": dict(echo_normalization="batch_token_mean"),
     "sft": dict(),
+    "sapo": dict(kl_tau=0.3, entropy_coef=0.05),
+    "sapo_sharp": dict(rl_divisor=900.0),
 }
 #: The same with per-sequence normalisers (`test_derivatives_against_fp64_autograd_of_the_loss_module`).
 FP64_SEQUENCE_CASES = {
@@ -884,6 +979,10 @@ FP64_SEQUENCE_CASES = {
         rl_normalization="sequence_mean_token_sum", echo_normalization="sequence_mean"
     ),
     "sft": dict(rl_normalization="sequence_mean_token_mean"),
+    "sapo_sequence": dict(
+        rl_normalization="sequence_mean_token_mean", echo_normalization="sequence_mean"
+    ),
+    "cispo_sequence": dict(rl_normalization="sequence_mean_token_sum", entropy_coef=0.05),
 }
 #: The same with a mismatch correction and the reference KL.
 FP64_CORRECTION_CASES = {
@@ -892,6 +991,9 @@ FP64_CORRECTION_CASES = {
     "reinforce": dict(kl_coef=0.3, kl_estimator="k1"),
     "gspo": dict(rl_normalization="sequence_mean_token_mean", kl_tau=0.2),
     "gspo_wide": dict(mismatch="sequence_truncate", mismatch_min=0.5, kl_coef=0.1),
+    "sapo_sequence": dict(mismatch="token_truncate", mismatch_min=0.5, kl_tau=0.2),
+    "sapo": dict(mismatch="token_mask", kl_coef=0.1, kl_estimator="k3"),
+    "cispo_sequence": dict(mismatch="sequence_mask", kl_coef=0.2, kl_estimator="k1"),
 }
 
 

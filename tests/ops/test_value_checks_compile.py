@@ -35,6 +35,9 @@ def _compiled(fn_obj):
             g[name] = JITFunction(
                 types.FunctionType(raw.__code__, g, raw.__name__, raw.__defaults__, raw.__closure__)
             )
+    # triton.language's own combine functions (`_sum`, `_min`) read that module's globals:
+    # their copies here are this module's same-bodied ones (`a + b`, `minimum`)
+    g["_sum"], g["_min"] = g["_add"], g["_least"]
     return g[getattr(fn_obj, "fn", fn_obj).__name__]
 
 

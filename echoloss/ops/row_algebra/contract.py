@@ -5,6 +5,7 @@ Shared by ``op.py``, ``fused.py`` and ``naive.py``; imports neither.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,13 +21,27 @@ __all__ = [
     "MISMATCH_MODES",
     "POLICIES",
     "RL_NORMALIZATIONS",
+    "SEQUENCE_RATIO_POLICIES",
     "STAT_SLOTS",
     "RowAlgebraParams",
     "RowInputs",
 ]
 
 #: The per-token policies this op computes (``"sft"``: the NLL of the RL rows).
-POLICIES = ("dppo", "ppo_clip", "cispo", "reinforce", "sft", "gspo")
+POLICIES = (
+    "dppo",
+    "ppo_clip",
+    "cispo",
+    "reinforce",
+    "sft",
+    "gspo",
+    "cispo_sequence",
+    "sapo",
+    "sapo_sequence",
+)
+
+#: The policies whose ratio is the sequence's, ``exp(clamp(mean ρ))`` over its RL rows.
+SEQUENCE_RATIO_POLICIES = ("gspo", "cispo_sequence", "sapo_sequence")
 
 #: The flags each policy reports (``<flag>_frac`` metrics), in the order the policy sets them.
 FLAG_NAMES: dict[str, tuple[str, ...]] = {
@@ -36,6 +51,9 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "reinforce": (),
     "sft": (),
     "gspo": ("clipped", "clipped_low", "clipped_high"),
+    "cispo_sequence": ("clipped", "clipped_low", "clipped_high"),
+    "sapo": (),
+    "sapo_sequence": (),
 }
 
 #: Slots of the fp32 ``stats`` output: the loss and its two terms, the metrics (means over RL
@@ -113,11 +131,15 @@ class RowAlgebraParams:
     """What the algebra computes (from a ``LossConfig`` and the call's normalisers).
 
     Attributes:
-        policy: one of `POLICIES` (``gspo``: ppo_clip's objective on the sequence's ratio
-            ``exp(clamp(mean ρ))`` over its RL rows, bounds ``low``/``high``).
+        policy: one of `POLICIES` (``gspo``, ``cispo_sequence``, ``sapo_sequence``: ppo_clip's
+            objective, cispo's weight and sapo's gate on the sequence's ratio
+            ``exp(clamp(mean ρ))`` over its RL rows).
         adv_tau: advantage scale.
         low, high: the policy's bounds: ``dppo_low``/``dppo_high``, ``eps_low``/``eps_high``
-            (ppo_clip, gspo), ``cispo_min``/``cispo_max`` (``low`` None = no lower bound).
+            (ppo_clip, gspo), ``cispo_min``/``cispo_max`` (cispo, cispo_sequence; ``low`` None =
+            no lower bound); unread by sapo.
+        sapo_temperature_pos, sapo_temperature_neg: sapo's gate temperatures for ``A > 0`` and
+            the other rows (> 0).
         dual_clip: ppo_clip's dual-clip constant, or None.
         log_ratio_clamp: clamp of the log ratio before ``exp`` (None = none).
         kl_tau: coefficient of ``ρ²`` (continued linearly beyond the clamp).
@@ -162,6 +184,8 @@ class RowAlgebraParams:
     low: float | None = 0.2
     high: float = 0.2
     dual_clip: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
     log_ratio_clamp: float | None = 20.0
     kl_tau: float = 0.0
     entropy_coef: float = 0.0
@@ -221,10 +245,14 @@ class RowAlgebraParams:
             )
         if not self.echo_z_epsilon >= 0:  # NaN fails too
             raise ValueError(problem("echo_z_epsilon", "≥ 0", repr(self.echo_z_epsilon)))
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):  # NaN fails too
+                raise ValueError(problem(name, "finite and > 0 (sapo divides by it)", repr(value)))
 
     @property
     def reads_sequences(self) -> bool:
-        """Whether a normaliser, the policy (``gspo``) or the mismatch correction is per
+        """Whether a normaliser, the policy's ratio or the mismatch correction is per
         sequence (``RowInputs.sequence_ids`` required)."""
         return (
             self.rl_normalization != "token"
@@ -234,9 +262,11 @@ class RowAlgebraParams:
 
     @property
     def reads_sequence_sums(self) -> bool:
-        """Whether a row's terms need sums over its sequence's rows (``gspo``'s ratio, a
+        """Whether a row's terms need sums over its sequence's rows (a sequence-level ratio, a
         sequence-level mismatch weight), not just its sequence's counts."""
-        return self.policy == "gspo" or (self.mismatch or "").startswith("sequence")
+        return self.policy in SEQUENCE_RATIO_POLICIES or (self.mismatch or "").startswith(
+            "sequence"
+        )
 
     @property
     def flag_names(self) -> tuple[str, ...]:

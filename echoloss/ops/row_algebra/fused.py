@@ -7,7 +7,7 @@ work is ``O(N)`` over a few ``[N]`` vectors (about 30 bytes a row): tens of micr
 64k-row micro-batch on one streaming multiprocessor, against the milliseconds of host time the
 hundred PyTorch launches it replaces cost. One program also keeps every sum in one fixed order:
 the result does not depend on the grid or on timing (no atomics). When something is per
-sequence (a normaliser, ``gspo``'s ratio, a sequence-level mismatch weight), one sort of the
+sequence (a normaliser, a sequence-level ratio, a sequence-level mismatch weight), one sort of the
 sequence ids and a program before it (`_sequence_groups_kernel`) give each row its sequence
 and each sequence its counts and sums.
 
@@ -36,7 +36,17 @@ __all__ = ["BLOCK", "forward", "interpreter_active"]
 BLOCK = 1024
 NUM_WARPS = 4
 
-_POLICY_CODE = {"dppo": 0, "ppo_clip": 1, "cispo": 2, "reinforce": 3, "sft": 4, "gspo": 5}
+_POLICY_CODE = {
+    "dppo": 0,
+    "ppo_clip": 1,
+    "cispo": 2,
+    "reinforce": 3,
+    "sft": 4,
+    "gspo": 5,
+    "cispo_sequence": 6,
+    "sapo": 7,
+    "sapo_sequence": 8,
+}
 _ECHO_CODE = {"token_mean": 0, "sum": 1, "batch_token_mean": 2, "sequence_mean": 3}
 _MISMATCH_CODE = {
     None: 0,
@@ -93,6 +103,13 @@ def _clamp_grad(x, c, HAS_CLAMP: tl.constexpr):
         y = x
         g = tl.full(x.shape, 1.0, tl.float32)
     return y, g
+
+
+@triton.jit
+def _sigmoid(x):
+    """``1 / (1 + exp(−x))``: 0 and 1 at the ends, never NaN for a finite ``x`` (tl.sigmoid is a
+    @jit function of triton.language: see the combine functions above)."""
+    return 1.0 / (1.0 + tl.exp(-x))
 
 
 @triton.jit
@@ -191,6 +208,15 @@ def _sequence_terms(LP, OLD, LQ, ADV, row, m, rl, adv_tau, clamp, mm_max, mm_min
 
 
 @triton.jit
+def _sequence_ratio(SUM_IN, CNT_RL, grp, m, clamp, HAS_CLAMP: tl.constexpr):
+    """``(x, gx, |RL_i|)`` of each row's sequence ``i``: ``x = clamp(mean ρ)`` over its RL rows
+    (the groups program's sum over their count, at least 1) and ``d x / d mean``."""
+    cnt = tl.maximum(tl.load(CNT_RL + grp, mask=m, other=1).to(tl.float32), 1.0)
+    x, gx = _clamp_grad(tl.load(SUM_IN + grp, mask=m, other=0.0) / cnt, clamp, HAS_CLAMP)
+    return x, gx, cnt
+
+
+@triton.jit
 def _sequence_groups_kernel(
     SKEY,  # [N] int sorted sequence ids
     ORDER,  # [N] int64 row at each sorted position
@@ -213,7 +239,7 @@ def _sequence_groups_kernel(
     mm_max,
     mm_min,
     HAS_OBS: tl.constexpr,
-    SUMS: tl.constexpr,  # gspo or a sequence-level mismatch correction: the four sums
+    SUMS: tl.constexpr,  # a sequence-level ratio or mismatch correction: the four sums
     BASE: tl.constexpr,  # as the row program's
     HAS_LQ: tl.constexpr,
     HAS_ADV: tl.constexpr,
@@ -329,7 +355,7 @@ def _row_algebra_kernel(
     CNT_Z,  # [N] int32 Z of the sequence starting there (unused unless ECHO_MODE == 3)
     SEQS,  # [2] int32 sequences with an RL row, with an echo row (unused unless SEQ)
     REF,  # [N] float reference logprobs (unused unless HAS_KL_COEF)
-    SUM_IN,  # [4, N] fp32 the sequences' sums (unused unless gspo or a sequence mismatch)
+    SUM_IN,  # [4, N] fp32 the sequences' sums (unused unless a sequence ratio or mismatch)
     A,  # [N] fp32 out: d loss / d logprob
     B,  # [N] fp32 out: d loss / d entropy (unused unless TRAIN_ENT)
     LOSS,  # [] fp32 out
@@ -337,8 +363,8 @@ def _row_algebra_kernel(
     CHECKS,  # [len(CHECK_SLOTS)] fp64 out
     n,
     adv_tau,
-    low,
-    high,
+    low,  # the policy's lower bound (sapo: τ for A ≤ 0)
+    high,  # the policy's upper bound (sapo: τ for A > 0)
     dual_c,
     clamp,
     kl_tau,
@@ -555,8 +581,13 @@ def _row_algebra_kernel(
                     obj = tl.where(neg, _nan_max(obj, floor), obj)
                 pol = -obj
                 d = -dobj * r * gx
-            elif POLICY == 2:  # cispo: a clipped, detached weight times the REINFORCE term
-                x, gx = _clamp_grad(log_ratio, clamp, HAS_CLAMP)
+            elif POLICY == 2 or POLICY == 6:
+                # cispo: a clipped, detached weight times the REINFORCE term (6: the weight of
+                # the sequence's ratio; detached, so no derivative through it)
+                if POLICY == 6:
+                    x, _, _ = _sequence_ratio(SUM_IN, CNT_RL, grp, m, clamp, HAS_CLAMP)
+                else:
+                    x, _ = _clamp_grad(log_ratio, clamp, HAS_CLAMP)
                 r = tl.exp(x)
                 if HAS_LOW:
                     wgt = _nan_min(_nan_max(r, low), high)
@@ -570,10 +601,29 @@ def _row_algebra_kernel(
                 f0 += ((hi_f | lo_f) & rl).to(tl.int32)
                 f1 += (lo_f & rl).to(tl.int32)
                 f2 += (hi_f & rl).to(tl.int32)
+            elif POLICY == 7:  # sapo: -σ(τ·(r − 1))·4/τ·A, τ = high for A > 0, else low
+                x, gx = _clamp_grad(log_ratio, clamp, HAS_CLAMP)
+                r = tl.exp(x)
+                tau = tl.where(adv > 0, high, low)
+                gate = _sigmoid(tau * (r - 1.0))
+                pol = -(gate * (4.0 / tau)) * adv
+                d = -4.0 * adv * gate * (1.0 - gate) * r * gx  # d/dr = −(4/τ)·A·τ·σ(1 − σ)
+            elif POLICY == 8:  # sapo_sequence: sapo's gate on the sequence's ratio
+                x, gx, cnt_g = _sequence_ratio(SUM_IN, CNT_RL, grp, m, clamp, HAS_CLAMP)
+                s = tl.exp(x)
+                gate_pos = _sigmoid(high * (s - 1.0))
+                gate_neg = _sigmoid(low * (s - 1.0))
+                pos = adv > 0
+                pol = -(tl.where(pos, gate_pos * (4.0 / high), gate_neg * (4.0 / low))) * adv
+                # as gspo's below: Σ_t w_t·∂pol_t/∂s over the sequence's RL rows is
+                # −4·(σ⁺(1 − σ⁺)·Σ w·A⁺ + σ⁻(1 − σ⁻)·Σ w·A⁻), times ∂s/∂ℓ = s·gx/|RL_i|
+                q = gate_pos * (1.0 - gate_pos) * tl.load(
+                    SUM_IN + n + grp, mask=m, other=0.0
+                ) + gate_neg * (1.0 - gate_neg) * tl.load(SUM_IN + 2 * n + grp, mask=m, other=0.0)
+                q = tl.where(s != s, s, q)  # a NaN ratio: a NaN gradient, as autograd's
+                d = -4.0 * q * s * gx / cnt_g
             elif POLICY == 5:  # gspo: ppo_clip's objective on the sequence's ratio
-                cnt_g = tl.maximum(tl.load(CNT_RL + grp, mask=m, other=1).to(tl.float32), 1.0)
-                x, gx = _clamp_grad(tl.load(SUM_IN + grp, mask=m, other=0.0) / cnt_g, clamp,
-                                    HAS_CLAMP)  # fmt: skip
+                x, gx, cnt_g = _sequence_ratio(SUM_IN, CNT_RL, grp, m, clamp, HAS_CLAMP)
                 s = tl.exp(x)
                 lo_b = 1.0 - low
                 hi_b = 1.0 + high
@@ -614,7 +664,8 @@ def _row_algebra_kernel(
                 wm, outside = _mismatch_weight(log_w, clamp, mm_max, mm_min, 2 - MISMATCH % 2,
                                                HAS_MM_MIN, HAS_CLAMP)  # fmt: skip
                 per = per * wm
-                if POLICY != 5 or MISMATCH >= 3:  # gspo's token weights are inside its sums
+                if (POLICY != 5 and POLICY != 8) or MISMATCH >= 3:
+                    # (the token weights of gspo's and sapo_sequence's are inside their sums)
                     d = d * wm
                 fm += (outside & rl).to(tl.int32)
                 w_acc += tl.where(rl, wm, 0.0)
@@ -780,7 +831,7 @@ def _sequence_groups(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(GROUP, CNT_RL, CNT_Z, SEQS, SUM)`` of the sequence-level quantities: one sort of the
     ids and one launch (`_sequence_groups_kernel`); no host read. ``SUM`` ``[4, N]`` (written
-    for ``gspo`` and the sequence-level mismatch corrections only) holds each sequence's sums of
+    for the sequence-level ratios and mismatch corrections only) holds each sequence's sums of
     its RL rows' ``ρ``, ``w·A⁺``, ``w·A⁻`` and ``b₀ − lq``."""
     assert rows.sequence_ids is not None  # op.py
     sid = rows.sequence_ids.reshape(-1)
@@ -832,6 +883,13 @@ def _sequence_groups(
             num_warps=NUM_WARPS,
         )
     return group, cnt_rl, cnt_z, seqs, sums
+
+
+def _bounds(p: RowAlgebraParams) -> tuple[float, float]:
+    """The program's ``(low, high)``: the policy's bounds, or sapo's ``(τ⁻, τ⁺)``."""
+    if p.policy in ("sapo", "sapo_sequence"):
+        return float(p.sapo_temperature_neg), float(p.sapo_temperature_pos)
+    return float(p.low or 0.0), float(p.high)
 
 
 def forward(
@@ -894,8 +952,7 @@ def forward(
             checks,
             n,
             float(p.adv_tau),
-            float(p.low or 0.0),
-            float(p.high),
+            *_bounds(p),
             float(p.dual_clip or 0.0),
             float(clamp or 0.0),
             float(p.kl_tau),

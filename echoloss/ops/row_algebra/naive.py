@@ -14,6 +14,7 @@ import torch
 
 from echoloss.ops.row_algebra.contract import (
     CHECK_SLOTS,
+    SEQUENCE_RATIO_POLICIES,
     STAT_SLOTS,
     RowAlgebraParams,
     RowInputs,
@@ -52,15 +53,22 @@ def _policy(
     seq_rl: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``(per-token policy loss [N], flags)`` on every row (neutral values off RL);
-    ``seq_rl``: each RL row's sequence and the sequences' RL rows, for ``gspo``."""
+    ``seq_rl``: each RL row's sequence and the sequences' RL rows, for the sequence-level
+    ratios (`SEQUENCE_RATIO_POLICIES`)."""
     c = p.log_ratio_clamp
     if p.policy == "reinforce":
         return -(adv * lp_rl), []
-    if p.policy == "gspo":  # ppo_clip's objective on exp(clamp(mean ρ over the sequence))
+    if p.policy in SEQUENCE_RATIO_POLICIES:  # the ratio exp(clamp(mean ρ over the sequence))
         assert seq_rl is not None
         seq, rl_rows = seq_rl
         sums = torch.zeros_like(rl_rows).index_add(0, seq, lp_rl - base)
-        ratio = torch.exp(_clamp(sums / rl_rows.clamp(min=1), c))[seq]
+        seq_ratio = torch.exp(_clamp(sums / rl_rows.clamp(min=1), c))[seq]
+    if p.policy in ("sapo", "sapo_sequence"):  # σ(τ·(r − 1))·4/τ, τ by the sign of A
+        ratio = seq_ratio if p.policy == "sapo_sequence" else torch.exp(_clamp(lp_rl - base, c))
+        tau = torch.where(adv > 0, p.sapo_temperature_pos, p.sapo_temperature_neg).to(F32)
+        return -(torch.sigmoid(tau * (ratio - 1)) * (4 / tau)) * adv, []
+    if p.policy == "gspo":  # ppo_clip's objective on the sequence's ratio
+        ratio = seq_ratio
         lo = p.low or 0.0
         obj = torch.minimum(ratio * adv, ratio.clamp(1.0 - lo, 1.0 + p.high) * adv)
         with torch.no_grad():
@@ -90,9 +98,9 @@ def _policy(
             flags.append(neg & (obj.detach() < floor))
             obj = torch.where(neg, torch.maximum(obj, floor), obj)
         return -obj, flags
-    # cispo
+    # cispo, cispo_sequence
     with torch.no_grad():
-        ratio = torch.exp(_clamp(lp_rl - base, c))
+        ratio = seq_ratio if p.policy == "cispo_sequence" else torch.exp(_clamp(lp_rl - base, c))
         weight = ratio.clamp(min=p.low, max=p.high)
         high = ratio > p.high
         low = ratio < p.low if p.low is not None else torch.zeros_like(high)

@@ -7,8 +7,8 @@ forward+backward, each paying a launch and the host's dispatch; on a GPU the hos
 launches, not the GPU time, sets the speed at every realistic shape. This op computes all of it
 in one pass over the rows for the losses whose derivative with respect to a row's logprob comes
 from that row and a few sums over its sequence (the built-in policies ``dppo``, ``ppo_clip``,
-``cispo``, ``reinforce``, ``gspo`` and ``mode="sft"``, every normaliser, mismatch correction
-and reference KL):
+``cispo``, ``reinforce``, ``gspo``, ``cispo_sequence``, ``sapo``, ``sapo_sequence`` and
+``mode="sft"``, every normaliser, mismatch correction and reference KL):
 
 * forward: the loss, ``a = d loss / d logprob [N]`` and ``b = d loss / d entropy [N]`` (when the
   entropy is trained), the metrics (`STAT_SLOTS`) and the numbers of the value checks

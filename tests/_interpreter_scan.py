@@ -1,4 +1,5 @@
-"""A vectorised ``tl.associative_scan`` for the Triton interpreter, installed by the kernel tests.
+"""A vectorised ``tl.associative_scan`` for the Triton interpreter, installed for every test
+(``tests/conftest.py``).
 
 The interpreter runs a scan whose combine function is not triton.language's own ``+`` or ``*``
 one element at a time: a Python call of the combine function per element of the block, ~1 ms
