@@ -787,9 +787,9 @@ def _env_of_rows(x: LossInputs, device: torch.device) -> tuple[torch.Tensor | No
 
     The name → index table goes to the device from pinned memory without blocking the host.
     """
-    sid = x.flat("sequence_ids")
-    if x.env_names is None or sid is None:
+    if x.env_names is None or x.sequence_ids is None:
         return None, []
+    sid = x.sequence_ids.reshape(-1)  # (a copy of a [B, T] view: only with env names)
     env_list = sorted({e for e in x.env_names if e})
     lookup = {e: i for i, e in enumerate(env_list)}
     table = host_to_device([lookup.get(e, -1) for e in x.env_names], device)  # [ids]
@@ -1097,7 +1097,8 @@ def _row_algebra_params(
 
 def row_inputs(x: LossInputs) -> Any:
     """The record's per-row fields as the fused row algebra reads them
-    (`echoloss.ops.row_algebra.RowInputs`, flat ``[N]``; divisors, labels and envs unset;
+    (`echoloss.ops.row_algebra.RowInputs`, flat ``[N]`` but the advantages and sequence ids
+    in order, which the program reads in place; divisors, labels and envs unset;
     the sequence ids and observation rows are read only by per-sequence normalisers)."""
     from echoloss.ops.row_algebra import RowInputs
 
@@ -1105,10 +1106,11 @@ def row_inputs(x: LossInputs) -> Any:
         rl=x.rl,
         echo=x.echo,
         echo_weights=x.flat("echo_weights"),
-        advantages=x.flat("advantages"),
+        advantages=x.advantages,  # read in place (a [B] expanded over T stays a view)
         old_logprobs=x.flat("old_logprobs"),
         inference_logprobs=x.flat("inference_logprobs"),
-        sequence_ids=x.flat("sequence_ids"),
+        # ids in order are read in place (a [B, T] view stays one: no copy)
+        sequence_ids=x.sequence_ids if x._sequences_in_order else x.flat("sequence_ids"),
         observation=x.flat("observation_mask"),
         ref_logprobs=x.flat("ref_logprobs"),
         sequences_in_order=x._sequences_in_order,

@@ -100,11 +100,11 @@ _LIGER_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _batch_rows(mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` int64 sequence ids: the batch row of each position (contiguous: the loss
-    reads it flat, twice with per-env metrics)."""
-    b, t = mask.shape
-    return torch.arange(b, device=mask.device).unsqueeze(1).expand(b, t).contiguous()
+def _batch_rows(batch_index: torch.Tensor, t: int) -> torch.Tensor:
+    """``[B, T]`` int64 sequence ids, the batch row of each position: ``arange(B)`` expanded
+    over ``T`` (a view, strides ``(1, 0)``: the row program reads it in place; the PyTorch
+    algebra's flat read copies it)."""
+    return batch_index.unsqueeze(1).expand(batch_index.numel(), t)
 
 
 def _world_size() -> int:
@@ -217,8 +217,8 @@ class EchoGRPOLoss(nn.Module):
         self.echo_normalization = echo_normalization
         self.row_chunk_size = row_chunk_size
         self.use_ref_model = use_ref_model
-        # The sequence ids of the last call's shape (`_sequence_ids`): ((B, T, device), ids).
-        self._last_sequence_ids: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
+        # The batch index of the last call's B (`_sequence_ids`): ((B, device), arange(B)).
+        self._last_sequence_ids: tuple[tuple[int, torch.device], torch.Tensor] | None = None
         self.mapping: GRPOLossMapping | None
         self._own_rl_tokens_config: LossConfig | None = None
         if config is not None:
@@ -435,21 +435,22 @@ class EchoGRPOLoss(nn.Module):
         )
 
     def _sequence_ids(self, rl: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` int64: the batch row of each position (`_batch_rows`). The last shape's
-        ids are kept for the next call of that shape (a trainer at a fixed shape: two
-        launches a call saved). Not kept when made under inference mode (autograd cannot
-        save its tensors for a later training call) or during a CUDA graph capture (its
-        memory belongs to the graph)."""
+        """``[B, T]`` int64: the batch row of each position (`_batch_rows`, a view of
+        ``arange(B)``). The ``arange`` of the last ``B`` is kept for the next call with that
+        many completions, whatever their length (a trainer pads each step to its longest
+        completion: the one launch a call is saved at every ``T``). Not kept when made under
+        inference mode (autograd cannot save its tensors for a later training call) or during
+        a CUDA graph capture (its memory belongs to the graph)."""
         b, t = rl.shape
-        key = (b, t, rl.device)
+        key = (b, rl.device)
         last = self._last_sequence_ids
         if last is not None and last[0] == key:
-            return last[1]
-        ids = _batch_rows(rl)
+            return _batch_rows(last[1], t)
+        batch_index = torch.arange(b, device=rl.device)
         capturing = rl.is_cuda and torch.cuda.is_current_stream_capturing()
         if not torch.is_inference_mode_enabled() and not capturing:
-            self._last_sequence_ids = (key, ids)
-        return ids
+            self._last_sequence_ids = (key, batch_index)
+        return _batch_rows(batch_index, t)
 
     def _reads_sequences(self, cfg: LossConfig, env_names: Sequence[str] | None) -> bool:
         """Whether this call's loss reads sequence ids (`reads_sequences`, or per-env metrics)."""

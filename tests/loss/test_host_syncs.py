@@ -411,7 +411,7 @@ def test_modules_issue_no_host_sync(name, fused, chunk, phases_uncounted, monkey
     monkeypatch.setattr(op, "_chunk_gradients", counted)
     lt, level, _ = MODULE_CASES[name]
     additive = lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo") and level == "token"
-    additive = additive or (lt == "cispo" and level == "token")
+    additive = additive or (lt in ("cispo", "sapo") and level == "token")
     batch = _module_batch()
     options = _options(name) | ({} if chunk is None else {"row_chunk_size": chunk})
     host, host_leaves = _run_module(fused, options, batch)

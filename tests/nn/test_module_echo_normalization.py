@@ -112,19 +112,24 @@ def _arange_launches(module, *args, **kw) -> int:
 
 
 def test_sequence_ids_are_kept_for_the_next_call_of_the_same_shape():
-    """grpo reads per-sequence means: its first call at a shape builds the ids (an arange),
-    the next at that shape reuses them, a new shape builds them again; ids made under
-    inference mode are not kept (autograd cannot save them for a later training call)."""
+    """grpo reads per-sequence means: its first call with ``B`` completions builds the ids
+    (an arange, expanded over ``T``: a view), the next with ``B`` reuses the arange whatever
+    its ``T``, a new ``B`` builds it again; ids made under inference mode are not kept
+    (autograd cannot save them for a later training call)."""
     ids, mask, echo, _obs = _batch()
     module = EchoGRPOLoss(beta=0.0, loss_type="grpo")
     adv = torch.tensor([1.0, -0.5, 0.25])
 
-    def logits(b=B):
-        return torch.randn(b, T, V).requires_grad_()
+    def logits(b=B, t=T):
+        return torch.randn(b, t, V).requires_grad_()
 
     first = _arange_launches(module, logits(), ids, mask, adv, echo_weights=echo)
     assert _arange_launches(module, logits(), ids, mask, adv, echo_weights=echo) == first - 1
-    short = (ids[:2], mask[:2], adv[:2])
+    shorter = (ids[:, :-1], mask[:, :-1], adv)  # a new T, the same B
+    assert _arange_launches(module, logits(t=T - 1), *shorter, echo_weights=echo[:, :-1]) == (
+        first - 1
+    )
+    short = (ids[:2], mask[:2], adv[:2])  # a new B
     assert _arange_launches(module, logits(2), *short, echo_weights=echo[:2]) == first
     with torch.inference_mode():
         module(torch.randn(B, T, V), ids, mask, adv, echo_weights=echo)

@@ -83,8 +83,8 @@ def bounds(case: Case) -> tuple[float, torch.Tensor]:
     rl, echo = rows.rl, rows.echo
     lp = torch.where(rl | echo, case.lp.double(), 0.0)
 
-    def on(mask, t):
-        return torch.zeros_like(lp) if t is None else torch.where(mask, t.double(), 0.0)
+    def on(mask, t):  # (a [B, T] field read in place: its flat order)
+        return torch.zeros_like(lp) if t is None else torch.where(mask, t.reshape(-1).double(), 0.0)
 
     if rows.old_logprobs is not None:
         base = on(rl, rows.old_logprobs)

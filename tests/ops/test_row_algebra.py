@@ -914,6 +914,57 @@ def test_sequences_in_order_skip_the_sort(variant, monkeypatch):
     assert sorts  # without the promise the ids are sorted
 
 
+@pytest.mark.parametrize("layout", ["expanded", "transposed", "contiguous-2d"])
+@pytest.mark.parametrize("variant", ["ppo_clip", "sapo_sequence"])
+def test_ids_in_order_are_read_in_place_through_their_strides(variant, layout):
+    """In-order ids given as a ``[B, T]`` view (the modules' ``arange(B)`` expanded over ``T``,
+    strides ``(1, 0)``; a transposed view, strides ``(1, B)``; a plain ``[B, T]``), and the
+    advantages as a ``[B]`` expanded over ``T`` (else a plain ``[B, T]``), are read where they
+    lie, with the result of the same values flat: bit for bit (the same rows in the same
+    order). With ``[B]`` advantages the padding rows read a finite advantage (the flat
+    version NaN there): unread either way. ``B·T = 3·BLOCK + 5 + …`` rows: sequences cross the blocks."""
+    b, t = 37, 3 * BLOCK // 37 + 2
+    n = b * t
+    o = dict(_option_sets(variant)[0])
+    o.update(
+        n=n,
+        sequences="runs",
+        rl_divisor="count",
+        rl_normalization="sequence_mean_token_mean",
+        echo=("sequence_mean", None),
+    )
+    case = _make_case(variant, o, seed=31)
+    flat = torch.arange(b).repeat_interleave(t)
+    if layout == "expanded":
+        ids = torch.arange(b).unsqueeze(1).expand(b, t)
+    elif layout == "transposed":
+        ids = torch.arange(b).repeat(t).reshape(t, b).t()  # a view: strides (1, b)
+    else:
+        ids = flat.reshape(b, t)
+    assert torch.equal(ids.reshape(-1), flat)
+    # the advantages as the modules pass them: one per sequence, expanded over its positions
+    per_sequence = torch.randn(b, generator=torch.Generator().manual_seed(2))
+    adv_view = per_sequence.unsqueeze(1).expand(b, t)
+    adv_flat = torch.where(case.rows.rl, adv_view.reshape(-1), NAN)
+    adv_view = adv_view if layout == "expanded" else adv_flat.reshape(b, t)
+    flat_rows = case.rows._replace(sequence_ids=flat, sequences_in_order=True, advantages=adv_flat)
+    view_rows = case.rows._replace(sequence_ids=ids, sequences_in_order=True, advantages=adv_view)
+    expected, a_expected, _ = _run(Case(case.lp, case.ent, flat_rows, case.params), "triton")
+    got, a_got, _ = _run(Case(case.lp, case.ent, view_rows, case.params), "triton")
+    assert torch.equal(got.stats, expected.stats) and torch.equal(a_got, a_expected)
+    assert_same_as_naive(Case(case.lp, case.ent, view_rows, case.params), f"{variant} {layout}")
+
+
+def test_row_fields_of_the_wrong_size_are_refused():
+    case = _make_case("gspo", dict(_option_sets("gspo")[0], n=700), seed=3)
+    rows = case.rows._replace(sequence_ids=case.rows.sequence_ids[:-1])
+    with pytest.raises(
+        ValueError,
+        match=r"rows.sequence_ids must be 700 entries, one per row of logprobs, got int64 \[699\]",
+    ):
+        row_algebra_op(case.lp, case.ent, rows, case.params, backend="triton")
+
+
 # ---------------------------------------------------------------- fp64 derivatives
 
 

@@ -66,6 +66,9 @@ TYPES = {
         "fp32",
     ),
     "vocab": "i32",
+    "adv_inner": "i32",
+    "adv_s_outer": "i32",
+    "adv_s_inner": "i32",
 }
 FLAGS = (
     "HAS_LOW",
@@ -123,6 +126,12 @@ GROUP_TYPES = {
     "ADV": "*fp32",
     "SUM_OUT": "*fp32",
     "n": "i32",
+    "id_inner": "i32",
+    "id_s_outer": "i32",
+    "id_s_inner": "i32",
+    "adv_inner": "i32",
+    "adv_s_outer": "i32",
+    "adv_s_inner": "i32",
     "adv_tau": "fp32",
     "clamp": "fp32",
     "mm_max": "fp32",
@@ -154,6 +163,7 @@ def _consts(policy, on, base=1, rl_div_mode=0, echo_mode=0, echo_div_mode=None):
     return {
         "POLICY": policy,
         **dict.fromkeys(FLAGS, on),
+        "ADV_FLAT": not on,  # [B] advantages expanded over T: read through their strides
         "BASE": base,
         "RL_DIV_MODE": rl_div_mode,
         "ECHO_DIV_MODE": (1 if on else 0) if echo_div_mode is None else echo_div_mode,
@@ -202,6 +212,8 @@ def test_sequence_groups_program_compiles_without_spills(arch, tmp_path):
     ):
         consts = {
             "IN_ORDER": in_order,
+            "ID_FLAT": not (in_order and on),  # in order, a [B, T] view read through strides
+            "ADV_FLAT": not on,
             "HAS_OBS": on,
             "SUMS": on,
             "BASE": base,

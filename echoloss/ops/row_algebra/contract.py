@@ -301,7 +301,11 @@ class RowInputs(NamedTuple):
     the echo rows that ``Z_i`` of echo ``sequence_mean`` counts. ``ref_logprobs``: the
     reference policy's logprobs of ``kl_coef``. ``sequences_in_order``: the caller guarantees
     that ``sequence_ids`` never decrease along the rows (it built them so, as the ``nn``
-    modules build the batch row of each token): the sort of the ids is skipped.
+    modules build the batch row of each token): the sort of the ids is skipped, and the ids
+    may then be a ``[B, T]`` view that the program reads in place through its strides (the
+    modules pass ``arange(B)`` expanded over ``T``: no ``[N]`` tensor is made). The
+    ``advantages`` too may be a ``[B, T]`` view (a ``[B]`` tensor expanded over ``T``), read in
+    place; every other field is flat ``[N]``.
     """
 
     rl: torch.Tensor

@@ -23,6 +23,8 @@ this module is first imported), for tests.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -177,6 +179,7 @@ def _mismatch_weight(log_w, clamp, mm_max, mm_min, MODE: tl.constexpr, HAS_MM_MI
 
 @triton.jit
 def _sequence_terms(LP, OLD, LQ, ADV, row, m, rl, adv_tau, clamp, mm_max, mm_min,
+                    adv_inner, adv_s_outer, adv_s_inner, ADV_FLAT: tl.constexpr,
                     BASE: tl.constexpr, HAS_LQ: tl.constexpr, HAS_ADV: tl.constexpr,
                     TOKEN_MM: tl.constexpr, HAS_MM_MIN: tl.constexpr,
                     HAS_CLAMP: tl.constexpr):  # fmt: skip
@@ -194,7 +197,8 @@ def _sequence_terms(LP, OLD, LQ, ADV, row, m, rl, adv_tau, clamp, mm_max, mm_min
     else:
         base = lp
     if HAS_ADV:
-        adv = tl.where(rl, tl.load(ADV + row, mask=m, other=0.0).to(tl.float32), 0.0) * adv_tau
+        at = _offset(row, adv_inner, adv_s_outer, adv_s_inner, ADV_FLAT)
+        adv = tl.where(rl, tl.load(ADV + at, mask=m, other=0.0).to(tl.float32), 0.0) * adv_tau
     else:
         adv = tl.full(lp.shape, 0.0, tl.float32)
     if TOKEN_MM != 0:
@@ -217,8 +221,19 @@ def _sequence_ratio(SUM_IN, CNT_RL, grp, m, clamp, HAS_CLAMP: tl.constexpr):
 
 
 @triton.jit
+def _offset(pos, inner, s_outer, s_inner, FLAT: tl.constexpr):
+    """Where entry ``pos`` of a field read in place lies: ``pos · s_inner`` for a field one
+    stride walks, else ``(pos // inner) · s_outer + (pos % inner) · s_inner`` (a ``[B, T]``
+    view, e.g. a per-sequence value expanded over its positions: strides ``(1, 0)``)."""
+    if FLAT:
+        return pos * s_inner
+    else:
+        return (pos // inner) * s_outer + (pos % inner) * s_inner
+
+
+@triton.jit
 def _sequence_groups_kernel(
-    SKEY,  # [N] int sorted sequence ids
+    SKEY,  # [N] int sorted sequence ids (with IN_ORDER: the ids in place, through the strides)
     ORDER,  # [N] int64 row at each sorted position
     RL,  # [N] uint8
     ECHO,  # [N] uint8
@@ -234,10 +249,18 @@ def _sequence_groups_kernel(
     SUM_OUT,  # [4, N] fp32 out: at a sequence's start, over its RL rows: Σ ρ, Σ w·A⁺, Σ w·A⁻,
     # Σ (b₀ − lq) (unused unless SUMS)
     n,
+    id_inner,  # the ids' layout (`_offset`)
+    id_s_outer,
+    id_s_inner,
+    adv_inner,  # the advantages' layout
+    adv_s_outer,
+    adv_s_inner,
     adv_tau,
     clamp,
     mm_max,
     mm_min,
+    ID_FLAT: tl.constexpr,
+    ADV_FLAT: tl.constexpr,
     HAS_OBS: tl.constexpr,
     SUMS: tl.constexpr,  # a sequence-level ratio or mismatch correction: the four sums
     BASE: tl.constexpr,  # as the row program's
@@ -274,9 +297,12 @@ def _sequence_groups_kernel(
     for start in range(0, n, BLOCK):
         pos = start + offs
         m = pos < n
-        key = tl.load(SKEY + pos, mask=m, other=0)
-        prev = tl.load(SKEY + pos - 1, mask=m & (pos > 0), other=0)
-        nxt = tl.load(SKEY + pos + 1, mask=(pos + 1) < n, other=0)
+        at = _offset(pos, id_inner, id_s_outer, id_s_inner, ID_FLAT)
+        key = tl.load(SKEY + at, mask=m, other=0)
+        at_prev = _offset(pos - 1, id_inner, id_s_outer, id_s_inner, ID_FLAT)
+        prev = tl.load(SKEY + at_prev, mask=m & (pos > 0), other=0)
+        at_next = _offset(pos + 1, id_inner, id_s_outer, id_s_inner, ID_FLAT)
+        nxt = tl.load(SKEY + at_next, mask=(pos + 1) < n, other=0)
         first = m & ((pos == 0) | (key != prev))
         last = m & ((pos == n - 1) | (key != nxt))
         if IN_ORDER:  # noqa: SIM108 (a constexpr branch, not a runtime select)
@@ -307,6 +333,7 @@ def _sequence_groups_kernel(
         if SUMS:
             rho, pos_a, neg_a, lw = _sequence_terms(
                 LP, OLD, LQ, ADV, row, m, rl != 0, adv_tau, clamp, mm_max, mm_min,
+                adv_inner, adv_s_outer, adv_s_inner, ADV_FLAT,
                 BASE, HAS_LQ, HAS_ADV, TOKEN_MM, HAS_MM_MIN, HAS_CLAMP,
             )  # fmt: skip
             is_first = first.to(tl.int32)
@@ -343,7 +370,7 @@ def _row_algebra_kernel(
     RL,  # [N] uint8
     ECHO,  # [N] uint8
     W,  # [N] float echo weights (unused unless HAS_W)
-    ADV,  # [N] float (unused unless HAS_ADV)
+    ADV,  # [N] float, through its layout (unused unless HAS_ADV)
     OLD,  # [N] float old logprobs (unused unless BASE == 1)
     LQ,  # [N] float inference logprobs (unused unless HAS_LQ)
     RL_DIV,  # [1] float device divisor (unused unless RL_DIV_MODE == 2)
@@ -377,6 +404,10 @@ def _row_algebra_kernel(
     kl_coef,
     lp_tolerance,
     vocab,
+    adv_inner,  # the advantages' layout (`_offset`)
+    adv_s_outer,
+    adv_s_inner,
+    ADV_FLAT: tl.constexpr,
     POLICY: tl.constexpr,
     HAS_LOW: tl.constexpr,
     DUAL: tl.constexpr,
@@ -529,7 +560,8 @@ def _row_algebra_kernel(
             d = tl.where(rl, -1.0, 0.0)
         else:
             if HAS_ADV:
-                adv = tl.where(rl, tl.load(ADV + idx, mask=m, other=0.0).to(tl.float32), 0.0)
+                at = _offset(idx, adv_inner, adv_s_outer, adv_s_inner, ADV_FLAT)
+                adv = tl.where(rl, tl.load(ADV + at, mask=m, other=0.0).to(tl.float32), 0.0)
                 adv = adv * adv_tau
             else:
                 adv = tl.full([BLOCK], 0, tl.float32)
@@ -826,6 +858,26 @@ def _mask(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)  # bool → uint8 without a copy or a launch
 
 
+def _in_place(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the program reads it in place: a ``[B, T]`` view as it is, anything else as
+    ``[N]`` (a view where one stride walks it, else a copy)."""
+    return t if t.dim() == 2 and t.shape[1] > 0 else t.reshape(-1)
+
+
+def _layout(t: torch.Tensor) -> tuple[int, int, int, bool]:
+    """``(inner, stride_outer, stride_inner, one_stride)`` through which `_offset` reads a
+    field `_in_place`: a ``[B, T]`` view (e.g. ``arange(B)`` or ``[B]`` advantages expanded
+    over ``T``: strides ``(1, 0)``), or a 1-D tensor (one stride)."""
+    if t.dim() == 2:
+        inner = t.shape[1]
+        s_outer, s_inner = t.stride()
+        return inner, s_outer, s_inner, s_outer == inner * s_inner or t.shape[0] <= 1
+    return max(t.numel(), 1), 0, t.stride(0), True
+
+
+_NO_LAYOUT = (1, 0, 1, True)
+
+
 def _sequence_groups(
     lp: torch.Tensor, rows: RowInputs, p: RowAlgebraParams, base: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -834,13 +886,16 @@ def _sequence_groups(
     for the sequence-level ratios and mismatch corrections only) holds each sequence's sums of
     its RL rows' ``ρ``, ``w·A⁺``, ``w·A⁻`` and ``b₀ − lq``."""
     assert rows.sequence_ids is not None  # op.py
-    sid = rows.sequence_ids.reshape(-1)
-    n = sid.numel()
-    dev = sid.device
-    if rows.sequences_in_order:  # already sorted (the caller built them so): no sort
-        sorted_ids, order = sid, sid  # ORDER unread
-    else:
-        sorted_ids, order = torch.sort(sid)  # equal ids end up adjacent; their order is free
+    ids = rows.sequence_ids
+    n = ids.numel()
+    dev = ids.device
+    if rows.sequences_in_order:  # already sorted (the caller built them so): no sort, no copy
+        ids = _in_place(ids)
+        sorted_ids, order = ids, ids  # ORDER unread
+        layout = _layout(ids)
+    else:  # equal ids end up adjacent; their order is free
+        sorted_ids, order = torch.sort(ids.reshape(-1))
+        layout = (max(n, 1), 0, 1, True)
     group = torch.empty(n, dtype=torch.int32, device=dev)
     cnt_rl = torch.empty(n, dtype=torch.int32, device=dev)
     cnt_z = torch.empty(n, dtype=torch.int32, device=dev)
@@ -849,7 +904,8 @@ def _sequence_groups(
     sums = torch.empty((4, n) if sums_needed else (0,), dtype=torch.float32, device=dev)
     obs = rows.observation
     token_mm = p.mismatch if p.mismatch in ("token_truncate", "token_mask") else None
-    with on_tensor_device(sid):
+    adv, adv_layout = _advantages(rows, lp)
+    with on_tensor_device(ids):
         _sequence_groups_kernel[(1,)](
             sorted_ids,
             order,
@@ -863,13 +919,17 @@ def _sequence_groups(
             lp,
             _flat(rows.old_logprobs, lp),
             _flat(rows.inference_logprobs, lp),
-            _flat(rows.advantages, lp),
+            adv,
             sums if sums_needed else lp,
             n,
+            *layout[:3],
+            *adv_layout[:3],
             float(p.adv_tau),
             float(p.log_ratio_clamp or 0.0),
             float(p.mismatch_max),
             float(p.mismatch_min or 0.0),
+            ID_FLAT=layout[3],
+            ADV_FLAT=adv_layout[3],
             HAS_OBS=obs is not None,
             SUMS=sums_needed,
             BASE=base,
@@ -890,6 +950,15 @@ def _bounds(p: RowAlgebraParams) -> tuple[float, float]:
     if p.policy in ("sapo", "sapo_sequence"):
         return float(p.sapo_temperature_neg), float(p.sapo_temperature_pos)
     return float(p.low or 0.0), float(p.high)
+
+
+def _advantages(rows: RowInputs, lp: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """The advantages as the programs read them in place (`_in_place`) and their layout (a
+    placeholder without advantages)."""
+    if rows.advantages is None:
+        return lp, _NO_LAYOUT
+    adv = _in_place(rows.advantages)
+    return adv, _layout(adv)
 
 
 def forward(
@@ -928,6 +997,7 @@ def forward(
     echo_div_mode = 2 if rows.echo_divisor is not None else (0 if p.echo_divisor is None else 1)
     echo_div = 1.0 if p.echo_divisor is None else float(p.echo_divisor)
     clamp = p.log_ratio_clamp
+    adv, adv_layout = _advantages(rows, lp)
     with on_tensor_device(lp):
         _row_algebra_kernel[(1 + envs,)](
             lp,
@@ -935,7 +1005,7 @@ def forward(
             _mask(rows.rl),
             _mask(rows.echo),
             _flat(rows.echo_weights, lp),
-            _flat(rows.advantages, lp),
+            adv,
             _flat(rows.old_logprobs, lp),
             _flat(rows.inference_logprobs, lp),
             _flat(rows.rl_divisor, lp),
@@ -965,6 +1035,8 @@ def forward(
             float(p.kl_coef),
             float(p.logprob_tolerance),
             int(rows.vocab_size),
+            *adv_layout[:3],
+            ADV_FLAT=adv_layout[3],
             POLICY=_POLICY_CODE[p.policy],
             HAS_LOW=p.low is not None,
             DUAL=p.policy == "ppo_clip" and p.dual_clip is not None,

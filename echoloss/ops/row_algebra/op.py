@@ -179,6 +179,13 @@ def row_algebra(
                 describe(rows.sequence_ids),
             )
         )
+    n = logprobs.numel()
+    for name in ("sequence_ids", "observation", "echo_weights", "advantages"):
+        field = getattr(rows, name)
+        if field is not None and field.numel() != n:
+            raise ValueError(
+                problem(f"rows.{name}", f"{n} entries, one per row of logprobs", describe(field))
+            )
     for name, divisor in (("rl_divisor", rows.rl_divisor), ("echo_divisor", rows.echo_divisor)):
         if divisor is not None and (
             not isinstance(divisor, torch.Tensor)
