@@ -11,7 +11,7 @@ compiled row's launches are not counted there (the counter would see the eager f
 Three loss configurations (`CONFIGS`): the default, ``echoloss-train``'s per-sequence
 normalisers, and ``gspo`` with them and a sequence-level mismatch correction (the compiled
 algebra for the default only). Prints one Markdown table; ``--modules`` adds one of
-`EchoGRPOLoss` (``grpo`` and ``dapo``) with the value checks in Triton and in PyTorch side by
+`EchoGRPOLoss` (``grpo``, ``dapo`` and sequence-level ``sapo``) with the value checks in Triton and in PyTorch side by
 side (on CUDA: kernels and median time; the checks run in PyTorch off CUDA).
 """
 
@@ -132,7 +132,7 @@ def measure(
 
 
 #: The `echoloss.nn` module rows of ``--modules``: (loss_type, importance_sampling_level).
-MODULE_CASES = (("grpo", "token"), ("dapo", "token"))
+MODULE_CASES = (("grpo", "token"), ("dapo", "token"), ("sapo", "sequence"))
 
 
 def measure_module(
