@@ -229,7 +229,8 @@ def test_sequence_groups_program_compiles_without_spills(arch, tmp_path):
 
 
 @needs_nvidia_backend
+@pytest.mark.parametrize("policy", [1, 8], ids=["ppo_clip", "sapo_sequence"])
 @pytest.mark.parametrize("arch", [80, 90])
-def test_no_local_memory_spills(arch, tmp_path):
-    usage = _resources(_compile(_consts(1, True), arch).asm["cubin"], tmp_path)
+def test_no_local_memory_spills(arch, policy, tmp_path):
+    usage = _resources(_compile(_consts(policy, True), arch).asm["cubin"], tmp_path)
     assert "LOCAL:0" in usage, usage
