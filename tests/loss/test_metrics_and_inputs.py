@@ -160,6 +160,18 @@ def test_config_validation():
         LossConfig(lambda_=0.1)
     with pytest.raises(ValueError, match=r"cispo_min=2.0 must be ≤ cispo_max=1.0"):
         LossConfig(policy="cispo", cispo_max=1.0, cispo_min=2.0)
+    with pytest.raises(
+        ValueError,
+        match=r"sapo_temperature_pos=2.0 is ignored by policy='dppo' .* a policy that reads it: "
+        r"sapo, sapo_sequence",
+    ):
+        LossConfig(sapo_temperature_pos=2.0)
+    with pytest.raises(ValueError, match=r"cispo_max=1.5 is ignored by policy='sapo'"):
+        LossConfig(policy="sapo", cispo_max=1.5)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match=r"sapo_temperature_neg\n  Input should be greater"):
+            LossConfig(policy="sapo_sequence", sapo_temperature_neg=bad)
+    assert LossConfig(policy="cispo_sequence", cispo_max=1.2).cispo_max == 1.2
     cfg = LossConfig(policy="gspo")
     assert cfg.resolved_eps == (3e-4, 4e-4) and cfg.resolved_kl_tau == 0.0
     assert LossConfig(kl_tau=0.0).resolved_kl_tau == 0.0

@@ -343,8 +343,11 @@ def test_missing_inputs_for_a_mode_are_named():
             config=LossConfig(policy="reinforce", rl_normalization="sequence_mean_token_sum"),
             **kw,
         )
-    with pytest.raises(ValueError, match=r"sequence_ids is required by policy='gspo'"):
-        echo_loss_from_logprobs(lp, config=LossConfig(policy="gspo"), inference_logprobs=lp, **kw)
+    for policy in ("gspo", "cispo_sequence", "sapo_sequence"):
+        with pytest.raises(ValueError, match=rf"sequence_ids is required by policy='{policy}'"):
+            echo_loss_from_logprobs(
+                lp, config=LossConfig(policy=policy), inference_logprobs=lp, **kw
+            )
     with pytest.raises(ValueError, match=r"inference_logprobs is required by policy='dppo'"):
         echo_loss_from_logprobs(lp, **kw)
     with pytest.raises(ValueError, match=r"ref_logprobs is required by kl_coef=0.1"):
