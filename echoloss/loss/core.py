@@ -969,8 +969,8 @@ def fused_algebra_applies(
     """Whether this call's algebra runs fused (`fuse_loss_algebra`).
 
     Covered: ``mode="sft"`` and every built-in policy (``dppo``, ``ppo_clip``, ``cispo``,
-    ``reinforce``, ``gspo``, ``cispo_sequence``, ``sapo``, ``sapo_sequence``) with ``kl_tau``, the entropy bonus, the reference KL
-    (``kl_coef``) and any mismatch correction or none, every RL and echo normalisation (what
+    ``reinforce``, ``gspo``, ``cispo_sequence``, ``sapo``, ``sapo_sequence``) with ``kl_tau``,
+    the entropy bonus, the reference KL (``kl_coef``) and any mismatch correction or none, every RL and echo normalisation (what
     is per sequence, with one sort of the sequence ids and one launch more), fp32 logprobs,
     with or without the per-env metrics of ``env_names`` (one program more per env). Custom
     policies run the PyTorch algebra, which is also the definition the fused one is tested
@@ -1257,13 +1257,13 @@ def chunk_additive(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:
     """Whether the loss is a sum of per-row terms over denominators known before any logprob.
 
     True for the per-token built-in policies (``dppo``, ``ppo_clip``, ``cispo``,
-    ``reinforce``, ``sapo``) and ``mode="sft"``, with a token-level mismatch correction or none, and any
-    RL and echo normalisation: the denominators are then given (``normalizers``, constants) or
+    ``reinforce``, ``sapo``) and ``mode="sft"``, with a token-level mismatch correction or
+    none, and any RL and echo normalisation: the denominators are then given (``normalizers``, constants) or
     counted from the masks and sequence ids alone (a sequence's RL rows and ``Z_i`` too), so
     each row's derivative ``d loss / d logprob`` can be formed from that row as soon as its
     logprob exists. False for a sequence-level ratio (``gspo``, ``cispo_sequence``,
-    ``sapo_sequence``) or mismatch correction, whose
-    weight of a row depends on the other rows' logprobs, and custom policies.
+    ``sapo_sequence``) or mismatch correction, whose weight of a row depends on the other
+    rows' logprobs, and custom policies.
 
     Examples:
         >>> chunk_additive(LossConfig(), None), chunk_additive(LossConfig(policy="gspo"), None)

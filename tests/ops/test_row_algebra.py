@@ -882,13 +882,8 @@ def test_sequence_groups_across_blocks(layout):
     assert_same_as_naive(_make_case("ppo_clip", o, seed=77), layout)
 
 
-@pytest.mark.parametrize("variant", ["ppo_clip", "gspo"])
-def test_sequences_in_order_skip_the_sort(variant, monkeypatch):
-    """Ids that never decrease along the rows (runs, padding rows inside their sequence, as the
-    ``nn`` modules build them), promised by ``sequences_in_order``: the program reads the rows
-    in place of a sorted order, no sort runs, and the result is the gold's (``3·BLOCK + 5``
-    rows: sequences cross the blocks)."""
-    n = 3 * BLOCK + 5
+def _per_sequence_case(variant: str, n: int, *, seed: int, **options: Any) -> Case:
+    """``n`` rows of ``variant`` in runs of sequences, with both per-sequence normalisers."""
     o = dict(_option_sets(variant)[0])
     o.update(
         n=n,
@@ -896,9 +891,19 @@ def test_sequences_in_order_skip_the_sort(variant, monkeypatch):
         rl_divisor="count",
         rl_normalization="sequence_mean_token_mean",
         echo=("sequence_mean", None),
-        echo_z_epsilon=1e-3,
+        **options,
     )
-    case = _make_case(variant, o, seed=78)
+    return _make_case(variant, o, seed=seed)
+
+
+@pytest.mark.parametrize("variant", ["ppo_clip", "gspo"])
+def test_sequences_in_order_skip_the_sort(variant, monkeypatch):
+    """Ids that never decrease along the rows (runs, padding rows inside their sequence, as the
+    ``nn`` modules build them), promised by ``sequences_in_order``: the program reads the rows
+    in place of a sorted order, no sort runs, and the result is the gold's (``3·BLOCK + 5``
+    rows: sequences cross the blocks)."""
+    n = 3 * BLOCK + 5
+    case = _per_sequence_case(variant, n, seed=78, echo_z_epsilon=1e-3)
     g = torch.Generator().manual_seed(5)
     ids = torch.repeat_interleave(torch.arange(n), torch.randint(1, 81, (n,), generator=g))[:n]
     case.rows = case.rows._replace(sequence_ids=ids, sequences_in_order=True)
@@ -922,18 +927,10 @@ def test_ids_in_order_are_read_in_place_through_their_strides(variant, layout):
     advantages as a ``[B]`` expanded over ``T`` (else a plain ``[B, T]``), are read where they
     lie, with the result of the same values flat: bit for bit (the same rows in the same
     order). With ``[B]`` advantages the padding rows read a finite advantage (the flat
-    version NaN there): unread either way. ``B·T = 3·BLOCK + 5 + …`` rows: sequences cross the blocks."""
+    version NaN there): unread either way. ``B·T = 37·85`` rows, three blocks and a part:
+    sequences cross the blocks."""
     b, t = 37, 3 * BLOCK // 37 + 2
-    n = b * t
-    o = dict(_option_sets(variant)[0])
-    o.update(
-        n=n,
-        sequences="runs",
-        rl_divisor="count",
-        rl_normalization="sequence_mean_token_mean",
-        echo=("sequence_mean", None),
-    )
-    case = _make_case(variant, o, seed=31)
+    case = _per_sequence_case(variant, b * t, seed=31)
     flat = torch.arange(b).repeat_interleave(t)
     if layout == "expanded":
         ids = torch.arange(b).unsqueeze(1).expand(b, t)

@@ -23,8 +23,6 @@ this module is first imported), for tests.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -875,7 +873,8 @@ def _layout(t: torch.Tensor) -> tuple[int, int, int, bool]:
     return max(t.numel(), 1), 0, t.stride(0), True
 
 
-_NO_LAYOUT = (1, 0, 1, True)
+#: A layout of a tensor that is not read (a placeholder pointer).
+_NO_LAYOUT: tuple[int, int, int, bool] = (1, 0, 1, True)
 
 
 def _sequence_groups(
@@ -895,7 +894,7 @@ def _sequence_groups(
         layout = _layout(ids)
     else:  # equal ids end up adjacent; their order is free
         sorted_ids, order = torch.sort(ids.reshape(-1))
-        layout = (max(n, 1), 0, 1, True)
+        layout = _layout(sorted_ids)
     group = torch.empty(n, dtype=torch.int32, device=dev)
     cnt_rl = torch.empty(n, dtype=torch.int32, device=dev)
     cnt_z = torch.empty(n, dtype=torch.int32, device=dev)
@@ -952,7 +951,9 @@ def _bounds(p: RowAlgebraParams) -> tuple[float, float]:
     return float(p.low or 0.0), float(p.high)
 
 
-def _advantages(rows: RowInputs, lp: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+def _advantages(
+    rows: RowInputs, lp: torch.Tensor
+) -> tuple[torch.Tensor, tuple[int, int, int, bool]]:
     """The advantages as the programs read them in place (`_in_place`) and their layout (a
     placeholder without advantages)."""
     if rows.advantages is None:
