@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks.linear_chunks needs a CUDA device; nothing measured")
         return 2
-    from benchmarks.harness import time_cuda_mirrored
+    from benchmarks.harness import environment, time_cuda_mirrored
     from benchmarks.providers import Context
     from benchmarks.workload import loss_config, make_workload
     from echoloss import echo_loss_from_hidden
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = [time_cuda_mirrored(ctx, fns, 2, args.repeats, on_error=None)
               for _ in range(max(1, args.rounds))]  # fmt: skip
     base = cases[0][0]
+    env = environment(ctx, torch.get_num_threads(), None)  # every row names its GPU and commit
     rows = []
     for name, chunk, fn in cases:
         samples = [t for r in rounds for t in r[name]]
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             "median_ms": statistics.median(samples) * 1e3,
             "samples_ms": [round(t * 1e3, 3) for t in samples],
             "peak_extra_gib": _peak_extra_gib(fn),
+            "device_name": env["device_name"],
+            "git_sha": env["git_sha"],
         }
         if args.rounds > 1:
             row["round_medians_ms"] = [round(statistics.median(r[name]) * 1e3, 3) for r in rounds]

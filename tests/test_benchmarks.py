@@ -5,7 +5,9 @@ with the CUDA timing and memory calls stubbed. No number produced here means any
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -439,3 +441,112 @@ def test_cuda_timing_runs_mirrored_blocks(monkeypatch):
     assert order == ["a"] * 4 + ["b"] * 4 + ["c"] * 3 + ["b"] * 3 + ["a"] * 3
     assert errors == [("c", "boom")] and set(times) == {"a", "b"}
     assert times["a"] == [0.002] * 5 and times["b"] == [0.002] * 5
+
+
+# -- the GPU check script (benchmarks/gpu_check.sh), dry run -------------------------------------
+
+GPU_CHECK = ROOT / "benchmarks" / "gpu_check.sh"
+GPU_RESULTS = ROOT / "benchmarks" / "results"
+H100 = "NVIDIA_H100_80GB_HBM3"
+
+
+def _gpu_check(tmp_path, stub="", fixtures=None, steps=""):
+    out = tmp_path / "out"
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "GPU_CHECK_DRY_BOX": "2", "OUT": str(out),
+           "PYTHON": sys.executable, "GPU_CHECK_STUB": stub, "GPU_CHECK_STEPS": steps,
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    if fixtures is not None:
+        env["GPU_CHECK_DRY_FIXTURES"] = str(fixtures)
+    res = subprocess.run(["bash", str(GPU_CHECK)], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    steps_run = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    return res.stdout, out, steps_run
+
+
+def test_gpu_check_time_boxes_fit_one_ten_minute_command():
+    """The boxes as the script declares them: at most 540 s together, and with each step's
+    5 s to exit after its box still inside a 600 s command."""
+    text = GPU_CHECK.read_text()
+    boxes = {
+        k: int(v)
+        for k, v in re.findall(r"\[(\w+)\]=(\d+)", text.split("declare -A BOX=")[1].splitlines()[0])
+    }
+    steps = re.search(r"^STEPS=\((.*)\)$", text, re.M).group(1).split()
+    assert list(boxes) == steps
+    assert sum(boxes.values()) <= 540
+    grace = int(re.search(r"^GRACE_S=(\d+)$", text, re.M).group(1))
+    assert sum(boxes.values()) + grace * len(steps) < 600
+    for step, box in boxes.items():  # the header's table says the same
+        assert re.search(rf"^#   {step}\s+{box} s ", text, re.M), step
+    assert "set -e" not in text  # a failing step must not stop the others
+
+
+def test_gpu_check_dry_run_records_failures_and_time_outs_and_goes_on(tmp_path):
+    """A failing step and a step past its box are recorded; every later step still runs; the
+    goals summary is the last thing printed; at most 8 files come back."""
+    stdout, out, steps = _gpu_check(tmp_path, stub="tests=fail,check=hang")
+    assert [s["step"] for s in steps] == ["setup", "tests", "values", "check", "rounds",
+                                          "launches", "goals"]  # fmt: skip
+    by = {s["step"]: s for s in steps}
+    assert by["tests"]["rc"] == 3 and not by["tests"]["timed_out"]
+    assert by["check"]["timed_out"] and by["check"]["rc"] in (124, 137)
+    assert all(by[s]["rc"] == 0 for s in ("setup", "values", "rounds", "launches", "goals"))
+    assert by["check"]["box_s"] == 150  # the real box is recorded, the dry run's is 2 s
+    assert stdout[stdout.index("== GOALS") :].count("== ") == 1  # nothing printed after it
+    assert "GPU tests pass: NOT MET" in stdout and "TIMED OUT" in stdout
+    assert len([p for p in out.rglob("*") if p.is_file()]) <= 8
+
+
+def test_gpu_check_dry_run_over_committed_rows_gives_the_goals(tmp_path):
+    """The collection and the summary over the committed H100 rows of 2026-11-27 (the check
+    at d20d5e9, 20 paired linear rounds, launch counts): every goal line from those numbers,
+    and all 8 files present."""
+    fx = tmp_path / "fx"
+    fx.mkdir()
+    for src, name in ((f"cuda-check_{H100}_20261127T213515Z.jsonl", "check.jsonl"),
+                      (f"cuda-linear-chunks_{H100}_20261127T222546Z.json", "linear-rounds.json"),
+                      (f"cuda-launch-count_{H100}_20261127T171750Z.md", "launches.md")):  # fmt: skip
+        (fx / name).write_text((GPU_RESULTS / src).read_text())
+    (fx / "tests.txt").write_text("....\n34 passed, 474 deselected, 1 warning in 32.94s\n")
+    stdout, out, _ = _gpu_check(tmp_path, fixtures=fx)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(["env.txt", "log.txt", "steps.jsonl", "check.jsonl", "values.jsonl",
+                            "linear-rounds.json", "launches.md", "summary.md"])  # fmt: skip
+    summary = stdout[stdout.index("== GOALS") :]
+    assert summary.strip() == (out / "summary.md").read_text().strip()
+    assert "commit d20d5e98ce789dbc8856aeebd6e38bdc65799276" in summary
+    assert "at every shape of the check: met" in summary
+    assert "N=16384 V=151936: echoloss 5.43 ms; trl 5.61, liger 29.43 ms: fastest" in summary
+    assert "span 82.1–87.8 % (goal ≥ 80 %)" in summary and "at 3.35 TB/s" in summary
+    assert "(76.7 % of the 2.80 passes moved)" in summary
+    assert "logits-then-loss (H = 4096): NOT MET" in summary
+    assert "20 paired rounds: median difference +0.23 ms" in summary
+    assert "faster in 5 of 20 (sign test p = 0.041)" in summary
+    assert "pytest -m gpu tests/ops: 34 passed, 474 deselected (rc 0)" in summary
+    assert "dppo (eager): 11 launches, 0 host syncs" in summary
+    assert "nn modules on CUDA = the CPU path: no result" in summary  # its fixture is empty
+
+
+def test_sign_test():
+    from benchmarks.gpu_goals import sign_test_p
+
+    assert sign_test_p(5, 20) == pytest.approx(2 * sum(math.comb(20, i) for i in range(6)) / 2**20)
+    assert sign_test_p(10, 20) == 1.0 and sign_test_p(0, 0) == 1.0
+
+
+def test_device_values_on_the_cpu_device_path(tmp_path):
+    """``python -m benchmarks.device_values`` off CUDA compares the CUDA code path (PyTorch
+    phases) with the CPU path and the fp64 gold: one module and two loss types here."""
+    from benchmarks import device_values
+
+    out = tmp_path / "values.jsonl"
+    argv = ["--device", "cpu", "--output", str(out), "--modules", "EchoGRPOLoss",
+            "--loss-types", "dapo,sapo"]  # fmt: skip
+    assert device_values.main(argv) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert {(r["loss_type"], r["level"]) for r in rows} == {
+        (t, lv) for t in ("dapo", "sapo") for lv in ("token", "sequence")
+    }
+    assert all(r["status"] == "ok" and r["err_device"] <= r["allowed"] for r in rows)
+    assert {"loss", "d_logits"} <= {r["value"] for r in rows}
