@@ -93,7 +93,7 @@ def measure(
     """Syncs and launches of one forward+backward after a warm-up call."""
     from echoloss._deferred import device_code_path, raise_deferred_errors
     from echoloss.loss import echo_loss
-    from echoloss.loss.core import compile_loss_algebra
+    from echoloss.loss.compiled import compile_loss_algebra
 
     x = _record(n, v, device)
     logits = torch.randn(n, v, device=device, dtype=torch.bfloat16, requires_grad=True)

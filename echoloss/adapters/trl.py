@@ -237,7 +237,7 @@ def _import_trl() -> Any:
 def _build_classes() -> None:
     trl = _import_trl()
     from echoloss import RoleEcho, echo_loss_from_logprobs, selective_logprobs
-    from echoloss.loss.core import check_scored_rows
+    from echoloss.loss.diagnosis import check_scored_rows
 
     config_base: Any = trl.GRPOConfig
     trainer_base: Any = trl.GRPOTrainer

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from echoloss._deferred import raise_deferred_errors
 from echoloss.loss.config import LossConfig
-from echoloss.loss.core import LossOutput, NonFiniteLossError, echo_loss, echo_loss_from_logprobs
+from echoloss.loss.core import LossOutput, echo_loss, echo_loss_from_logprobs
+from echoloss.loss.diagnosis import NonFiniteLossError
 from echoloss.loss.hidden import echo_loss_from_hidden
 from echoloss.loss.inputs import LossInputs
 from echoloss.loss.normalization import (

@@ -21,7 +21,13 @@ from echoloss.loss.config import LossConfig
 from echoloss.loss.inputs import LossInputs
 from echoloss.loss.policy import PolicyFn, PolicySpec, get_policy
 
-__all__ = ["check_config", "check_requirements", "resolve_inputs"]
+__all__ = [
+    "check_config",
+    "check_requirements",
+    "chunk_additive",
+    "reads_sequences",
+    "resolve_inputs",
+]
 
 
 def _fail_if(message: str) -> Message:
@@ -194,3 +200,41 @@ def check_requirements(
     if own:
         checks.submit()
     return spec
+
+
+#: Built-in policies whose per-token loss depends on that token alone.
+_ROW_SEPARABLE_POLICIES = frozenset({"dppo", "ppo_clip", "cispo", "reinforce", "sapo"})
+
+
+def chunk_additive(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:
+    """Whether the loss is a sum of per-row terms over denominators known before any logprob.
+
+    True for the per-token built-in policies (``dppo``, ``ppo_clip``, ``cispo``,
+    ``reinforce``, ``sapo``) and ``mode="sft"``, with a token-level mismatch correction or
+    none, and any RL and echo normalisation: the denominators are then given (``normalizers``, constants) or
+    counted from the masks and sequence ids alone (a sequence's RL rows and ``Z_i`` too), so
+    each row's derivative ``d loss / d logprob`` can be formed from that row as soon as its
+    logprob exists. False for a sequence-level ratio (``gspo``, ``cispo_sequence``,
+    ``sapo_sequence``) or mismatch correction, whose weight of a row depends on the other
+    rows' logprobs, and custom policies.
+
+    Examples:
+        >>> chunk_additive(LossConfig(), None), chunk_additive(LossConfig(policy="gspo"), None)
+        (True, False)
+    """
+    if policy_fn is not None or (cfg.mode != "sft" and cfg.policy not in _ROW_SEPARABLE_POLICIES):
+        return False
+    return cfg.mismatch is None or cfg.mismatch.startswith("token")
+
+
+def reads_sequences(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:
+    """Whether the loss reads the local sequences: a policy other than the per-token built-in
+    ones (``gspo``, registered and per-call functions, which may read ``sequence_index``), a
+    ``sequence_*`` normaliser or a sequence-level mismatch correction."""
+    return (
+        policy_fn is not None
+        or (cfg.mode != "sft" and cfg.policy not in _ROW_SEPARABLE_POLICIES)
+        or cfg.rl_normalization.startswith("sequence")
+        or cfg.echo_normalization == "sequence_mean"
+        or (cfg.mismatch is not None and cfg.mismatch.startswith("sequence"))
+    )

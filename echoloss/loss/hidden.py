@@ -13,17 +13,16 @@ from typing import Any
 import torch
 
 from echoloss._compile import compiler_disable
-from echoloss._deferred import DeferredChecks, raise_deferred_errors
+from echoloss._deferred import raise_deferred_errors
 from echoloss._validate import check_chunk_size
-from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
+from echoloss.loss.checks import chunk_additive
+from echoloss.loss.chunks import row_coefficients
 from echoloss.loss.config import LossConfig
 from echoloss.loss.core import (
     LossOutput,
-    chunk_additive,
     label_check_on_device,
     loss_from_logprobs,
-    row_coefficients,
-    row_temperature_and_entropy,
+    start_scored_call,
 )
 from echoloss.loss.inputs import LossInputs
 from echoloss.loss.normalization import Normalizers
@@ -71,7 +70,7 @@ def echo_loss_from_hidden(
     logits-then-loss's GEMMs and phases on the same tensors (its loss, metrics and gradients
     bit for bit, for any loss and incoming gradient) with one ``[n, V]`` buffer instead of
     two. Over several chunks, when the loss is chunk-additive
-    (`echoloss.loss.core.chunk_additive`: per-token policies with any normaliser, whose
+    (`echoloss.loss.checks.chunk_additive`: per-token policies with any normaliser, whose
     denominators are known before any logprob), the gradients are formed in the forward pass,
     chunk by chunk, while each chunk's logits are in memory: one LM-head GEMM per chunk
     instead of two (backward only scales them by the incoming gradient); the ``[V, H]``
@@ -128,27 +127,19 @@ def echo_loss_from_hidden(
         hidden, weight, chunk_size=chunk_size
     )  # the GPU starts while the host checks
     lead = hidden.shape[:1]
-    x = resolve_inputs(inputs, fields, shape=lead, device=hidden.device, source="hidden")
-    if x.labels is None:
-        raise ValueError(
-            "labels is required by echo_loss_from_hidden ([N] int64, the token each hidden row "
-            "predicts): set LossInputs(labels=...)"
-        )
-    cfg = check_config(config)
-    checks = DeferredChecks(hidden.device)
-    spec = check_requirements(x, cfg, policy_fn, checks)
-    temp, need_ent = row_temperature_and_entropy(
-        x.temperature, cfg, rl=x.rl, echo=x.echo, lead=lead
-    )
-    mask = x.rl | x.echo
-    label_check = label_check_on_device(x.labels, weight.shape[0], hidden.device)
+    call = start_scored_call(
+        inputs, fields, config, policy_fn, lead=lead, device=hidden.device, source="hidden",
+        entry="echo_loss_from_hidden",
+    )  # fmt: skip
+    x, cfg, spec, checks = call.x, call.cfg, call.spec, call.checks
+    label_check = label_check_on_device(call.labels, weight.shape[0], hidden.device)
     with checks.collecting():  # what the op checks joins the call (none on the device path)
         lp, ent_all, grads = _logprobs(
-            hidden, weight, x, cfg, spec, normalizers, policy_fn, temp, mask, need_ent,
-            chunk_size, backend, early, labels_checked=label_check is not None,
+            hidden, weight, x, cfg, spec, normalizers, policy_fn, call.temperature, x.rl | x.echo,
+            call.need_entropy, chunk_size, backend, early, labels_checked=label_check is not None,
         )  # fmt: skip
     ent: torch.Tensor | None = None
-    if need_ent:
+    if call.need_entropy:
         ent = ent_all if cfg.entropy_coef != 0 else ent_all.detach()
     out = loss_from_logprobs(
         lp, ent, x, cfg, normalizers, policy_fn, source="hidden", spec=spec, checks=checks,

@@ -33,7 +33,9 @@ __all__ = [
     "LossInputs",
     "check_echo_weight_values",
     "check_float_values",
+    "select_rows",
     "split_rows",
+    "unchecked_inputs",
 ]
 
 #: Largest log-probability accepted in ``inference_logprobs`` / ``old_logprobs`` /
@@ -141,8 +143,8 @@ class LossInputs:
     rl: torch.Tensor = field(init=False, repr=False)
     echo: torch.Tensor = field(init=False, repr=False)
     _versions: tuple[tuple[str, torch.Tensor, int], ...] = field(init=False, repr=False)
-    # Set only by `echoloss.loss.core.unchecked_inputs` for a caller that built the sequence
-    # ids itself in non-decreasing order (the nn modules): the fused algebra skips their sort.
+    # Set only by `unchecked_inputs` for a caller that built the sequence ids itself in
+    # non-decreasing order (the nn modules): the fused algebra skips their sort.
     _sequences_in_order: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
@@ -251,6 +253,12 @@ class LossInputs:
     def device(self) -> torch.device:
         """The device of every per-token tensor."""
         return self.rl_mask.device
+
+    @property
+    def sequences_in_order(self) -> bool:
+        """Whether the caller built ``sequence_ids`` never decreasing along the rows
+        (`unchecked_inputs`): the fused algebra then reads them without a sort."""
+        return self._sequences_in_order
 
     def flat(self, name: str) -> torch.Tensor | None:
         """Field ``name`` flattened to ``[N]`` (None when not given).
@@ -431,6 +439,75 @@ class LossInputs:
         checks.add([sid.max()], message)
         checks.submit()
         return out
+
+
+def unchecked_inputs(
+    *,
+    split: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sequences_in_order: bool = False,
+    **fields: Any,
+) -> LossInputs:
+    """A `LossInputs` of ``fields`` whose tensors' values the caller has checked itself.
+
+    The one constructor of a record that is not validated again: the ``echoloss.nn`` modules
+    check each argument as passed (named as passed, on the rows where it is read:
+    `check_float_values`, `check_echo_weight_values`) and derive the rest, so their record is
+    not validated a second time (under the record's field names, and about a hundred launches
+    per call on a GPU); `select_rows` builds a record's rows with it. Metadata is not checked
+    either; ``env_names`` (host strings) is, as `LossInputs` checks it. ``split``: the flat
+    ``(rl, echo)`` rows when the caller has them already (exactly `split_rows` of ``rl_mask``
+    and ``echo_weights``), else they are derived. ``sequences_in_order``: the caller built
+    ``sequence_ids`` never decreasing along the rows (the fused algebra then skips their sort;
+    a wrong promise gives wrong sequence sums).
+
+    Examples:
+        >>> x = unchecked_inputs(rl_mask=torch.tensor([True, True]),
+        ...                      echo_weights=torch.tensor([0.0, 0.5]))
+        >>> x.rl.tolist(), x.echo.tolist()
+        ([True, False], [False, True])
+    """
+    names = {f.name for f in dataclasses.fields(LossInputs) if f.init}
+    if set(fields) - names:
+        raise TypeError(f"unchecked_inputs: unknown fields {sorted(set(fields) - names)}")
+    x = object.__new__(LossInputs)
+    for f in dataclasses.fields(LossInputs):
+        if f.init:
+            object.__setattr__(x, f.name, fields.get(f.name, f.default))
+    ew = x.echo_weights
+    if split is None:
+        split = split_rows(x.rl_mask.reshape(-1), None if ew is None else ew.reshape(-1))
+    rl, echo = split
+    object.__setattr__(x, "_sequences_in_order", sequences_in_order)
+    object.__setattr__(x, "rl", rl)
+    object.__setattr__(x, "echo", echo)
+    object.__setattr__(x, "_versions", ())
+    if x.env_names is not None:
+        object.__setattr__(x, "env_names", x._checked_env_names())
+    return x
+
+
+def select_rows(x: LossInputs, idx: torch.Tensor, **replace: torch.Tensor) -> LossInputs:
+    """The record's per-token fields on rows ``idx`` (flat ``[c]``), without validating them
+    again (they were validated in ``x``); sequence ids, env names and the temperature are left
+    out (a chunk-additive loss reads none of them). ``replace``: fields given on those rows
+    instead (``[c]``, checked by the caller).
+
+    Examples:
+        >>> x = LossInputs(rl_mask=torch.tensor([True, False, True]),
+        ...                advantages=torch.tensor([1.0, 0.0, 2.0]))
+        >>> select_rows(x, torch.tensor([2])).advantages.tolist()
+        [2.0]
+    """
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(LossInputs):
+        if not f.init or f.name in ("sequence_ids", "env_names", "temperature"):
+            continue
+        value = getattr(x, f.name)
+        if isinstance(value, torch.Tensor):
+            value = value.reshape(-1).index_select(0, idx)
+        fields[f.name] = replace.get(f.name, value)
+    split = (x.rl.index_select(0, idx), x.echo.index_select(0, idx))
+    return unchecked_inputs(split=split, **fields)
 
 
 def _check_rows(

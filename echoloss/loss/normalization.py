@@ -15,16 +15,19 @@ gives the true per-token (or per-sequence) mean over the global batch. Recipe, o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, NamedTuple
 
 import torch
 
+from echoloss._deferred import DeferredChecks
 from echoloss._validate import describe, problem
+from echoloss.loss.config import LossConfig
 from echoloss.loss.inputs import LossInputs
 
 __all__ = [
+    "Divisors",
     "LocalSequences",
     "Normalizers",
     "RowCounts",
@@ -182,15 +185,22 @@ def local_sequences(x: LossInputs) -> LocalSequences:
     )
 
 
+def no_sequences(x: LossInputs) -> LocalSequences:
+    """The `LocalSequences` of a loss that reads none: every row in the padding slot, counts 0
+    (no sort, no launch)."""
+    return LocalSequences(x.rl.numel() + 1, None, None, None, 0, 0, 0)
+
+
 class RowCounts(NamedTuple):
     """One micro-batch's counts as 0-dim tensors on its device (no host read): the fields of
     [`Normalizers`][echoloss.loss.normalization.Normalizers] (an int 0 where ``sequence_ids`` is
-    missing)."""
+    missing); the denominators a call divides by (`resolve_normalizers`) take the same form,
+    with the given normalisers' Python ints."""
 
-    rl_tokens: torch.Tensor
-    echo_tokens: torch.Tensor
+    rl_tokens: torch.Tensor | int
+    echo_tokens: torch.Tensor | int
     sequences: torch.Tensor | int
-    echo_batches: torch.Tensor
+    echo_batches: torch.Tensor | int
     rl_sequences: torch.Tensor | int
     echo_sequences: torch.Tensor | int
 
@@ -343,3 +353,114 @@ def undo_data_parallel_averaging(
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(world_size)
+
+
+# ---------------------------------------------------------------- the divisors of one call
+
+
+class Divisors(NamedTuple):
+    """Denominators a caller computed for one call, replacing the loss's own (the ``nn``
+    modules: Liger's and TRL's divisors of one step).
+
+    Each is a Python float (a constant of the call: no launch) or a 0-dim fp32 tensor on the
+    loss's device (a count given as a tensor or all-reduced over ranks: read by the kernels,
+    never by the host); None = the loss's own (its count, the given `Normalizers`, the config's
+    constant).
+
+    Attributes:
+        rl: the RL term's divisor, in every RL mode: ``token_mean``'s RL-token count,
+            ``token_sum_constant``'s constant, the ``sequence_mean*`` modes' ``S_RL``.
+        echo: the echo term's divisor of ``token_mean`` (echo tokens) and ``sequence_mean``
+            (``S_echo``); refused with ``batch_token_mean`` and ``sum``.
+
+    Example:
+        >>> Divisors(rl=4.0)
+        Divisors(rl=4.0, echo=None)
+    """
+
+    rl: float | torch.Tensor | None = None
+    echo: float | torch.Tensor | None = None
+
+
+#: The loss's own divisors everywhere.
+NO_DIVISORS = Divisors()
+
+#: The echo modes whose divisor `Divisors.echo` replaces.
+ECHO_DIVIDED = ("token_mean", "sequence_mean")
+
+
+def divisor_or_count(
+    given: float | torch.Tensor | None, count: int | torch.Tensor
+) -> float | int | torch.Tensor:
+    """The caller's divisor when given (used as is), else the count, at least 1."""
+    return at_least_one(count) if given is None else given
+
+
+def at_least_one(count: int | torch.Tensor) -> int | torch.Tensor:
+    """``max(count, 1)`` of a host or device count."""
+    return max(count, 1) if isinstance(count, int) else count.clamp(min=1)
+
+
+def used_counts(cfg: LossConfig) -> list[str]:
+    """The `Normalizers` fields the configured RL and echo modes divide by."""
+    used = []
+    if cfg.rl_normalization == "token_mean":
+        used.append("rl_tokens")
+    if cfg.rl_normalization.startswith("sequence"):
+        used.append("rl_sequences")
+    if cfg.echo_normalization == "token_mean":
+        used.append("echo_tokens")
+    if cfg.echo_normalization == "batch_token_mean":
+        used.append("echo_batches")
+    if cfg.echo_normalization == "sequence_mean":
+        used.append("echo_sequences")
+    return used
+
+
+def given_normalizers(normalizers: Any) -> Normalizers:
+    """``normalizers`` if it is a `Normalizers`, else a TypeError naming it."""
+    if not isinstance(normalizers, Normalizers):
+        raise TypeError(
+            problem(
+                "normalizers",
+                "echoloss.Normalizers or None (None = this call is the whole batch)",
+                describe(normalizers),
+            )
+        )
+    return normalizers
+
+
+def covers_message(name: str, given: int) -> Callable[[Sequence[float]], Exception | None]:
+    """The message of the check that ``normalizers.<name>`` (``given``) is at least this
+    call's own count (``v[0]``; for ``echo_batches`` the call's echo tokens, 1 if any)."""
+
+    def message(v: Sequence[float]) -> Exception | None:
+        loc = int(v[0])
+        if name == "echo_batches":
+            loc = min(loc, 1)  # this call is one micro-batch: it has echo rows or not
+        if given >= loc:
+            return None
+        hint = (
+            " (count_normalizers needs sequence_ids for the sequence_mean* modes)"
+            if name.endswith("sequences") and given == 0
+            else ""
+        )
+        return ValueError(
+            f"normalizers.{name}={given} is smaller than this call's {loc}{hint}: normalizers "
+            "must be the sum over every micro-batch of the step on every rank "
+            "(count_normalizers for each micro-batch, summed, then all_reduce_normalizers)"
+        )
+
+    return message
+
+
+def resolve_normalizers(
+    normalizers: Any, local: RowCounts, cfg: LossConfig, checks: DeferredChecks
+) -> RowCounts:
+    """``normalizers`` (checked to cover this call's own counts), or ``local`` when None."""
+    if normalizers is None:
+        return local
+    given = given_normalizers(normalizers)
+    for name in used_counts(cfg):
+        checks.add([getattr(local, name)], covers_message(name, getattr(given, name)))
+    return RowCounts(*(getattr(given, name) for name in RowCounts._fields))

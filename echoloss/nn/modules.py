@@ -41,16 +41,11 @@ from echoloss._validate import (
     finite_float,
     problem,
 )
-from echoloss.loss.core import (
-    Divisors,
-    chunk_additive,
-    label_check_on_device,
-    loss_from_logprobs,
-    reads_sequences,
-    row_coefficients,
-    unchecked_inputs,
-)
-from echoloss.loss.inputs import check_echo_weight_values, check_float_values
+from echoloss.loss.checks import chunk_additive, reads_sequences
+from echoloss.loss.chunks import row_coefficients
+from echoloss.loss.core import label_check_on_device, loss_from_logprobs
+from echoloss.loss.inputs import check_echo_weight_values, check_float_values, unchecked_inputs
+from echoloss.loss.normalization import Divisors
 from echoloss.loss.policy import get_policy
 from echoloss.nn.grpo import (
     ECHO_NORMALIZATIONS,
@@ -649,7 +644,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
     participating token fits one chunk (``row_chunk_size``; on CUDA by default up to ``4·H``
     tokens in bf16) the chunk's logits are kept for backward, which writes their gradient
     over them (logits-then-loss's GEMMs and phases, for any ``loss_type``). Over several
-    chunks, for a chunk-additive loss (`echoloss.loss.core.chunk_additive`: ``loss_type``
+    chunks, for a chunk-additive loss (`echoloss.loss.checks.chunk_additive`: ``loss_type``
     ``grpo``, ``dapo``, ``bnpo``, ``dr_grpo``, ``luspo`` and token-level ``cispo``, or a
     ``config=`` with a per-token policy and no sequence-level mismatch correction) with
     ``_input`` or ``lin_weight`` requiring a gradient, ``d _input`` and ``d lin_weight`` (and

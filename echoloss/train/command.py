@@ -105,7 +105,7 @@ def run(argv: list[str]) -> int:
         print(f"echoloss-train: {err}", file=sys.stderr)
         return 2
     from echoloss.io import RolloutFileError
-    from echoloss.loss.core import NonFiniteLossError
+    from echoloss.loss import NonFiniteLossError
     from echoloss.train.checkpoint import CheckpointError, final_model_complete
     from echoloss.train.recipe import train
 

@@ -17,7 +17,7 @@ from echoloss import (
     echo_loss_from_hidden,
     echo_loss_from_logprobs,
 )
-from echoloss.loss.core import check_final_loss
+from echoloss.loss.diagnosis import check_final_loss
 
 RL = torch.tensor([True, True, False, False])
 LP = torch.tensor([-0.2, -0.4, -80.0, -0.3])

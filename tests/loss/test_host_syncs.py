@@ -47,7 +47,7 @@ from echoloss.loss import (  # noqa: E402
     echo_loss_from_hidden,
     echo_loss_from_logprobs,
 )
-from echoloss.loss.core import compile_loss_algebra  # noqa: E402
+from echoloss.loss.compiled import compile_loss_algebra  # noqa: E402
 
 N, V, H = 48, 37, 8
 

@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.counting import NO_LAUNCH_OPS, count_ops, paused, record_launch  # noqa: E402
 from echoloss._deferred import device_code_path, raise_deferred_errors  # noqa: E402
 from echoloss.loss import LossConfig, echo_loss  # noqa: E402
-from echoloss.loss.core import compile_loss_algebra  # noqa: E402
+from echoloss.loss.compiled import compile_loss_algebra  # noqa: E402
 from echoloss.ops.selective_logprobs import reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -251,7 +251,7 @@ def row_kernel_uncounted(monkeypatch):
     fused = importlib.import_module("echoloss.ops.row_algebra.fused")
     if not fused.interpreter_active():  # imported before without the interpreter: define again
         fused = importlib.reload(fused)
-    from echoloss.loss.core import fuse_loss_algebra
+    from echoloss.loss.fused import fuse_loss_algebra
 
     class PausedKernel:
         """``kernel[grid](...)`` with the counter paused: the Triton launch itself (one on
@@ -303,7 +303,7 @@ def row_kernel_uncounted(monkeypatch):
 def test_fused_algebra_launches_at_most_ten(name, envs, phases_uncounted, row_kernel_uncounted):
     """Per-env metrics add the env of each row (a clamp and an index into the name table;
     the table's copy to the device is not a kernel)."""
-    from echoloss.loss.core import fused_algebra_applies
+    from echoloss.loss.fused import fused_algebra_applies
 
     cfg = FUSED_CONFIGS[name]
     x = _record(cfg, temperature=0.8, **({} if envs else {"env_names": None}))

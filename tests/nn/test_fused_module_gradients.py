@@ -4,7 +4,7 @@ Each case runs the module twice on the same inputs: once as shipped, once with
 ``chunk_additive`` forced False (the recompute path: backward computes each chunk's logits a
 second time). The LM-head GEMMs are counted (``_logits_chunk``); loss, every metric and the
 coefficient each row's phase 2 receives must be bit-identical (each is the derivative of the
-same per-row operations as the whole loss, `echoloss.loss.core.row_coefficients`), and so must
+same per-row operations as the whole loss, `echoloss.loss.chunks.row_coefficients`), and so must
 the gradients of ``_input``, ``lin_weight`` and ``bias`` where both paths run the same GEMMs on
 the same rows (the device path; the host path's exception is justified in the test). ``B·T = 21`` rows in
 chunks of 4 (several chunks, the last one partial), fp32 and bf16.

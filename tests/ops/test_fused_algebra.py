@@ -38,13 +38,18 @@ from echoloss.loss import (
     LossConfig,
     LossInputs,
     Normalizers,
-    core,
+    compiled,
     count_normalizers,
     echo_loss,
     echo_loss_from_hidden,
     echo_loss_from_logprobs,
 )
-from echoloss.loss.core import fuse_loss_algebra, fused_algebra_applies
+from echoloss.loss.fused import (
+    fuse_loss_algebra,
+    fused_algebra_applies,
+    row_algebra_params,
+    row_inputs,
+)
 from echoloss.loss.policy import PolicyOutput
 from echoloss.ops.row_algebra import fused as fused_module
 
@@ -240,8 +245,8 @@ def _from_logits(cfg, x, *, mode, device_path, backend="reference", normalizers=
 
 def _case(lp, ent, x, cfg, normalizers) -> Case:
     """The row-algebra call the loss makes (for the tolerances' bounds)."""
-    params = core._row_algebra_params(cfg, ent, x, normalizers)
-    return Case(lp.detach().reshape(-1).float(), ent, core.row_inputs(x), params)
+    params = row_algebra_params(cfg, ent, x, normalizers)
+    return Case(lp.detach().reshape(-1).float(), ent, row_inputs(x), params)
 
 
 #: Metrics that are sums over rows (compared within ``sum_tol``), for "all" and every env;
@@ -817,11 +822,11 @@ def test_compiled_algebra_leaves_the_program_out():
     lp = torch.where(x.rl | x.echo, -0.5, NAN)
     fuse_loss_algebra("always")
     assert fused_algebra_applies(lp, None, x, cfg, None, None)
-    core.compile_loss_algebra(True)
+    compiled.compile_loss_algebra(True)
     try:
         assert not fused_algebra_applies(lp, None, x, cfg, None, None)
     finally:
-        core.compile_loss_algebra(False)
+        compiled.compile_loss_algebra(False)
 
 
 def test_empty_call_in_both_modes(program_calls):

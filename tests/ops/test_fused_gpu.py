@@ -340,7 +340,7 @@ def test_fused_row_algebra_matches_the_pytorch_algebra_on_cuda(name, given):
     fp32 ulps); the metric keys in the same order."""
     from echoloss._deferred import raise_deferred_errors
     from echoloss.loss import Normalizers, echo_loss
-    from echoloss.loss.core import fuse_loss_algebra, fused_algebra_applies
+    from echoloss.loss.fused import fuse_loss_algebra, fused_algebra_applies
 
     n, v = 5000, 32000
     cfg = _FUSED_CONFIGS[name]
@@ -379,7 +379,7 @@ def test_fused_row_algebra_defers_the_same_error_on_cuda():
     """A NaN logits row on CUDA: the same deferred error with and without the fused algebra."""
     from echoloss._deferred import raise_deferred_errors
     from echoloss.loss import echo_loss
-    from echoloss.loss.core import fuse_loss_algebra
+    from echoloss.loss.fused import fuse_loss_algebra
 
     n, v = 300, 1000
     x = _fused_record(n, v)

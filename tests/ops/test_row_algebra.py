@@ -44,7 +44,8 @@ from _fused_cases import DEVICE
 from _row_algebra_cases import EPS, Case, bounds, ref_kl_scale, sum_tol
 
 from echoloss.loss import LossConfig, LossInputs
-from echoloss.loss.core import echo_loss_from_logprobs, fuse_loss_algebra
+from echoloss.loss.core import echo_loss_from_logprobs
+from echoloss.loss.fused import fuse_loss_algebra
 from echoloss.ops.row_algebra import CHECK_SLOTS, STAT_SLOTS, RowAlgebraParams, RowInputs
 from echoloss.ops.row_algebra import row_algebra as row_algebra_op
 from echoloss.ops.row_algebra.fused import BLOCK

@@ -43,7 +43,7 @@ def fuse_value_checks(mode: str = "auto") -> None:
         mode: ``"auto"`` (the default): on CUDA when triton is importable; ``"always"``: also
             on cpu tensors when the Triton interpreter is active (``TRITON_INTERPRET=1`` set
             before echoloss is imported; for tests); ``"never"``: the PyTorch checks only.
-            ``echoloss.loss.core.fuse_loss_algebra`` sets this too.
+            ``echoloss.loss.fused.fuse_loss_algebra`` sets this too.
 
     Examples:
         >>> fuse_value_checks("auto")
