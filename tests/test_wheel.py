@@ -150,6 +150,11 @@ def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
             data = z.read(f"echoloss/train/configs/{cfg}.toml").decode()
             assert data == (ROOT / "configs" / f"{cfg}.toml").read_text()  # content, not a link
         assert not any(n.startswith(("tests/", "benchmarks/", "examples/")) for n in names)
+        # the experiments are research beside the package (examples/research/echo_experiment):
+        # no module of the wheel runs one, computes its verdict or writes a docs page
+        research = ("experiment", "persistence", "figures", "stats", "echo_experiment")
+        leaked = [n for n in names if Path(n).stem in research or "echo_experiment" in n]
+        assert not leaked, leaked
         entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         assert "echoloss-train = echoloss.train.cli:main" in z.read(entry).decode()
 
@@ -175,6 +180,7 @@ def test_wheel_installs_and_runs_in_a_fresh_venv(tmp_path):
 
     help_text = _run([str(bindir / "echoloss-train"), "--help"], cwd=work, env=env).stdout
     assert "--config" in help_text and "packaged config" in help_text
+    assert "experiment" not in help_text.split("\n\n")[0]  # no such subcommand in the usage
     # a packaged config by name resolves and validates inside the installed package (training
     # on it is the trainer tests' job), and an unknown name lists the packaged ones
     code = (

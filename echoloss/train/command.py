@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="echoloss-train",
         description="Reference trainer: on-policy RL + echo on a built-in tool environment. "
         "With no --config it runs the embedded default (a tiny model on CPU). "
-        "`echoloss-train experiment --help` for the ECHO experiment.",
+        "The ECHO experiments (docs/experiment.md) are not part of the package: "
+        "`python examples/research/echo_experiment/run.py --help` in a source checkout.",
     )
     p.add_argument(
         "--config",

@@ -39,6 +39,7 @@ from pydantic import (
 from echoloss.advantages import list_advantage_fns, resolve_advantage_fn
 from echoloss.loss import LossConfig
 from echoloss.train.envs import ENVS, make_env
+from echoloss.train.envs.base import TurnsNeeded
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -249,7 +250,8 @@ class EnvConfig(_Section):
                 f"{key}: applies to the environments {', '.join(takers)}, not {self.name} (got "
                 f"{getattr(self, key)}); leave it unset"
             )
-        need = make_env(self.name, **self.options()).turns_needed  # its own checks run too
+        env = make_env(self.name, **self.options())  # its own checks run too
+        need = env.turns_needed if isinstance(env, TurnsNeeded) else 2  # optional capability
         if self.max_turns is not None and self.max_turns < 2:
             raise ValueError(
                 f"max_turns: {self.max_turns} turn cannot solve any task (the nearest goal is one "
@@ -323,7 +325,8 @@ def turns_needed(env: str, size: int) -> int:
         >>> turns_needed("gridwalk", 3), turns_needed("mirrorgrid", 3)
         (5, 9)
     """
-    return make_env(env, size=size).turns_needed
+    built = make_env(env, size=size)
+    return built.turns_needed if isinstance(built, TurnsNeeded) else 2
 
 
 class DataConfig(_Section):
@@ -615,9 +618,6 @@ DEFAULT_TOML = """\
 arch = "qwen3"
 
 [env]
-# The per-episode level with the key words (the env's defaults) is the setting every finished
-# section of docs/experiment.md measured; the per-world level and the compass words are being
-# measured by the persistence experiment, whose result is interim.
 demo_explore = 0.2   # demonstrations take a random move 20 % of the time (exploration)
 
 [warmup]
@@ -625,10 +625,8 @@ steps = 80
 lr = 1e-2
 
 [echo]
-# λ = 0.01: the one λ measured not worse than GRPO on held-out success, narrowly, and with no
-# gain (docs/experiment.md, "The default λ over 24 seeds": −1.2 points [−2.9, +0.5]); λ = 0.05
-# leaks observation text into the replies (12 % invalid, the "Result" section's rows). The demo
-# shows the echo term at work (the observation CE falls where GRPO's rises), not a gain.
+# λ on the tool-observation bodies (0 = plain GRPO): a demo value that shows the echo term at
+# work, not a recommendation (docs/experiment.md reports what λ did in its experiments).
 alpha = 0.01
 
 [optim]

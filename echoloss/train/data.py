@@ -19,7 +19,7 @@ import torch
 
 import echoloss
 from echoloss.adapters.chat import attribute, render_attributed, steps_from_messages
-from echoloss.train.envs.base import tool_schemas
+from echoloss.train.envs.base import HeldoutObservations, ImaginedObservations, tool_schemas
 
 __all__ = [
     "EvalResult",
@@ -193,12 +193,15 @@ def _play(
 ) -> list[list[tuple[list[int], list[int], list[float]]]]:
     """Play ``episodes`` to the end, turn by turn, all live conversations in one ``generate``
     call per turn. Returns every model call's ``(prompt ids, completion ids, logprobs)`` per
-    episode; counts imagined observations in each episode's ``stats["imagined"]``."""
+    episode; counts imagined observations in each episode's ``stats["imagined"]`` when the env
+    recognises them (`echoloss.train.envs.base.ImaginedObservations`)."""
     import torch.distributed as dist
 
     calls: list[list[tuple[list[int], list[int], list[float]]]] = [[] for _ in episodes]
+    imagined = isinstance(env, ImaginedObservations)  # an optional capability
     for ep in episodes:
-        ep.stats.setdefault("imagined", 0.0)
+        if imagined:
+            ep.stats.setdefault("imagined", 0.0)
     synced = world_size > 1
     was_training = model.training
     model.eval()
@@ -225,7 +228,10 @@ def _play(
         for i, prompt, (comp, lp) in zip(live, prompts, outs, strict=False):
             calls[i].append((prompt, comp, lp))
             ep = episodes[i]
-            ep.stats["imagined"] += float(env.imagined_observation(_reply_text(tokenizer, comp)))
+            if imagined:
+                ep.stats["imagined"] += float(
+                    env.imagined_observation(_reply_text(tokenizer, comp))
+                )
             env.act(ep, tokenizer.decode(comp, skip_special_tokens=True))
     model.train(was_training)
     return calls
@@ -289,7 +295,11 @@ def evaluate_policy(
         success_sampled=mean(sampled_eps),
         episodes=len(greedy_eps) + len(sampled_eps),
         invalid_rate=sum(ep.stats.get("invalid", 0.0) for ep in sampled_eps) / turns,
-        imagined_rate=sum(ep.stats["imagined"] for ep in sampled_eps) / turns,
+        imagined_rate=(
+            sum(ep.stats["imagined"] for ep in sampled_eps) / turns
+            if isinstance(env, ImaginedObservations)
+            else math.nan  # the env does not recognise imagined observations: not measured
+        ),
     )
 
 
@@ -413,7 +423,11 @@ def heldout_conversations(env: Any, *, count: int) -> list[list[dict[str, Any]]]
 
 def heldout_episodes(env: Any, *, count: int) -> list[tuple[list[dict[str, Any]], int]]:
     """`heldout_conversations`, each with its prompt length (the messages of its start, for
-    `scripted_steps`'s ``prompt_messages``)."""
+    `scripted_steps`'s ``prompt_messages``); none for an env without held-out random walks
+    (`echoloss.train.envs.base.HeldoutObservations`)."""
+    walks = isinstance(env, HeldoutObservations)  # (not narrowing ``env``: it is an Env too)
+    if not walks:
+        return []
     out = []
     for i in range(count):
         rng = random.Random(f"heldout/{i}")

@@ -92,7 +92,8 @@ def rollout_metrics(
     turns = sum(s.get("turns", 0.0) for _, _, _, s, _ in rows)
     if turns:  # per assistant turn: replies that are no action, and those that imagine the env
         out["invalid_reply_rate"] = sum(s.get("invalid", 0.0) for _, _, _, s, _ in rows) / turns
-        out["imagined_obs_rate"] = sum(s.get("imagined", 0.0) for _, _, _, s, _ in rows) / turns
+        if any("imagined" in s for _, _, _, s, _ in rows):  # an env that recognises them
+            out["imagined_obs_rate"] = sum(s.get("imagined", 0.0) for _, _, _, s, _ in rows) / turns
     by_env: dict[str, list[tuple[float, dict[str, float], int]]] = defaultdict(list)
     for env, r, _, stats, n_steps in rows:
         by_env[env].append((r, stats, n_steps))

@@ -1,4 +1,4 @@
-"""Research probes: what a run measures besides its training loss.
+"""The trainer's evaluations: what a run measures besides its training loss.
 
 * **Held-out success** (`evaluate`): greedy (and sampled) episodes on the env's fixed held-out
   evaluation tasks.
@@ -11,8 +11,9 @@
 * **Split world-model CE**, zero-variance groups and the echo/PG gradient norms:
   `echoloss.train.probes_world`.
 
-`heldout_set` builds the held-out set once per run; the scripts in ``scripts/`` use these
-functions on saved models.
+`heldout_set` builds the held-out set once per run. The held-out CEs need the env's optional
+capabilities (`echoloss.train.envs.base.HeldoutObservations`, ``HiddenObservations``); without
+them their keys are absent.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from echoloss.train.data import (
     scripted_steps,
 )
 from echoloss.train.envs import Env, HiddenObservations
-from echoloss.train.envs.base import tool_schemas
+from echoloss.train.envs.base import HeldoutObservations, ImaginedObservations, tool_schemas
 from echoloss.train.model import packed_logits
 from echoloss.train.probes_world import WorldModelSet, world_model_ce, world_model_sets
 
@@ -76,8 +77,13 @@ def heldout_set(cfg: TrainConfig, env: Env[Any, Any], tok: Any, device: torch.de
     """The held-out observation set of ``data.heldout_size`` conversations and its floors: the
     env's Bayes-optimal NLL of all observation bodies over their token count, and of the
     hidden-dependent tokens over theirs (when the env is a ``HiddenObservations``). Empty with
-    ``data.heldout_size = 0`` or a JSONL data source (no env to play)."""
-    if cfg.data.heldout_size == 0 or cfg.data.source == "jsonl":
+    ``data.heldout_size = 0``, a JSONL data source (no env to play) or an env without held-out
+    random walks and their floor (`echoloss.train.envs.base.HeldoutObservations`)."""
+    if (
+        cfg.data.heldout_size == 0
+        or cfg.data.source == "jsonl"
+        or not isinstance(env, HeldoutObservations)
+    ):
         return Heldout()
     probe = echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=1.0))
     samples = []
@@ -191,11 +197,9 @@ def evaluate(
         )
         out.update(eval_success_greedy=r.success_greedy, eval_episodes=float(r.episodes))
         if full and cfg.train.eval_samples:
-            out.update(
-                eval_success_sampled=r.success_sampled,
-                eval_invalid_rate=r.invalid_rate,
-                eval_imagined_rate=r.imagined_rate,
-            )
+            out.update(eval_success_sampled=r.success_sampled, eval_invalid_rate=r.invalid_rate)
+            if isinstance(env, ImaginedObservations):  # an optional capability of the env
+                out["eval_imagined_rate"] = r.imagined_rate
     if heldout.batches:
         attn = cfg.model.attn_implementation
         out["heldout_obs_ce"] = heldout_observation_ce(model, heldout.batches, attn)

@@ -24,6 +24,7 @@ import torch
 
 from echoloss.train.data import hidden_token_positions
 from echoloss.train.envs import Env
+from echoloss.train.envs.base import HeldoutObservations
 
 __all__ = [
     "EchoGradient",
@@ -81,7 +82,9 @@ def world_model_sets(env: Env[Any, Any], tokenizer: Any, *, count: int) -> dict[
     hidden-dependent tokens (``hidden_tokens``)."""
     from echoloss.train.data import heldout_conversations
 
-    if count == 0 or not isinstance(env, WorldModelTokens):
+    if count == 0 or not (
+        isinstance(env, WorldModelTokens) and isinstance(env, HeldoutObservations)
+    ):
         return {}
     optimal = _bayes_optimal(env)
     demos = [

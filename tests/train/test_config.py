@@ -206,10 +206,20 @@ def test_report_to_and_the_opt_in_have_command_line_flags():
     assert _overrides(_parser().parse_args([])) == {}
 
 
-def test_summarize_only_on_an_empty_directory_is_a_clear_error(tmp_path, capsys):
-    assert main(["experiment", "--summarize-only", "--output-dir", str(tmp_path)]) == 2
+def test_the_experiment_is_not_a_subcommand_and_the_refusal_names_its_command(capsys):
+    """The experiments live beside the package (examples/research/echo_experiment): the trainer's
+    command refuses ``experiment`` with exit 2 and names the command that runs them, and its
+    help does not list it."""
+    assert main(["experiment", "--summarize-only", "--output-dir", "x"]) == 2
     err = capsys.readouterr().err
-    assert "echoloss-train experiment:" in err and "run the experiment first" in err, err
+    assert "'experiment' is not a subcommand" in err, err
+    assert "python examples/research/echo_experiment/run.py" in err, err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    usage = out.split("\n\n")[0]
+    assert usage.startswith("usage: echoloss-train") and "experiment" not in usage, usage
+    assert "examples/research/echo_experiment/run.py" in " ".join(out.split()), out
 
 
 @pytest.mark.parametrize("key", ["warmup_flip_prob", "demo_explore"])

@@ -247,12 +247,16 @@ def test_imagined_observation(reply, imagined):
 @pytest.mark.parametrize("name", list(ENVS))
 def test_every_registered_env_implements_the_protocol(name):
     """Each entry of the one table builds an `Env` with the options it declares, its task
-    streams are pure functions, and a demonstration and a random walk play out to the end."""
+    streams are pure functions, and a demonstration and a random walk play out to the end. The
+    built-in envs also have every measurement capability (a new env needs only `Env`:
+    tests/train/test_plain_env.py)."""
     from echoloss.train.config import EnvConfig
+    from echoloss.train.envs import HeldoutObservations, ImaginedObservations, TurnsNeeded
 
     entry = ENVS[name]
     env = make_env(name, **EnvConfig(name=name).options())
     assert isinstance(env, Env) and env.name == name
+    assert all(isinstance(env, c) for c in (HeldoutObservations, ImaginedObservations, TurnsNeeded))
     assert env.task(seed=3, index=5) == env.task(seed=3, index=5)
     assert env.warmup_task(seed=3, index=5) == env.warmup_task(seed=3, index=5)
     assert env.heldout_task(index=2) == env.heldout_task(index=2)

@@ -11,13 +11,16 @@
                       calculator tool called in the model's own tool-call format
 ===================== =========================================================================
 
-Every environment implements the `echoloss.train.envs.base.Env` protocol (optional capabilities
-such as `echoloss.train.envs.base.HiddenObservations` are separate protocols). ``[env] name``
-is validated against `ENVS`, and each entry declares which other ``[env]`` keys it takes
-(`EnvEntry.options`): the config refuses a value for a key the named environment does not take.
+Every environment implements the `echoloss.train.envs.base.Env` protocol: what training needs.
+Measurements are optional capabilities, separate protocols checked with ``isinstance``
+(`echoloss.train.envs.base.HeldoutObservations`, ``HiddenObservations``,
+``ImaginedObservations``, ``TurnsNeeded``, ``ToolSchemas``); the built-in environments have
+them. ``[env] name`` is validated against `ENVS`, and each entry declares which other ``[env]``
+keys it takes (`EnvEntry.options`): the config refuses a value for a key the named environment
+does not take.
 
-Adding an environment: a module in this folder whose class has the members of ``Env``, and one
-`EnvEntry` line in `ENVS` (the config, ``make_env``, the docs' name list and the tests that loop
+Adding an environment: a module in this folder whose class has the members of ``Env`` (and of
+the capabilities it offers), and one `EnvEntry` line in `ENVS` (the config, ``make_env``, the docs' name list and the tests that loop
 over `ENVS` pick it up from there). A new ``[env]`` key also goes into
 ``echoloss.train.config.EnvConfig`` and the ``options`` of the entries that take it.
 
@@ -34,7 +37,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from echoloss.train.envs.base import Env, Episode, HiddenObservations
+from echoloss.train.envs.base import (
+    Env,
+    Episode,
+    HeldoutObservations,
+    HiddenObservations,
+    ImaginedObservations,
+    TurnsNeeded,
+)
 from echoloss.train.envs.calculator import Calculator
 from echoloss.train.envs.gridwalk import GridWalk
 from echoloss.train.envs.mirrorgrid import MirrorGrid, MirrorTask, Variant, imagined_observation
@@ -47,9 +57,12 @@ __all__ = [
     "EnvEntry",
     "Episode",
     "GridWalk",
+    "HeldoutObservations",
     "HiddenObservations",
+    "ImaginedObservations",
     "MirrorGrid",
     "MirrorTask",
+    "TurnsNeeded",
     "imagined_observation",
     "make_env",
 ]

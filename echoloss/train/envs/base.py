@@ -1,15 +1,24 @@
 """What the trainer needs from an environment: the `Env` protocol, and its optional capabilities.
 
-An environment is any object with the members of `Env` (no base class to inherit). The trainer
-plays it turn by turn (`Env.start`, `Env.act`), draws its tasks from pure functions of
-``(seed, index)`` (so a resumed run sees the tasks an uninterrupted one would), warm-starts on
-its scripted demonstrations, and measures a held-out observation cross-entropy against its
-exact floor. Environments are registered by name in `echoloss.train.envs.ENVS`.
+An environment is any object with the members of `Env` (no base class to inherit): what training
+needs and nothing else. The trainer plays it turn by turn (`Env.start`, `Env.act`), draws its
+tasks from pure functions of ``(seed, index)`` (so a resumed run sees the tasks an uninterrupted
+one would), warm-starts on its scripted demonstrations and evaluates success on its fixed
+held-out tasks. Environments are registered by name in `echoloss.train.envs.ENVS`.
 
-Optional capabilities are separate protocols, checked with ``isinstance``:
+Measurements beyond training are optional capabilities, separate protocols checked with
+``isinstance``; an env without one trains all the same, and the measurement is not reported:
 
+* `HeldoutObservations`: held-out tasks, uniformly random walks on them and the exact
+  (Bayes-optimal) NLL of their observations; the trainer then reports the held-out observation
+  cross-entropy ``heldout_obs_ce`` against its floor ``obs_ce_floor``.
 * `HiddenObservations`: the env marks the tokens of each observation that depend on hidden
-  state (and their exact floor); the trainer then also reports ``heldout_hidden_ce``.
+  state (and their exact floor); with `HeldoutObservations`, the trainer also reports
+  ``heldout_hidden_ce``.
+* `ImaginedObservations`: the env recognises replies that imagine its observations instead of
+  acting; the trainer then reports ``imagined_obs_rate`` and ``eval_imagined_rate``.
+* `TurnsNeeded`: the fewest turns in which every task can be solved; the config then warns about
+  a smaller ``env.max_turns``.
 * `ToolSchemas`: the env's tools have JSON schemas, passed to the chat template
   (``apply_chat_template(tools=...)``) wherever the trainer renders its conversations
   (`tool_schemas`).
@@ -17,8 +26,8 @@ Optional capabilities are separate protocols, checked with ``isinstance``:
 Examples:
     >>> from echoloss.train.envs import make_env
     >>> env = make_env("mirrorgrid", size=4)
-    >>> isinstance(env, Env), isinstance(env, HiddenObservations)
-    (True, True)
+    >>> isinstance(env, Env), isinstance(env, HeldoutObservations), isinstance(env, HiddenObservations)
+    (True, True, True)
     >>> isinstance(make_env("gridwalk", size=4), HiddenObservations)
     False
 """
@@ -29,7 +38,17 @@ import random
 from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Env", "Episode", "HiddenObservations", "Message", "ToolSchemas", "tool_schemas"]
+__all__ = [
+    "Env",
+    "Episode",
+    "HeldoutObservations",
+    "HiddenObservations",
+    "ImaginedObservations",
+    "Message",
+    "ToolSchemas",
+    "TurnsNeeded",
+    "tool_schemas",
+]
 
 #: One chat message: ``{"role": ..., "content": ...}`` (tool messages also carry ``"name"``).
 Message = dict[str, Any]
@@ -60,7 +79,8 @@ class Episode(Protocol):
 
 @runtime_checkable
 class Env(Protocol[TaskT, EpisodeT]):
-    """A multi-turn tool environment the trainer can warm-start on, train on and evaluate.
+    """A multi-turn tool environment the trainer can warm-start on, train on and evaluate: only
+    what training needs (measurements are the optional capabilities of this module).
 
     ``TaskT`` is the env's task type (whatever `start` needs; a frozen dataclass in the built-in
     envs) and ``EpisodeT`` its `Episode` type. Every task-drawing method is a pure function of
@@ -77,22 +97,12 @@ class Env(Protocol[TaskT, EpisodeT]):
         """Assistant turns after which an episode ends (with reward 0 unless solved)."""
         ...
 
-    @property
-    def turns_needed(self) -> int:
-        """The fewest assistant turns in which every task's scripted `demonstration` finishes
-        (a smaller turn limit leaves some tasks unsolvable; the config warns)."""
-        ...
-
     def task(self, *, seed: int, index: int) -> TaskT:
         """Training task ``index`` of the stream ``seed`` (RL rollouts)."""
         ...
 
     def warmup_task(self, *, seed: int, index: int) -> TaskT:
         """Warm-up task ``index`` of the stream ``seed`` (the scripted demonstrations)."""
-        ...
-
-    def heldout_task(self, *, index: int) -> TaskT:
-        """Held-out task ``index`` for the observation cross-entropy (no training step uses it)."""
         ...
 
     def eval_tasks(self) -> Sequence[TaskT]:
@@ -112,6 +122,16 @@ class Env(Protocol[TaskT, EpisodeT]):
         """A scripted, finished conversation on ``task`` (the warm-start's data)."""
         ...
 
+
+@runtime_checkable
+class HeldoutObservations(Protocol[TaskT]):
+    """An env with held-out tasks, random walks on them and the exact NLL of their observations:
+    the held-out observation cross-entropy and its floor."""
+
+    def heldout_task(self, *, index: int) -> TaskT:
+        """Held-out task ``index`` for the observation cross-entropy (no training step uses it)."""
+        ...
+
     def random_walk(self, task: TaskT, rng: random.Random, turns: int) -> list[Message]:
         """A finished conversation of ``turns`` uniformly random actions (held-out data for the
         observation cross-entropy, independent of any policy)."""
@@ -122,9 +142,25 @@ class Env(Protocol[TaskT, EpisodeT]):
         given everything before it (the floor of the observation cross-entropy)."""
         ...
 
+
+@runtime_checkable
+class ImaginedObservations(Protocol):
+    """An env that recognises replies imagining its observations instead of acting."""
+
     def imagined_observation(self, reply: str) -> bool:
         """Whether an assistant reply contains chat scaffold or text that looks like this env's
         observations (the reply imagines the environment instead of acting)."""
+        ...
+
+
+@runtime_checkable
+class TurnsNeeded(Protocol):
+    """An env that knows the fewest turns in which every task can be solved."""
+
+    @property
+    def turns_needed(self) -> int:
+        """The fewest assistant turns in which every task's scripted `demonstration` finishes
+        (a smaller turn limit leaves some tasks unsolvable; the config warns)."""
         ...
 
 

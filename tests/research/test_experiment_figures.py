@@ -8,9 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-
-from echoloss.train.figures import FIGURES, interval_text, paired_differences, write_figures
-from echoloss.train.stats import paired_ci
+from echo_experiment.figures import FIGURES, interval_text, paired_differences, write_figures
+from echo_experiment.stats import paired_ci
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -65,7 +64,7 @@ def test_the_success_figure_pairs_each_arm_with_grpo_by_seed():
 def test_summarize_only_draws_the_figures_from_the_rows(tmp_path, capsys):
     """``--summarize-only`` on the main run's committed rows writes the three figures (and no
     multi-panel comparison.png)."""
-    from echoloss.train.experiment import main
+    from echo_experiment.experiment import main
 
     rows = json.loads((DOCS / "experiment" / "results.json").read_text())
     keep = [r for r in rows if r["seed"] < 2 and r["arm"] in ("grpo", "echo-0.05")]

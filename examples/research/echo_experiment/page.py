@@ -1,13 +1,13 @@
 """Rebuild the persistence experiment's report and its part of docs/experiment.md from its rows.
 
 The persistence section of docs/experiment.md prints, between two marker lines each, a headline
-and a result (`echoloss.train.persistence.headline` / `markdown`) of the committed rows; the
+and a result (`echo_experiment.persistence.headline` / `markdown`) of the committed rows; the
 page test (tests/train/test_experiment_page.py) recomputes both from
 ``docs/experiment/persistence/results.json``. This script is the one step from rows to page:
 
 1. reads the rows of ``RUN_DIR`` (``results.jsonl`` of an experiment's output directory, or a
    committed ``results.json``);
-2. runs ``echoloss-train experiment --mode persistence --summarize-only`` on them (in a
+2. runs ``python examples/research/echo_experiment/run.py --mode persistence --summarize-only`` on them (in a
    temporary directory, so ``RUN_DIR`` is not written), which writes ``results.json``,
    ``summary.json``, ``summary.md`` and the four figures;
 3. copies the rows, the summary and the figures into ``docs/experiment/persistence/`` (the
@@ -16,8 +16,8 @@ page test (tests/train/test_experiment_page.py) recomputes both from
 
 ::
 
-    python scripts/persistence_page.py runs/persistence           # a finished or cut-off run
-    python scripts/persistence_page.py docs/experiment/persistence  # the committed rows again
+    python examples/research/echo_experiment/run.py page runs/persistence           # a finished or cut-off run
+    python examples/research/echo_experiment/run.py page docs/experiment/persistence  # the committed rows again
 
 Run from the repository root. The verdicts read "interim" until all 12 pre-registered seeds
 are complete.
@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-from echoloss.train import experiment, persistence
+from echo_experiment import experiment, persistence
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 FILES = (
     "results.json",
     "summary.json",
@@ -47,7 +46,9 @@ FILES = (
 
 def main(argv: list[str] | None = None) -> int:
     """Summarise ``RUN_DIR``'s rows into docs/experiment/persistence/ and docs/experiment.md."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="examples/research/echo_experiment/run.py page", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument(
         "run_dir", type=Path, help="an experiment output directory, or the committed one"
     )
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = experiment.read_rows(
         args.run_dir,
         prog="persistence_page",
-        hint="pass the --output-dir of `echoloss-train experiment --mode persistence`",
+        hint="pass the --output-dir of `python examples/research/echo_experiment/run.py --mode persistence`",
     )
     if not rows or any(not r.get("level") for r in rows):
         raise SystemExit(
@@ -82,7 +83,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {target}/ and the persistence blocks of {page}: {len(seeds)} of "
           f"{persistence.PRE_REGISTERED_SEEDS} pre-registered seeds complete")  # fmt: skip
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

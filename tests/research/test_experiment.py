@@ -7,8 +7,7 @@ import math
 import statistics
 
 import pytest
-
-from echoloss.train.experiment import paired_ci, runs_table, steps_to, summarize
+from echo_experiment.experiment import paired_ci, runs_table, steps_to, summarize
 
 
 def test_paired_ci_by_hand():
@@ -67,7 +66,7 @@ def test_summary_pairs_by_seed_and_censors_steps():
 
 
 def test_summarize_only_on_an_empty_directory_is_a_clear_error(tmp_path, capsys):
-    from echoloss.train.experiment import main
+    from echo_experiment.experiment import main
 
     assert main(["--summarize-only", "--output-dir", str(tmp_path)]) == 2
     assert "no finished runs" in capsys.readouterr().err
@@ -210,7 +209,7 @@ def test_t_quantiles_exact_to_30_and_never_narrower_beyond():
     """The interval half-width uses t_{0.975, n-1}: the tabulated quantile's CDF is 0.975 (to the
     3-decimal rounding) up to df 30, and never below 0.975 after: an anti-conservative 1.96 for
     df 31-119 was a bug."""
-    from echoloss.train.stats import _t975
+    from echo_experiment.stats import _t975
 
     assert _t_cdf(1.959964, 10_000) == pytest.approx(0.975, abs=2e-5)  # the helper itself
     for df in range(1, 31):
@@ -227,7 +226,7 @@ def test_a_shared_warm_start_runs_no_warm_jobs_and_each_arm_evaluates_its_start(
     import argparse
     import json
 
-    from echoloss.train.experiment import MODES, _arm_row, _jobs
+    from echo_experiment.experiment import MODES, _arm_row, _jobs
 
     model = tmp_path / "final-model"
     args = argparse.Namespace(
@@ -268,7 +267,7 @@ def test_a_shared_warm_start_runs_no_warm_jobs_and_each_arm_evaluates_its_start(
 
 
 def test_a_shared_warm_start_is_checked_before_anything_runs(tmp_path, capsys):
-    from echoloss.train.experiment import main
+    from echo_experiment.experiment import main
 
     model = tmp_path / "final-model"
     model.mkdir()
@@ -299,8 +298,8 @@ def test_persistence_verdicts_follow_the_preregistered_criteria(tmp_path):
     """Three seeds: echo 0.05 lowers the move CE below GRPO's and below log 2 and gains 10
     points with reach-80 % speed-ups, the placebo gains nothing -> support; echo 0.01 lowers the
     CE but gains ±1 point -> refutation; per episode the CE does not fall -> undecided."""
-    from echoloss.train import persistence
-    from echoloss.train.experiment import speed_ratio
+    from echo_experiment import persistence
+    from echo_experiment.experiment import speed_ratio
 
     rows = []
     for seed, jitter in enumerate((0.0, 0.01, -0.01)):
@@ -350,8 +349,9 @@ def test_the_embedded_default_uses_the_setting_the_rows_support():
     import json
     from pathlib import Path
 
+    from echo_experiment.experiment import MARGIN
+
     from echoloss.train.config import load_config
-    from echoloss.train.experiment import MARGIN
 
     cfg = load_config(None)
     docs = Path(__file__).resolve().parents[2] / "docs" / "experiment"

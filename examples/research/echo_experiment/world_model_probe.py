@@ -11,11 +11,11 @@ the exact floor and against the two reference points that need no inference from
 
 ::
 
-    python scripts/world_model_probe.py --hidden-size 64 --layers 2 --steps 400
-    python scripts/world_model_probe.py --hidden-size 128 --layers 4 --steps 200
-    python scripts/world_model_probe.py --env mirrorgrid-shown --steps 800   # a lookup, no inference
-    python scripts/world_model_probe.py --pretrain-induction-steps 3000 --steps 800 --eval-every 100
-    python scripts/world_model_probe.py --init runs/copy/final-model --target observations \
+    python examples/research/echo_experiment/run.py world-model-probe --hidden-size 64 --layers 2 --steps 400
+    python examples/research/echo_experiment/run.py world-model-probe --hidden-size 128 --layers 4 --steps 200
+    python examples/research/echo_experiment/run.py world-model-probe --env mirrorgrid-shown --steps 800   # a lookup, no inference
+    python examples/research/echo_experiment/run.py world-model-probe --pretrain-induction-steps 3000 --steps 800 --eval-every 100
+    python examples/research/echo_experiment/run.py world-model-probe --init runs/copy/final-model --target observations \
         --steps 1500 --save runs/wm-pretrained          # a start that has the world model
 
 ``--target observations`` supervises every observation-body token of the walks (what a model
@@ -59,8 +59,11 @@ def _positions(env: MirrorGrid, tok, conversations):
     return sets, nats / sum(len(p) for _, p in sets)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="examples/research/echo_experiment/run.py world-model-probe",
+        description=__doc__.splitlines()[0],
+    )
     ap.add_argument("--hidden-size", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=400)
@@ -90,7 +93,7 @@ def main() -> None:
         default="mirrorgrid",
         help="mirrorgrid-shown prints the mirroring in the first message: a lookup, no inference",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     env = make_env(args.env, size=4)
@@ -171,7 +174,3 @@ def main() -> None:
     if args.save:
         model.save_pretrained(args.save)
         tok.save_pretrained(args.save)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
-"""The figures of an experiment's rows (``echoloss-train experiment``, docs/experiment.md): one
+"""The figures of an experiment's rows (``python examples/research/echo_experiment/run.py``, docs/experiment.md): one
 figure per question, each one panel with labelled axes and units, the number of paired seeds in
-its title and 95 % t intervals over seeds (`echoloss.train.stats.paired_ci`).
+its title and 95 % t intervals over seeds (`echo_experiment.stats.paired_ci`).
 
 * ``success.png``: *does echo change held-out success?* Sampled held-out success at the end of RL,
   each arm minus the GRPO arm of the same seed (percentage points): every seed, and the mean with
@@ -14,7 +14,7 @@ its title and 95 % t intervals over seeds (`echoloss.train.stats.paired_ci`).
   the committed rows computed it with an older pattern that undercounts it.
 
 Every figure is a function of the rows alone, so the committed rows regenerate it
-(``python scripts/experiment_figures.py docs/experiment/rl-120``).
+(``python examples/research/echo_experiment/run.py figures docs/experiment/rl-120``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from echoloss.train.persistence import arm_label, reference_label
-from echoloss.train.stats import paired_ci
+from echo_experiment.persistence import arm_label, reference_label
+from echo_experiment.stats import paired_ci
 
 __all__ = [
     "FIGURES",

@@ -3,9 +3,9 @@ paired over seeds, evaluated on held-out tasks.
 
 ::
 
-    echoloss-train experiment --mode quick --output-dir runs/echo-quick     # minutes on 2 cores
-    echoloss-train experiment --mode full --output-dir runs/echo-full       # the committed result
-    echoloss-train experiment --summarize-only --output-dir runs/echo-full  # tables + figures again
+    python examples/research/echo_experiment/run.py --mode quick --output-dir runs/echo-quick     # minutes on 2 cores
+    python examples/research/echo_experiment/run.py --mode full --output-dir runs/echo-full       # the committed result
+    python examples/research/echo_experiment/run.py --summarize-only --output-dir runs/echo-full  # tables + figures again
 
 For every seed, two warm-starts are trained once and shared:
 
@@ -26,7 +26,7 @@ A finished run's row is appended to ``results.jsonl`` at once, so a cut-off expe
 what it measured. At the end (or with ``--summarize-only``) it writes
 ``results.json`` (one object per run), ``summary.json`` / ``summary.md`` (means and 95 %
 confidence intervals over seeds of the paired differences against ``grpo``) and one figure per
-question (`echoloss.train.figures`: ``success.png``, ``observation_ce.png``,
+question (`echo_experiment.figures`: ``success.png``, ``observation_ce.png``,
 ``invalid_replies.png``).
 """
 
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from echoloss.train.figures import write_figures
-from echoloss.train.persistence import arm_label, reference_label
-from echoloss.train.stats import paired_ci
+from echo_experiment.figures import write_figures
+from echo_experiment.persistence import arm_label, reference_label
+from echo_experiment.stats import paired_ci
 
 __all__ = [
     "MODES",
@@ -740,7 +740,7 @@ def _write_summary(out: Path) -> int:
     rows = runs_table(_read_jsonl(out / "results.jsonl"))
     if not rows:
         print(
-            f"echoloss-train experiment: no finished runs in {str(out)!r} (no results.jsonl rows); "
+            f"echo_experiment: no finished runs in {str(out)!r} (no results.jsonl rows); "
             "run the experiment first",
             file=sys.stderr,
         )
@@ -751,7 +751,7 @@ def _write_summary(out: Path) -> int:
             f"{arm_label(r)} seed {r.get('seed')}: {', '.join(keys[:4])}" for r, keys in bad[:5]
         )
         print(
-            f"echoloss-train experiment: {len(bad)} run(s) in {str(out)!r} have non-finite "
+            f"echo_experiment: {len(bad)} run(s) in {str(out)!r} have non-finite "
             f"numbers ({named}); a mean or interval over them is not a number. Find why the run "
             "diverged (its metrics.jsonl), then rerun it (delete its directory and run with "
             "--resume) before summarising",
@@ -775,7 +775,7 @@ def _write_summary(out: Path) -> int:
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     if any(r.get("level") for r in paired):  # the persistence design: its own tables, figures
-        from echoloss.train import persistence
+        from echo_experiment import persistence
 
         md = persistence.markdown(summary)
         (out / "summary.md").write_text(md)
@@ -794,9 +794,9 @@ def _write_summary(out: Path) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The ``echoloss-train experiment`` command line."""
+    """The ``python examples/research/echo_experiment/run.py`` command line."""
     p = argparse.ArgumentParser(
-        prog="echoloss-train experiment", description=__doc__.split("::")[0]
+        prog="examples/research/echo_experiment/run.py", description=__doc__.split("::")[0]
     )
     p.add_argument("--config", help="base TOML (default: the embedded default)")
     p.add_argument("--output-dir", type=Path, default=Path("runs/echo-experiment"))
@@ -830,20 +830,20 @@ def _parser() -> argparse.ArgumentParser:
 def _numbers_error(args: argparse.Namespace) -> str | None:
     """What is wrong with ``--alphas``, ``--seeds`` or ``--jobs`` (None: nothing)."""
     if not all(math.isfinite(a) and a > 0 for a in args.alphas):
-        return (f"echoloss-train experiment: --alphas must be finite and > 0 (got {args.alphas}); "
+        return (f"echo_experiment: --alphas must be finite and > 0 (got {args.alphas}); "
                 "λ = 0 is the grpo arm, always run")  # fmt: skip
     from echoloss.train.config import MAX_SEED
 
     if not all(0 <= s <= MAX_SEED for s in args.seeds):
-        return (f"echoloss-train experiment: --seeds must be in [0, {MAX_SEED}] (got "
+        return (f"echo_experiment: --seeds must be in [0, {MAX_SEED}] (got "
                 f"{args.seeds})")  # fmt: skip
     for name, values in (("--seeds", args.seeds), ("--alphas", [f"{a:g}" for a in args.alphas])):
         twice = sorted({v for v in values if values.count(v) > 1})
         if twice:
-            return (f"echoloss-train experiment: {name} lists {twice} more than once: two jobs "
+            return (f"echo_experiment: {name} lists {twice} more than once: two jobs "
                     "would write the same run directories; list each once")  # fmt: skip
     if args.jobs < 1:
-        return f"echoloss-train experiment: --jobs must be >= 1 (got {args.jobs})"
+        return f"echo_experiment: --jobs must be >= 1 (got {args.jobs})"
     return None
 
 
@@ -852,10 +852,10 @@ def _warm_start_error(args: argparse.Namespace) -> str | None:
     summarising); when it is right, resolves it to an absolute path."""
     if args.warm_start is not None and not args.summarize_only:
         if not args.no_actobs:
-            return ("echoloss-train experiment: --warm-start gives every arm the same start, but "
+            return ("echo_experiment: --warm-start gives every arm the same start, but "
                     "the actobs arm is defined by its own warm-start; add --no-actobs")  # fmt: skip
         if not (args.warm_start / "config.json").is_file():
-            return (f"echoloss-train experiment: --warm-start {str(args.warm_start)!r} is not a "
+            return (f"echo_experiment: --warm-start {str(args.warm_start)!r} is not a "
                     "model directory (no config.json); pass a run's final-model directory")  # fmt: skip
         args.warm_start = args.warm_start.resolve()
     return None
@@ -886,7 +886,7 @@ def _run_experiment(args: argparse.Namespace, mode: dict[str, Any], out: Path) -
     try:
         base = load_config(args.config)
     except (ConfigError, FileNotFoundError) as err:
-        print(f"echoloss-train experiment: {err}", file=sys.stderr)
+        print(f"echo_experiment: {err}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.jsonl").unlink(missing_ok=True)
@@ -902,14 +902,14 @@ def _run_experiment(args: argparse.Namespace, mode: dict[str, Any], out: Path) -
     failed = _run_all(jobs, out, args.jobs, env_name, resume=args.resume)
     print(f"{len(jobs) - len(failed)}/{len(jobs)} runs finished in {time.perf_counter() - t:.0f}s")
     if failed:
-        print(f"echoloss-train experiment: runs failed, see {[f + '.log' for f in failed]}",
+        print(f"echo_experiment: runs failed, see {[f + '.log' for f in failed]}",
               file=sys.stderr)  # fmt: skip
     code = _write_summary(out)
     return 1 if failed else code
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``echoloss-train experiment``: check the arguments, then run the experiment (or with
+    """``python examples/research/echo_experiment/run.py``: check the arguments, then run the experiment (or with
     ``--summarize-only`` only rebuild its tables and figures). Returns the exit code."""
     args = _parser().parse_args(argv)
     mode = MODES[args.mode]
@@ -923,7 +923,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize_only:
         return _write_summary(out)
     return _run_experiment(args, mode, out)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from echo_experiment.experiment import main
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_experiment import _row
-
-from echoloss.train.experiment import main
 
 
 @pytest.mark.parametrize(

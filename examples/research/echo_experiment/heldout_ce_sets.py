@@ -17,7 +17,7 @@ Both have the same exact floor rule (``log 2`` for the first move along each axi
 
 ::
 
-    python scripts/heldout_ce_sets.py runs/wm/warm/final-model runs/exp/*/final-model
+    python examples/research/echo_experiment/run.py heldout-ce runs/wm/warm/final-model runs/exp/*/final-model
 
 Prints one JSON object per model and set (model, set, ce, floor, ce / floor, tokens).
 """
@@ -45,13 +45,16 @@ def held_out_sets(env, count: int) -> dict[str, list[list[dict]]]:
     return {"random-walks": heldout_conversations(env, count=count), "demonstrations": demos}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="examples/research/echo_experiment/run.py heldout-ce",
+        description=__doc__.splitlines()[0],
+    )
     ap.add_argument("models", nargs="+", help="local model directories (e.g. */final-model)")
     ap.add_argument("--count", type=int, default=64, help="conversations per set")
     ap.add_argument("--env", choices=["mirrorgrid"], default="mirrorgrid")
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     env = make_env(args.env, size=4)  # demo_explore = 0: the Bayes-optimal demonstrator
     sets = held_out_sets(env, args.count)
@@ -66,7 +69,3 @@ def main() -> None:
             row = {"model": path, "set": name, "ce": round(ce, 4), "floor": round(floor, 4),
                    "over_floor": round(ce / floor, 2), "tokens": tokens}  # fmt: skip
             print(json.dumps(row), flush=True)
-
-
-if __name__ == "__main__":
-    main()

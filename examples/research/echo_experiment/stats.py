@@ -1,7 +1,7 @@
 """Paired 95 % t intervals over seeds: the statistics of docs/experiment.md's tables.
 
 A leaf module (standard library only), shared by the experiment driver
-(`echoloss.train.experiment`) and its report (`echoloss.train.persistence`).
+(`echo_experiment.experiment`) and its report (`echo_experiment.persistence`).
 """
 
 from __future__ import annotations

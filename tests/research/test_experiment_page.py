@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from echoloss.train.experiment import arm_label, paired_ci, summarize
+from echo_experiment.experiment import arm_label, paired_ci, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "experiment.md"
@@ -248,9 +247,9 @@ def _persistence_rows() -> list[dict[str, Any]]:
 
 
 def _persistence_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """What `echoloss-train experiment --summarize-only` computes from the rows: the summary of
+    """What `python examples/research/echo_experiment/run.py --summarize-only` computes from the rows: the summary of
     the seeds whose six arms all finished (non-finite numbers as null), with ``complete_seeds``."""
-    from echoloss.train.experiment import LEVEL_ARMS, _finite
+    from echo_experiment.experiment import LEVEL_ARMS, _finite
 
     labels = {f"{lv} {a}" + ("" if a == "grpo" else f" {x:g}") for lv, a, x, _ in LEVEL_ARMS}
     complete = sorted(
@@ -268,7 +267,7 @@ def test_the_persistence_section_is_generated_from_the_committed_rows():
     summary of the committed rows, character for character (status line, four tables, verdicts
     and the findings in words), and summary.json is exactly that summary: regenerating the page
     from the rows changes nothing. Every row has the documented fields."""
-    from echoloss.train import persistence
+    from echo_experiment import persistence
 
     rows = _persistence_rows()
     for r in rows:
@@ -286,7 +285,7 @@ def test_the_persistence_section_is_generated_from_the_committed_rows():
     page = PAGE.read_text()
     assert persistence.update_page(page, summary) == page, (
         "docs/experiment.md does not print the report of docs/experiment/persistence/results.json;"
-        " run `python scripts/persistence_page.py docs/experiment/persistence`"
+        " run `python examples/research/echo_experiment/run.py page docs/experiment/persistence`"
     )
     n = len(summary["complete_seeds"])
     if n < persistence.PRE_REGISTERED_SEEDS:  # the status the reader sees first
@@ -295,8 +294,8 @@ def test_the_persistence_section_is_generated_from_the_committed_rows():
 
 
 def test_the_pre_registered_seed_count_is_the_drivers():
-    from echoloss.train import persistence
-    from echoloss.train.experiment import MODES
+    from echo_experiment import persistence
+    from echo_experiment.experiment import MODES
 
     assert persistence.PRE_REGISTERED_SEEDS == len(MODES["persistence"]["seeds"]) == 12
 
@@ -322,7 +321,7 @@ def _shifted_seeds(count: int) -> list[dict[str, Any]]:
 
 
 def test_a_one_seed_run_is_reported_as_an_interim_pilot():
-    from echoloss.train import persistence
+    from echo_experiment import persistence
 
     summary = _persistence_summary(_shifted_seeds(1))
     md = persistence.markdown(summary)
@@ -356,7 +355,7 @@ def test_a_one_seed_run_is_reported_as_an_interim_pilot():
 
 
 def test_a_three_seed_run_is_interim_with_intervals():
-    from echoloss.train import persistence
+    from echo_experiment import persistence
 
     summary = _persistence_summary(_shifted_seeds(3))
     assert summary["complete_seeds"] == [0, 1, 2]
@@ -399,19 +398,20 @@ def test_a_three_seed_run_is_interim_with_intervals():
 
 
 def test_the_page_is_regenerated_from_a_run_by_one_command(tmp_path):
-    """scripts/persistence_page.py RUN_DIR: a cut-off run (seeds 0 and 1 complete, seed 2 with
+    """examples/research/echo_experiment/run.py page RUN_DIR: a cut-off run (seeds 0 and 1 complete, seed 2 with
     only its GRPO arms) becomes docs/experiment/persistence/ and the page's two generated
     blocks, "2 of 12" and interim; the rest of the page is untouched."""
     import importlib.util
 
-    from echoloss.train import persistence
+    from echo_experiment import page as script
+    from echo_experiment import persistence
 
     spec = importlib.util.spec_from_file_location(
-        "persistence_page", ROOT / "scripts" / "persistence_page.py"
+        "echo_experiment_run", ROOT / "examples" / "research" / "echo_experiment" / "run.py"
     )
     assert spec and spec.loader
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    command = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(command)
     rows = _shifted_seeds(3)
     rows = [r for r in rows if r["seed"] < 2 or r["arm"] == "grpo"]
     run = tmp_path / "run"
@@ -420,7 +420,7 @@ def test_the_page_is_regenerated_from_a_run_by_one_command(tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "experiment.md").write_text(PAGE.read_text())
-    assert script.main([str(run), "--docs", str(docs)]) == 0
+    assert command.main(["page", str(run), "--docs", str(docs)]) == 0
     page = (docs / "experiment.md").read_text()
     summary = json.loads((docs / "experiment" / "persistence" / "summary.json").read_text())
     assert summary["complete_seeds"] == [0, 1]
@@ -1162,7 +1162,7 @@ _PROSE_NUMBER = re.compile(r"(?<![\w.])[+\-−]?\d+(?:,\d{3})*(?:\.\d+)?(?:e-\d+
 def _prose() -> str:
     """The page's prose and headings, whitespace normalised: no generated block (recomputed
     verbatim above), no code block, table or figure line."""
-    from echoloss.train import persistence
+    from echo_experiment import persistence
 
     text = PAGE.read_text()
     for begin, end in (persistence.HEADLINE_MARKERS, persistence.RESULT_MARKERS):
