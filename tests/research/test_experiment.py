@@ -326,7 +326,7 @@ def test_persistence_verdicts_follow_the_preregistered_criteria(tmp_path):
     assert weak["ce_below_grpo"] and weak["gains_above_3_ruled_out"]
     assert weak["verdict"] == "refutation"
     assert persistence.verdict(s, "per-episode echo 0.05")["verdict"] == "undecided"
-    md = persistence.markdown(s | {"complete_seeds": [0, 1, 2]}, planned_seeds=3)
+    md = persistence.markdown(s | {"complete_seeds": [0, 1, 2]}, planned_seeds=(0, 1, 2))
     assert "| per-world echo 0.05 | yes / yes | yes / yes | yes | no | **support** |" in md
     assert "| per-world echo 0.01 | yes / yes | no / no | yes | yes | **refutation** |" in md
     interim = persistence.markdown(s | {"complete_seeds": [0, 1, 2]})  # 3 of the 12 planned

@@ -69,7 +69,7 @@ def test_summarize_only_draws_the_figures_from_the_rows(tmp_path, capsys):
     rows = json.loads((DOCS / "experiment" / "results.json").read_text())
     keep = [r for r in rows if r["seed"] < 2 and r["arm"] in ("grpo", "echo-0.05")]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in keep))
-    assert main(["--summarize-only", "--output-dir", str(tmp_path)]) == 0
+    assert main(["--mode", "full", "--summarize-only", "--output-dir", str(tmp_path)]) == 0
     assert ", ".join(FIGURES) in capsys.readouterr().out
     assert {p.name for p in tmp_path.glob("*.png")} == set(FIGURES)
 

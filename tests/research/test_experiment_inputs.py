@@ -36,7 +36,8 @@ def test_a_run_with_non_finite_numbers_is_named_not_summarised(tmp_path, capsys)
         _row("echo-0.01", 0, 0.4, float("nan"), 0.8, 0.3),
     ]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["--summarize-only", "--output-dir", str(tmp_path)]) == 2
+    argv = ["--summarize-only", "--alphas", "0.01", "--no-actobs", "--output-dir", str(tmp_path)]
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert "echo-0.01 seed 0: eval_success_end, eval_success_sampled_end" in err
     assert not (tmp_path / "summary.json").exists()

@@ -288,16 +288,18 @@ def test_the_persistence_section_is_generated_from_the_committed_rows():
         " run `python examples/research/echo_experiment/run.py page docs/experiment/persistence`"
     )
     n = len(summary["complete_seeds"])
-    if n < persistence.PRE_REGISTERED_SEEDS:  # the status the reader sees first
+    if n < len(persistence.PRE_REGISTERED_SEEDS):  # the status the reader sees first
         assert f"**Interim: {n} of 12 pre-registered seeds complete**" in page
         assert f"**interim**: {n} of its 12 pre-registered seeds complete" in page
 
 
-def test_the_pre_registered_seed_count_is_the_drivers():
+def test_the_pre_registered_seed_set_is_the_drivers():
     from echo_experiment import persistence
     from echo_experiment.experiment import MODES
 
-    assert persistence.PRE_REGISTERED_SEEDS == len(MODES["persistence"]["seeds"]) == 12
+    assert (
+        persistence.PRE_REGISTERED_SEEDS == tuple(MODES["persistence"]["seeds"]) == tuple(range(12))
+    )
 
 
 def _shifted_seeds(count: int) -> list[dict[str, Any]]:
@@ -386,11 +388,11 @@ def test_a_three_seed_run_is_interim_with_intervals():
         assert line in md, line
     assert "**undecided**" not in md and "**support**" not in md
     # the same rows as a complete run (planned = 3) apply the criteria: (a) fails below log 2
-    final = persistence.markdown(summary, planned_seeds=3)
+    final = persistence.markdown(summary, planned_seeds=(0, 1, 2))
     assert final.startswith("### Result: 3 of 3 pre-registered seeds, the complete run\n")
     assert "| per-world echo 0.01 | yes / no | yes / no | no | no | **undecided** |" in final
     assert "verdicts: " not in persistence.headline(summary).lower()
-    assert persistence.headline(summary, planned_seeds=3).endswith(
+    assert persistence.headline(summary, planned_seeds=(0, 1, 2)).endswith(
         "work: complete, 3 of 3 pre-registered seeds. Verdicts: per-world echo 0.01: "
         "**undecided**; per-world echo 0.05: **undecided**; per-episode echo 0.05: "
         "**undecided**.\n"

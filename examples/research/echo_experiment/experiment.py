@@ -44,6 +44,7 @@ from typing import Any
 
 from echo_experiment.figures import write_figures
 from echo_experiment.persistence import arm_label, reference_label
+from echo_experiment.rows import RowsError, check_rows, read_results
 from echo_experiment.stats import paired_ci
 
 __all__ = [
@@ -160,13 +161,14 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def read_rows(run_dir: Path, *, prog: str, hint: str) -> list[dict[str, Any]]:
     """The rows of the experiment output ``run_dir``: its ``results.jsonl`` if present, else its
-    ``results.json`` (a committed folder). The error names ``prog`` and ends with ``hint``: what
-    to pass instead."""
-    if (run_dir / "results.jsonl").is_file():
-        return _read_jsonl(run_dir / "results.jsonl")
-    if (run_dir / "results.json").is_file():
-        rows: list[dict[str, Any]] = json.loads((run_dir / "results.json").read_text())
-        return rows
+    ``results.json`` (a committed folder), each checked (`echo_experiment.rows`). The error
+    names ``prog``; a missing file's ends with ``hint``: what to pass instead."""
+    for name in ("results.jsonl", "results.json"):
+        if (run_dir / name).is_file():
+            try:
+                return [row for _, row in read_results(run_dir / name)]
+            except RowsError as err:
+                raise SystemExit(f"{prog}: {err}") from None
     raise SystemExit(f"{prog}: {str(run_dir)!r} has neither results.jsonl nor results.json; {hint}")
 
 
@@ -414,6 +416,33 @@ def _append_row(out: Path, job: _Job, env: str) -> None:
         f.write(json.dumps(_arm_row(out, job, env)) + "\n")
 
 
+def _args_file(out: Path, job: _Job) -> Path:
+    """Where a job's command line is recorded when it starts (beside its log)."""
+    return out / f"{job.name}.args.json"
+
+
+def foreign_runs(jobs: list[_Job], out: Path) -> list[str]:
+    """What is wrong with each finished run of ``out`` that ``--resume`` would keep: one made by
+    another command line than its job's (another mode, other --set items, another --config) or
+    with no record of its command (`_args_file`). Keeping it would pair this experiment's arms
+    with another's warm-start, or report another experiment's arm as this one's."""
+    bad = []
+    for job in jobs:
+        if not (out / job.name / "final-model" / "config.json").is_file():
+            continue  # not finished: it runs again from the start
+        record = _args_file(out, job)
+        try:
+            made = json.loads(record.read_text())["args"] if record.is_file() else None
+        except (json.JSONDecodeError, TypeError, KeyError):
+            made = []  # unreadable: not this job's
+        if made is None:
+            bad.append(f"{job.name} (no record of the command that made it: {record.name})")
+        elif made != job.args:
+            diff = [a for a in job.args if a not in made] or [a for a in made if a not in job.args]
+            bad.append(f"{job.name} (made by another command; this one differs in {diff[:3]})")
+    return bad
+
+
 def _keep_finished(jobs: list[_Job], out: Path, env: str, bar: Any) -> None:
     """Mark done the jobs whose final model exists (a resumed experiment: not run again) and
     append the rows of those that are arms."""
@@ -431,6 +460,7 @@ def _work(
     """One worker thread: run the next ready job in ``pool`` until none is left, recording each
     one's wall time and state, and appending each finished arm's row."""
     while (job := _next_job(jobs, lock, bar)) is not None:
+        _args_file(out, job).write_text(json.dumps({"args": job.args}))  # for --resume
         t = time.perf_counter()
         code = pool.submit(_run_one, job.args, str(out / f"{job.name}.log")).result()
         job.wall = time.perf_counter() - t
@@ -452,6 +482,7 @@ def _run_all(
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    workers = max(1, min(workers, len(jobs)))  # more workers than runs would idle
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     lock = threading.Condition()
     bar = _progress(len(jobs))
@@ -736,8 +767,45 @@ def complete_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
     return [r for r in rows if r["seed"] in complete], complete
 
 
-def _write_summary(out: Path) -> int:
-    rows = runs_table(_read_jsonl(out / "results.jsonl"))
+def expected_arms(args: argparse.Namespace, mode: dict[str, Any]) -> set[str]:
+    """The arm labels (`arm_label`) the experiment asked for runs: the persistence design's
+    `LEVEL_ARMS`, or ``grpo``, ``echo-<λ>`` for each of ``args.alphas`` and ``actobs`` unless
+    ``args.no_actobs``.
+
+    Examples:
+        >>> ns = argparse.Namespace(alphas=[0.05, 0.01], no_actobs=True)
+        >>> sorted(expected_arms(ns, MODES["quick"]))
+        ['echo-0.01', 'echo-0.05', 'grpo']
+        >>> sorted(expected_arms(ns, MODES["persistence"]))[:2]
+        ['per-episode echo 0.05', 'per-episode grpo']
+    """
+    if mode.get("levels"):
+        return {arm_label({"level": lv, "arm": a, "alpha": x}) for lv, a, x, _ in LEVEL_ARMS}
+    arms = {"grpo", *(f"echo-{a:g}" for a in args.alphas)}
+    return arms if args.no_actobs else arms | {"actobs"}
+
+
+def _asked(args: argparse.Namespace, mode: dict[str, Any]) -> str:
+    """The experiment asked for, in the command line's words (for messages)."""
+    if mode.get("levels"):
+        return f"--mode {args.mode}"
+    no_actobs = " --no-actobs" if args.no_actobs else ""
+    return f"--mode {args.mode} --alphas {' '.join(f'{a:g}' for a in args.alphas)}{no_actobs}"
+
+
+def _write_summary(out: Path, args: argparse.Namespace, mode: dict[str, Any]) -> int:
+    try:
+        rows = runs_table(
+            check_rows(
+                read_results(out / "results.jsonl"),
+                arms=expected_arms(args, mode),
+                seeds=args.seeds if args.seeds_given else None,
+                asked=_asked(args, mode),
+            )
+        )
+    except RowsError as err:
+        print(f"echo_experiment: {err}", file=sys.stderr)
+        return 2
     if not rows:
         print(
             f"echo_experiment: no finished runs in {str(out)!r} (no results.jsonl rows); "
@@ -806,7 +874,7 @@ def _parser() -> argparse.ArgumentParser:
         "--alphas", type=float, nargs="+", help="λ of the echo arms (default: the mode's)"
     )
     p.add_argument("--no-actobs", action="store_true", help="leave out the ActObs-style arm")
-    p.add_argument("--jobs", type=int, default=2, help="runs at a time (each uses one CPU thread)")
+    p.add_argument("--jobs", type=int, help="runs at a time (each uses one CPU thread; default 2)")
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="passed to every run"
     )
@@ -847,6 +915,79 @@ def _numbers_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _ignored_error(args: argparse.Namespace, mode: dict[str, Any]) -> str | None:
+    """The first flag on the command line that this command would ignore (None: none): the
+    persistence design's arms and warm-starts are fixed, and ``--summarize-only`` runs nothing.
+    Call before the mode's defaults are filled in."""
+    given = {
+        "--alphas": args.alphas is not None,
+        "--no-actobs": args.no_actobs,
+        "--warm-start": args.warm_start is not None,
+        "--jobs": args.jobs is not None,
+        "--set": bool(args.set),
+        "--config": args.config is not None,
+        "--resume": args.resume,
+    }
+    if mode.get("levels"):
+        for flag in ("--alphas", "--no-actobs", "--warm-start"):
+            if given[flag]:
+                return (f"echo_experiment: {flag} does not apply to --mode {args.mode}: the "
+                        "persistence design's arms (echo at its pre-registered λ, the placebo) "
+                        "and its one warm-start per seed are fixed; leave it out")  # fmt: skip
+    if args.summarize_only:
+        for flag in ("--warm-start", "--jobs", "--set", "--config", "--resume"):
+            if given[flag]:
+                return (f"echo_experiment: --summarize-only runs nothing, so {flag} would be "
+                        "ignored; leave it out (--mode, --alphas, --no-actobs and --seeds say "
+                        "which rows belong to the experiment)")  # fmt: skip
+    return None
+
+
+#: ``--set`` keys that every run of the experiment sets itself (a user's value would be
+#: overridden in every run), with what sets them instead.
+FIXED_KEYS = {
+    "echo.alpha": "each arm sets its own λ (--alphas)",
+    "train.seed": "each run's seed is one of --seeds",
+    "train.output_dir": "each run's directory is inside --output-dir",
+    "model.path": "each arm starts from its warm-start (--warm-start: one start for all)",
+    "train.threads": "each run uses one CPU thread (--jobs: how many run at once)",
+    "train.progress": "the runs' progress bars are off (the experiment shows its own)",
+    "train.eval_at_start": "the experiment evaluates each arm's start once, where it is made",
+}
+#: The same for the persistence design's runs.
+FIXED_LEVEL_KEYS = {
+    "env.world": "each seed's world is the seed itself",
+    "env.level": "each arm's level is the design's (LEVEL_ARMS)",
+    "echo.span": "the placebo arm sets it, the others echo the whole observation",
+}
+
+
+def _set_error(args: argparse.Namespace, mode: dict[str, Any]) -> str | None:
+    """What is wrong with a ``--set`` item (None: nothing): not ``KEY=VALUE``, or a key that
+    every run sets itself (`FIXED_KEYS`), so the value would be silently overridden."""
+    fixed = FIXED_KEYS | (FIXED_LEVEL_KEYS if mode.get("levels") else {})
+    for item in args.set:
+        key, eq, _ = item.partition("=")
+        if not eq or not key.strip():
+            return f"echo_experiment: --set expects KEY=VALUE, got {item!r}"
+        if key.strip() in fixed:
+            return (f"echo_experiment: --set {item!r} would be overridden in every run: "
+                    f"{fixed[key.strip()]}; leave it out")  # fmt: skip
+    return None
+
+
+def _overrides(items: list[str]) -> dict[str, Any]:
+    """``--set`` items as the trainer's command line reads them (JSON values where they parse)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, _, text = item.partition("=")
+        try:
+            out[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key.strip()] = text
+    return out
+
+
 def _warm_start_error(args: argparse.Namespace) -> str | None:
     """What is wrong with ``--warm-start`` for a run (None: nothing, or not given, or only
     summarising); when it is right, resolves it to an absolute path."""
@@ -882,21 +1023,26 @@ def _run_experiment(args: argparse.Namespace, mode: dict[str, Any], out: Path) -
     """Run every job of the experiment into ``out``, then write its summary. Returns the exit
     code: 2 on a bad config, 1 when a run failed, else the summary's."""
     from echoloss.train.config import ConfigError, load_config
+    from echoloss.train.presets import resolve_config
 
-    try:
-        base = load_config(args.config)
+    try:  # the mode's and the command line's --set items, validated once before any run
+        base = load_config(resolve_config(args.config), _overrides([*mode["set"], *args.set]))
     except (ConfigError, FileNotFoundError) as err:
         print(f"echo_experiment: {err}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.jsonl").unlink(missing_ok=True)
     base_cmd: list[str] = []
     if args.config:
         base_cmd += ["--config", args.config]
     jobs = _jobs(args, mode, base_cmd)
-    sets = [*mode["set"], *args.set]  # the mode's, then the command line's (the later wins)
-    renamed = [item.split("=", 1)[1] for item in sets if item.startswith("env.name=")]
-    env_name = renamed[-1] if renamed else base.env.name  # --set env.name=... runs a control
+    if args.resume and (foreign := foreign_runs(jobs, out)):  # before anything is written
+        print(f"echo_experiment: --resume would keep {len(foreign)} finished run(s) of "
+              f"{str(out)!r} that this command did not make: {'; '.join(foreign[:4])}. Resume "
+              "with the arguments that made them, or delete those run directories (or use "
+              "another --output-dir)", file=sys.stderr)  # fmt: skip
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").unlink(missing_ok=True)
+    env_name = base.env.name  # with the --set items: --set env.name=... runs a control
     print(_plan(args, mode, env_name, len(jobs), out), flush=True)
     t = time.perf_counter()
     failed = _run_all(jobs, out, args.jobs, env_name, resume=args.resume)
@@ -904,7 +1050,7 @@ def _run_experiment(args: argparse.Namespace, mode: dict[str, Any], out: Path) -
     if failed:
         print(f"echo_experiment: runs failed, see {[f + '.log' for f in failed]}",
               file=sys.stderr)  # fmt: skip
-    code = _write_summary(out)
+    code = _write_summary(out, args, mode)
     return 1 if failed else code
 
 
@@ -913,13 +1059,22 @@ def main(argv: list[str] | None = None) -> int:
     ``--summarize-only`` only rebuild its tables and figures). Returns the exit code."""
     args = _parser().parse_args(argv)
     mode = MODES[args.mode]
+    ignored = _ignored_error(args, mode)
+    if ignored is not None:
+        print(ignored, file=sys.stderr)
+        return 2
+    args.seeds_given = args.seeds is not None
     args.seeds = args.seeds if args.seeds is not None else mode["seeds"]
     args.alphas = args.alphas if args.alphas is not None else mode["alphas"]
-    error = _numbers_error(args) or _warm_start_error(args)
+    args.jobs = args.jobs if args.jobs is not None else 2
+    error = _numbers_error(args) or _set_error(args, mode) or _warm_start_error(args)
+    out: Path = args.output_dir
+    if error is None and out.exists() and not out.is_dir():
+        error = (f"echo_experiment: --output-dir {str(out)!r} is a file, not a directory; "
+                 "pass a directory (it is created when missing)")  # fmt: skip
     if error is not None:
         print(error, file=sys.stderr)
         return 2
-    out: Path = args.output_dir
     if args.summarize_only:
-        return _write_summary(out)
+        return _write_summary(out, args, mode)
     return _run_experiment(args, mode, out)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -64,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
             f"persistence_page: {str(args.run_dir)!r} holds {len(rows)} rows, not all of the "
             "persistence design (each needs a `level`); pass a persistence run's directory"
         )
+    planned = persistence.PRE_REGISTERED_SEEDS
+    foreign = sorted({r["seed"] for r in rows} - set(planned))
+    if foreign:  # the set of seeds is what was pre-registered, not their number
+        print(f"persistence_page: {str(args.run_dir)!r} holds rows of seeds {foreign}, which are "
+              f"not pre-registered (seeds {planned[0]}–{planned[-1]}): the page's verdicts are the "
+              "pre-registered analysis of those seeds only; remove the other rows (nothing was "
+              "written)", file=sys.stderr)  # fmt: skip
+        return 2
     target = args.docs / "experiment" / "persistence"
     page = args.docs / "experiment.md"
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,5 +90,5 @@ def main(argv: list[str] | None = None) -> int:
     page.write_text(persistence.update_page(page.read_text(), summary))
     seeds = summary["complete_seeds"]
     print(f"wrote {target}/ and the persistence blocks of {page}: {len(seeds)} of "
-          f"{persistence.PRE_REGISTERED_SEEDS} pre-registered seeds complete")  # fmt: skip
+          f"{len(planned)} pre-registered seeds complete")  # fmt: skip
     return 0
