@@ -184,7 +184,14 @@ def _outcome_lines(summary: dict[str, Any]) -> list[str]:
             f"{_fmt(_mean(e, 'steps_to_80_or_censored'), 1)} ({e['reached_80']}) | "
             f"{_ratio(e.get('speed_ratio_vs_grpo'))} |"
         )
-    return lines
+    return [
+        *lines,
+        "",
+        "Steps to 80 %: per run the first RL step with greedy held-out success at or above 80 %, "
+        "a run that never got there counted at its last RL step; the speed ratio (the "
+        "pre-registered co-primary) counts such a run at its last RL step plus one evaluation "
+        "interval. Both are censored, differently: a mean over censored runs is a lower bound.",
+    ]
 
 
 def _world_model_lines(arms: dict[str, Any]) -> list[str]:
@@ -388,27 +395,44 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def _manipulation(summary: dict[str, Any]) -> str:
+    """Whether the per-world echo arms reached what both verdicts need (move-word CE below
+    ``log 2``), in one sentence for the headline; empty when all of them did."""
+    world = [a for a in _echo_arms(summary) if a.startswith("per-world")]
+    ends = [_mean(summary["arms"][a], "move_ce_end") for a in world]
+    below = sum(1 for x in ends if x is not None and x < LOG2)
+    if below == len(world):
+        return ""
+    return (
+        f" {'No' if below == 0 else f'{below} of {len(world)}'} per-world echo arm"
+        f"{'' if below == 1 else 's'} ended with the move-word CE below log 2, which support and "
+        "refutation both needed: the run did not reach the condition it was built to test, so "
+        "its verdicts say nothing for or against echo where that world model is learnt."
+    )
+
+
 def headline(
     summary: dict[str, Any], *, planned_seeds: Sequence[int] = PRE_REGISTERED_SEEDS
 ) -> str:
     """The persistence experiment's one-paragraph status for the top of docs/experiment.md.
 
     Examples:
-        >>> headline({"arms": {}, "complete_seeds": [0, 1, 2]}).split("work: ")[1][:12]
+        >>> headline({"arms": {}, "complete_seeds": [0, 1, 2]}).split("pre-registered: ")[1][:12]
         '**interim**:'
     """
     n, final = _complete(summary, planned_seeds)
     link = "[below](#persistence-does-echo-help-when-the-hidden-dynamics-persist-pre-registered)"
     if not final:
         return (
-            f"**The persistence experiment** ({link}), which asks the question where echo can "
-            f"work: **interim**: {n} of its {len(planned_seeds)} pre-registered seeds complete, "
-            "and its criteria decide only on the complete run, so it has no verdict yet.\n"
+            f"**The persistence experiment** ({link}), pre-registered: **interim**: {n} of its "
+            f"{len(planned_seeds)} pre-registered seeds complete, and its criteria decide only "
+            "on the complete run, so it has no verdict yet.\n"
         )
     verdicts = "; ".join(f"{a}: **{verdict(summary, a)['verdict']}**" for a in _echo_arms(summary))
     return (
-        f"**The persistence experiment** ({link}), which asks the question where echo can "
-        f"work: complete, {n} of {len(planned_seeds)} pre-registered seeds. Verdicts: {verdicts}.\n"
+        f"**The persistence experiment** ({link}), pre-registered: complete, {n} of "
+        f"{len(planned_seeds)} pre-registered seeds. Verdicts: {verdicts}."
+        f"{_manipulation(summary)}\n"
     )
 
 
