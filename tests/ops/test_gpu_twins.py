@@ -50,7 +50,7 @@ def on(request, monkeypatch):
     """The test's device; the row-algebra helpers run their calls there, and the fused row
     algebra and value checks run on it (``"always"``: also on cpu tensors under the
     interpreter, as ``"auto"`` does on CUDA)."""
-    from echoloss.loss.core import fuse_loss_algebra
+    from echoloss.loss.fused import fuse_loss_algebra
 
     device = torch.device(request.node.callspec.params["device"])
     monkeypatch.setattr(rows_tests, "DEVICE", device)
@@ -179,7 +179,7 @@ def test_new_policies_fused_algebra_equals_the_pytorch_algebra(device, name, on,
     ulp of the largest entry."""
     from echoloss._deferred import device_code_path, raise_deferred_errors
     from echoloss.loss import echo_loss
-    from echoloss.loss.core import fuse_loss_algebra
+    from echoloss.loss.fused import fuse_loss_algebra
 
     n, v = 1031, 37  # rows past one program block; the algebra does not read the vocabulary
     # the phases: Triton on CUDA; on CPU the reference (interpreted, 1,031 rows of phase
