@@ -16,10 +16,10 @@
 # most BUDGET_S = 540 s (checked before anything runs; each step gets 5 s more to exit after its
 # box), so the whole check ends inside a 600 s command.
 #   setup     40 s  GPU, driver, versions; offline install of the carried wheels
-#   tests    150 s  pytest -m gpu tests/ops: the GPU tests and the GPU twins of the CPU tests
-#   values    60 s  echoloss.nn modules, every loss_type, on CUDA against the CPU path
+#   tests    140 s  pytest -m gpu tests/ops: the GPU tests and the GPU twins of the CPU tests
+#   values    75 s  echoloss.nn modules, every loss_type, on CUDA against the CPU path
 #   check    150 s  five bf16 shapes, echoloss vs TRL vs Liger (+ naive), and fused-linear
-#   rounds    90 s  fused-linear against logits-then-loss in 30 paired rounds (H = 4096)
+#   rounds    85 s  fused-linear against logits-then-loss in 30 paired rounds (H = 4096)
 #   launches  40 s  launches and host syncs of echo_loss and the nn modules per call
 #   goals     10 s  the goals summary, printed last
 # At most 8 files land in $OUT: env.txt, log.txt (every step's output), steps.jsonl,
@@ -46,7 +46,7 @@ STEPS=(setup tests values check rounds launches goals)
 if [ -n "${GPU_CHECK_STEPS:-}" ]; then  # a subset, e.g. "setup check" (goals always runs last)
   read -r -a STEPS <<<"${GPU_CHECK_STEPS/goals/} goals"
 fi
-declare -A BOX=([setup]=40 [tests]=150 [values]=60 [check]=150 [rounds]=90 [launches]=40 [goals]=10)
+declare -A BOX=([setup]=40 [tests]=140 [values]=75 [check]=150 [rounds]=85 [launches]=40 [goals]=10)
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 : >"$LOG"

@@ -11,8 +11,8 @@
 # pydantic (and its pydantic-core), the peers trl and liger-kernel, trl's datasets (with dill,
 # multiprocess, xxhash), the tests' hypothesis.
 #
-#   bash benchmarks/gpu_prepare.sh                    # CPython 3.12 (the GPU image's python3)
-#   GPU_PYTHONS="3.12 3.11" bash benchmarks/gpu_prepare.sh   # one folder per version
+#   bash benchmarks/gpu_prepare.sh                    # CPython 3.12 (the GPU image's python3) and 3.11
+#   GPU_PYTHONS=3.12 bash benchmarks/gpu_prepare.sh   # one version only (a folder per version)
 #
 # Versions: the pins below (the ones this repository's tests run with; trl and liger-kernel as
 # pyproject's extras pin them). Writes .gpu-wheels/cp3XX/*.whl and .gpu-wheels/MANIFEST (the
@@ -21,7 +21,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEST=${GPU_WHEELS_DIR:-.gpu-wheels}
-PYTHONS=${GPU_PYTHONS:-3.12}
+PYTHONS=${GPU_PYTHONS:-3.12 3.11}
 PINS=(
   pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
   typing-extensions==4.16.0
