@@ -235,17 +235,29 @@ def _import_trl() -> Any:
 
 
 def _build_classes() -> None:
+    """Build `EchoGRPOConfig` and `EchoGRPOTrainer` on TRL's classes (on first access)."""
     trl = _import_trl()
-    from echoloss import RoleEcho, echo_loss_from_logprobs, selective_logprobs
-    from echoloss.loss.diagnosis import check_scored_rows
+    config_cls = _config_class(trl.GRPOConfig)
+    trainer_cls = _trainer_class(trl.GRPOTrainer, config_cls)
+    for cls in (config_cls, trainer_cls):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+    _CLASSES["EchoGRPOConfig"] = config_cls
+    _CLASSES["EchoGRPOTrainer"] = trainer_cls
 
-    config_base: Any = trl.GRPOConfig
-    trainer_base: Any = trl.GRPOTrainer
 
+# -- EchoGRPOConfig ---------------------------------------------------------------------------
+
+
+def _config_class(config_base: Any) -> type:
     @dataclass
     class EchoGRPOConfig(config_base):  # type: ignore[misc]
         """``trl.GRPOConfig`` plus the echo settings, so that ``TrlParser`` reads them from YAML
         and the command line (``--echo_tool_alpha 0.05``).
+
+        ``bf16`` left unset on a machine without a bf16 GPU trains in fp32 (TRL's default,
+        ``bf16=True``, is refused there by ``transformers``); set ``use_cpu=True, bf16=True`` for
+        bf16 autocast on a CPU (the parameters stay fp32 when the model is loaded in fp32).
 
         Attributes:
             echo_tool_alpha: λ on tool-result bodies (None = tool results not echoed).
@@ -287,48 +299,92 @@ def _build_classes() -> None:
         )
 
         def __post_init__(self) -> None:
+            _default_precision(self)
             super().__post_init__()
-            if isinstance(self.echo_tool_names, str):  # a single name from YAML
-                self.echo_tool_names = [self.echo_tool_names]
-            for name, choices in (
-                ("echo_target", ("content", "message")),
-                ("echo_normalization", ECHO_NORMALIZATIONS),
-                ("echo_temperature", ECHO_TEMPERATURES),
-            ):
-                value = getattr(self, name)
-                if value not in choices:
-                    raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-            for name in ("echo_tool_alpha", "echo_assistant_alpha"):
-                value = getattr(self, name)
-                if value is None:
-                    continue
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise TypeError(f"{name}={value!r}: expected a float λ ≥ 0, or None")
-                if not (math.isfinite(value) and value >= 0):
-                    raise ValueError(
-                        f"{name}={value}: expected a finite λ ≥ 0 (0 = the echo ablation: "
-                        "attributed, weight 0), or None to switch the role off"
-                    )
-            if self.echo_tool_names is not None and self.echo_tool_alpha is None:
-                raise ValueError(
-                    "echo_tool_names is set but echo_tool_alpha is None: set echo_tool_alpha "
-                    "(the allow-list applies to the tool role)"
-                )
+            _check_echo_fields(self)
 
         def echo_config(self) -> EchoConfig | None:
             """The [`echoloss.EchoConfig`][echoloss.data.echo_config.EchoConfig] of these fields (None when no role is on)."""
-            tool = assistant = None
-            # λ = 0 (the ablation) attributes the role as if echoed; the trainer then sets the
-            # weights of that role's tokens to 0 (see EchoGRPOTrainer.zero_alpha_roles).
-            if self.echo_tool_alpha is not None:
-                names = None if self.echo_tool_names is None else frozenset(self.echo_tool_names)
-                tool = RoleEcho(alpha=self.echo_tool_alpha or 1.0, tool_names=names)
-            if self.echo_assistant_alpha is not None:
-                assistant = RoleEcho(alpha=self.echo_assistant_alpha or 1.0)
-            if tool is None and assistant is None:
-                return None
-            return EchoConfig(tool=tool, assistant=assistant, target=self.echo_target)
+            return _echo_config_of(self)
 
+    return EchoGRPOConfig
+
+
+def _default_precision(args: Any) -> None:
+    """An unset ``bf16`` where no GPU computes bf16: fp32, said once (TRL would default it to
+    True, which ``transformers`` refuses without ``use_cpu``)."""
+    if args.bf16 is not None or args.fp16 or args.use_cpu:
+        return
+    from transformers.utils.import_utils import (
+        is_torch_bf16_gpu_available,
+        is_torch_xla_available,
+    )
+
+    if is_torch_bf16_gpu_available() or is_torch_xla_available():
+        return
+    args.bf16 = False
+    warn_once(
+        "trl-cpu-fp32",
+        "echoloss: no GPU computes bf16 here and bf16 is unset, so EchoGRPOConfig trains in "
+        "fp32 (TRL's default bf16=True needs one); pass use_cpu=True, bf16=True for bf16 "
+        "autocast on a CPU with native bf16",
+    )
+
+
+def _check_echo_fields(args: Any) -> None:
+    """The ``echo_*`` fields' values (named in each error)."""
+    if isinstance(args.echo_tool_names, str):  # a single name from YAML
+        args.echo_tool_names = [args.echo_tool_names]
+    for name, choices in (
+        ("echo_target", ("content", "message")),
+        ("echo_normalization", ECHO_NORMALIZATIONS),
+        ("echo_temperature", ECHO_TEMPERATURES),
+    ):
+        value = getattr(args, name)
+        if value not in choices:
+            raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    for name in ("echo_tool_alpha", "echo_assistant_alpha"):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}={value!r}: expected a float λ ≥ 0, or None")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(
+                f"{name}={value}: expected a finite λ ≥ 0 (0 = the echo ablation: "
+                "attributed, weight 0), or None to switch the role off"
+            )
+    if args.echo_tool_names is not None and args.echo_tool_alpha is None:
+        raise ValueError(
+            "echo_tool_names is set but echo_tool_alpha is None: set echo_tool_alpha "
+            "(the allow-list applies to the tool role)"
+        )
+
+
+def _echo_config_of(args: Any) -> EchoConfig | None:
+    from echoloss import RoleEcho
+
+    tool = assistant = None
+    # λ = 0 (the ablation) attributes the role as if echoed; the trainer then sets the
+    # weights of that role's tokens to 0 (see EchoGRPOTrainer.zero_alpha_roles).
+    if args.echo_tool_alpha is not None:
+        names = None if args.echo_tool_names is None else frozenset(args.echo_tool_names)
+        tool = RoleEcho(alpha=args.echo_tool_alpha or 1.0, tool_names=names)
+    if args.echo_assistant_alpha is not None:
+        assistant = RoleEcho(alpha=args.echo_assistant_alpha or 1.0)
+    if tool is None and assistant is None:
+        return None
+    return EchoConfig(tool=tool, assistant=assistant, target=args.echo_target)
+
+
+# -- EchoGRPOTrainer --------------------------------------------------------------------------
+
+
+#: Per completion, the echo weight and the observation flag of each token.
+EchoLists = tuple[list[list[float]], list[list[bool]]]
+
+
+def _trainer_class(trainer_base: Any, config_cls: Any) -> type:
     class EchoGRPOTrainer(trainer_base):  # type: ignore[misc]
         """``trl.GRPOTrainer`` whose loss is TRL's own objective (every ``loss_type`` mapped
         exactly, see [`grpo_loss_mapping`][echoloss.nn.grpo.grpo_loss_mapping]) plus the echo cross-entropy on tool-result bodies.
@@ -354,6 +410,8 @@ def _build_classes() -> None:
         text-only.
         """
 
+        _echo_pending: EchoLists | None = None
+
         def __init__(self, *args: Any, echo: EchoConfig | None = None, **kwargs: Any) -> None:
             if "loss_config" in kwargs:
                 raise TypeError(
@@ -366,244 +424,35 @@ def _build_classes() -> None:
 
         def _init_echo(self, echo: EchoConfig | None) -> None:
             """Resolve the echo settings and the loss mapping (called by ``__init__``)."""
-            from_args = self.args.echo_config() if isinstance(self.args, EchoGRPOConfig) else None
-            if echo is not None and from_args is not None:
-                raise ValueError(
-                    "echo settings given twice: pass echo=EchoConfig(...) or set the echo_* "
-                    "fields of EchoGRPOConfig, not both"
-                )
-            echo = echo if echo is not None else from_args
-            if echo is not None and not isinstance(echo, EchoConfig):
-                raise TypeError(f"echo must be an echoloss.EchoConfig, got {type(echo).__name__}")
-            if echo is not None:
-                unused = sorted(set(echo.role_settings()) - {"tool", "assistant"})
-                if unused or echo.filter is not None or not echo.skip_initial_prompt:
-                    raise ValueError(
-                        "EchoGRPOTrainer echoes tool results (and optionally assistant tokens): "
-                        f"the system and user messages are the prompt, never echoed; remove "
-                        f"{unused or ''}{' filter' if echo.filter is not None else ''}"
-                        f"{' skip_initial_prompt=False' if not echo.skip_initial_prompt else ''} "
-                        "from the EchoConfig"
-                    )
-            else:
-                warn_once(
-                    "trl-no-echo",
-                    "echoloss: EchoGRPOTrainer without echo settings trains TRL's loss only; set "
-                    "echo_tool_alpha (EchoGRPOConfig) or pass echo=EchoConfig(...)",
-                )
-            self.echo = echo
-            #: roles whose λ is 0 in the EchoGRPOConfig (attributed, weight 0: the ablation)
-            self.zero_alpha_roles = frozenset(
-                role
-                for role in ("tool", "assistant")
-                if from_args is not None and getattr(self.args, f"echo_{role}_alpha", None) == 0
-            )
-            self.echo_normalization = getattr(self.args, "echo_normalization", "token_mean")
-            self.echo_mapping = grpo_loss_mapping(
-                self.args, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high
-            )
-            if getattr(self, "aux_loss_enabled", False):
-                raise ValueError(
-                    "router_aux_loss_coef != 0 on a model with router logits: EchoGRPOTrainer "
-                    "does not add the MoE load-balancing loss; set router_aux_loss_coef=0"
-                )
-            self._echo_pending: tuple[list[list[float]], list[list[bool]]] | None = None
+            _init_echo(self, echo, config_cls)
 
         def _generate(self, prompts: list[Any]) -> Any:
             out = super()._generate(prompts)
             _, completion_ids, tool_mask, completions, _, extra_fields, _, _ = out
             given = extra_fields.pop("echo_weights", None)
-            if self.echo is None and given is None:
-                self._echo_pending = (
-                    [[0.0] * len(ids) for ids in completion_ids],
-                    [[False] * len(ids) for ids in completion_ids],
-                )
-                return out
-            weights: list[list[float]] = []
-            observation: list[list[bool]] = []
-            for i, ids in enumerate(completion_ids):
-                if given is not None:
-                    w = [float(x) for x in given[i]]
-                    if len(w) != len(ids):
-                        raise ValueError(
-                            f"rollout_func echo_weights[{i}] has length {len(w)}, expected "
-                            f"{len(ids)} (one per completion token)"
-                        )
-                    weights.append(w)
-                    observation.append([x > 0 for x in w])
-                    continue
-                assert self.echo is not None
-                mask = tool_mask[i] if tool_mask is not None else [1] * len(ids)
-                if self.rollout_func is not None:
-                    # Custom rollouts: TRL knows no tool messages to attribute their env tokens.
-                    if any(not m for m in mask):
-                        warn_once(
-                            "trl-rollout-func-no-echo-weights",
-                            "echoloss: a rollout_func returned env tokens (env_mask) but no "
-                            "echo_weights; they are not echoed. Return 'echo_weights' (e.g. from "
-                            "echoloss.adapters.chat) to echo them",
-                        )
-                    sel = completion_echo(
-                        ids, [1] * len(ids), [], self.processing_class, echo=self.echo
-                    )
-                    weights.append(
-                        [
-                            0.0 if x is None or not m else x
-                            for x, m in zip(sel.weights, mask, strict=True)
-                        ]
-                    )
-                    observation.append(
-                        [o and bool(m) for o, m in zip(sel.observation, mask, strict=True)]
-                    )
-                    continue
-                messages = completions[i] if isinstance(completions[i], list) else []
-                sel = completion_echo(
-                    ids,
-                    mask,
-                    messages,
-                    self.processing_class,
-                    echo=self.echo,
-                    chat_template=self.chat_template,
-                    chat_template_kwargs=self.chat_template_kwargs,
-                )
-                weights.append([0.0 if x is None else x for x in sel.weights])
-                observation.append(sel.observation)
-            if self.zero_alpha_roles and given is None:
-                for i, ids in enumerate(completion_ids):
-                    mask = tool_mask[i] if tool_mask is not None else [1] * len(ids)
-                    for k, m in enumerate(mask):
-                        if ("assistant" if m else "tool") in self.zero_alpha_roles:
-                            weights[i][k] = 0.0
-            self._echo_pending = (weights, observation)
+            self._echo_pending = _echo_selection(
+                self, completion_ids, tool_mask, completions, given
+            )
             return out
 
         def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
             self._echo_pending = None
-            output = super()._generate_and_score_completions(inputs)
+            output: dict[str, Any] = super()._generate_and_score_completions(inputs)
             if self._echo_pending is None:  # pragma: no cover - TRL changed its call graph
                 raise RuntimeError("EchoGRPOTrainer: _generate was not called during generation")
             weights, observation = self._echo_pending
             self._echo_pending = None
-            completion_ids = output["completion_ids"]
-            b, t = completion_ids.shape
-            w = torch.zeros(b, t, dtype=torch.float32, device=completion_ids.device)
-            o = torch.zeros(b, t, dtype=torch.bool, device=completion_ids.device)
-            for i in range(b):
-                n = len(weights[i])
-                w[i, :n] = torch.tensor(weights[i], dtype=torch.float32)
-                o[i, :n] = torch.tensor(observation[i], dtype=torch.bool)
-            w = w * output["completion_mask"]  # truncated completions masked by TRL stay out
-            output["echo_weights"] = w
-            output["observation_mask"] = o
-            # Like TRL's num_items_in_batch: echo tokens of the generation batch, all processes.
-            output["num_echo_items_in_batch"] = self.accelerator.gather((w > 0).sum()).sum()
+            _add_echo_tensors(output, weights, observation, self.accelerator)
             return output
 
         def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
-            given = sorted(k for k in _VISION_FIELDS if inputs.get(k) is not None)
-            if given:
-                raise ValueError(
-                    f"inputs {given}: EchoGRPOTrainer's loss forward takes text only, so these "
-                    "image fields would be dropped and the loss computed without the images; "
-                    "use trl.GRPOTrainer for vision-language models, or a text-only dataset"
-                )
-            prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-            completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-            t = completion_ids.shape[1]
-            with self.accelerator.autocast():
-                out = model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    logits_to_keep=t + 1,
-                    use_cache=False,
-                )
-            logits = out.logits[:, :-1, :]  # row j predicts completion token j
-            return self._echo_loss_from_logits(logits, inputs)
+            return self._echo_loss_from_logits(_completion_logits(self, model, inputs), inputs)
 
         def _echo_loss_from_logits(
             self, logits: torch.Tensor, inputs: dict[str, Any]
         ) -> torch.Tensor:
             """The loss of one micro-batch from its completion logits ``[B, T, V]``."""
-            completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-            b, t = completion_ids.shape
-            valid = completion_mask.bool()
-            echo_w = inputs["echo_weights"] * valid
-            echo = echo_w > 0
-            rl = valid & ~echo
-            tool = inputs.get("tool_mask")
-            if tool is not None:
-                rl = rl & tool.bool()
-            mapping = self.echo_mapping
-            training = self.model.training
-            ga = self.current_gradient_accumulation_steps if training else 1
-            spg = self.args.steps_per_generation if training else 1
-            nproc = self.accelerator.num_processes
-            cfg, norms = mapping.micro_batch(
-                batch_size=b,
-                max_completion_length=self.max_completion_length,
-                num_items_in_batch=_as_float(inputs.get("num_items_in_batch")),
-                num_processes=nproc,
-                accumulation_steps=ga,
-                steps_per_generation=spg,
-                local_items=int(rl.sum()) if mapping.loss_type in ("dapo", "cispo") else None,
-            )
-            if mapping.loss_type == "bnpo":  # TRL: this micro-batch's loss tokens
-                norms = Normalizers(rl_tokens=max(int(rl.sum()), 1) * ga)
-            observation = inputs["observation_mask"] & valid
-            scaled_echo = scale_echo_weights(
-                echo_w.float(),
-                observation,
-                normalization=self.echo_normalization,
-                num_echo_items_in_batch=_as_float(inputs.get("num_echo_items_in_batch")),
-                num_processes=nproc,
-                accumulation_steps=ga,
-                steps_per_generation=spg,
-            )
-            temp = row_temperature(rl, echo, self.temperature, cfg.echo_temperature)
-            lp, ent = selective_logprobs(
-                logits, completion_ids, temperature=temp, return_entropy=True, mask=rl | echo
-            )
-            adv = inputs["advantages"]
-            adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, t).float()
-            old = inputs.get("old_per_token_logps")
-            if old is None:
-                # On-policy: TRL's denominator is the current logprobs, detached (same pass
-                # here), so a non-finite one comes from the logits, and is named so.
-                check_scored_rows(lp.reshape(-1), rl.reshape(-1), echo.reshape(-1), "logits")
-                old = lp.detach()
-            else:
-                old = old.float()
-            inference = None
-            if cfg.mismatch is not None:
-                sampling = inputs["sampling_per_token_logps"].float()
-                # TRL gives a token whose sampling logprob is NaN an importance ratio of 1.
-                inference = torch.where(torch.isnan(sampling), old, sampling)
-            ref = inputs.get("ref_per_token_logps") if cfg.kl_coef > 0 else None
-            record = _trl_record(
-                rl_mask=rl,
-                echo_weights=scaled_echo,
-                advantages=adv,
-                inference_logprobs=inference,
-                old_logprobs=old,
-                ref_logprobs=None if ref is None else ref.float(),
-                sequence_ids=torch.arange(b, device=lp.device).unsqueeze(1).expand(b, t),
-                observation_mask=observation,
-            )
-            result = echo_loss_from_logprobs(
-                lp,
-                record,
-                entropy=ent.detach(),
-                config=cfg,
-                normalizers=norms,
-            )
-            mode = "train" if training else "eval"
-            for key, value in result.metrics.items():
-                if key.endswith("/all"):
-                    self._metrics[mode][f"echoloss/{key[: -len('/all')]}"].append(float(value))
-            self._log_trl_metrics(mode, lp.detach(), old, adv, ref, ent.detach(), rl)
-            return result.loss
+            return _micro_batch_loss(self, logits, inputs)
 
         def _log_trl_metrics(
             self,
@@ -618,58 +467,349 @@ def _build_classes() -> None:
             """TRL's own metrics (``kl``, ``entropy``, ``clip_ratio/*``, ``cispo_clip_ratio``)
             with TRL's definitions, over the RL tokens (TRL's ``completion_mask · tool_mask``
             when no assistant token is echoed), so dashboards built on TRL keep working."""
-            mask = rl.float()  # [B, T]
-            log_ratio = torch.where(rl, lp - old, torch.zeros_like(lp))  # [B, T]
-            if self.importance_sampling_level == "sequence":
-                log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-                log_ratio = log_ratio.unsqueeze(-1)  # [B, 1]
-            coef_1 = torch.exp(log_ratio)
-            if self.loss_type != "cispo" and self.args.delta is not None:
-                coef_1 = torch.clamp(coef_1, max=self.args.delta)
-            a = adv[:, :1]  # [B, 1] TRL's per-sequence advantage
+            _log_trl_metrics(self, mode, lp, old, adv, ref, ent, rl)
 
-            def global_masked_mean(x: torch.Tensor) -> float:
-                if x.shape[1] == 1:
-                    local_sum = x.sum()
-                    local_count = torch.tensor(float(x.shape[0]), device=x.device)
-                else:
-                    local_sum, local_count = (x * mask).sum(), mask.sum().float()
-                totals = self.accelerator.reduce(
-                    torch.stack([local_sum, local_count]), reduction="sum"
-                )
-                return float(totals[0] / totals[1].clamp(min=1.0))
+    return EchoGRPOTrainer
 
-            def masked_seq_mean(x: torch.Tensor) -> torch.Tensor:
-                if x.shape[1] == 1:
-                    return x.squeeze(1)
-                return (x * mask).sum(-1) / mask.sum(-1)
 
-            metrics = self._metrics[mode]
-            if ref is not None:
-                d = ref.float() - lp
-                metrics["kl"].append(global_masked_mean(torch.exp(d) - d - 1))
-            metrics["entropy"].append(global_masked_mean(ent))
-            if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-                low = ((coef_1 < 1 - self.epsilon_low) & (a < 0)).float()
-                high = ((coef_1 > 1 + self.epsilon_high) & (a > 0)).float()
-                metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
-                metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
-                metrics["clip_ratio/region_mean"].append(
-                    global_masked_mean(torch.maximum(low, high))
-                )
-                gathered_low = self.accelerator.gather(masked_seq_mean(low))
-                metrics["clip_ratio/low_min"].append(float(_trl_nanmin(gathered_low)))
-                gathered_high = self.accelerator.gather(masked_seq_mean(high))
-                metrics["clip_ratio/high_max"].append(float(_trl_nanmax(gathered_high)))
-            elif self.loss_type == "cispo":
-                clipped = ((coef_1 > self.epsilon_high) & (a > 0)).float()
-                metrics["cispo_clip_ratio"].append(global_masked_mean(clipped))
+def _init_echo(trainer: Any, echo: EchoConfig | None, config_cls: Any) -> None:
+    """The trainer's echo settings (``echo`` or its `EchoGRPOConfig`'s fields, not both), the
+    roles whose λ is 0, and TRL's loss mapping."""
+    args = trainer.args
+    from_args = args.echo_config() if isinstance(args, config_cls) else None
+    if echo is not None and from_args is not None:
+        raise ValueError(
+            "echo settings given twice: pass echo=EchoConfig(...) or set the echo_* "
+            "fields of EchoGRPOConfig, not both"
+        )
+    echo = echo if echo is not None else from_args
+    if echo is not None:
+        _check_trainer_echo(echo)
+    else:
+        warn_once(
+            "trl-no-echo",
+            "echoloss: EchoGRPOTrainer without echo settings trains TRL's loss only; set "
+            "echo_tool_alpha (EchoGRPOConfig) or pass echo=EchoConfig(...)",
+        )
+    trainer.echo = echo
+    #: roles whose λ is 0 in the EchoGRPOConfig (attributed, weight 0: the ablation)
+    trainer.zero_alpha_roles = frozenset(
+        role
+        for role in ("tool", "assistant")
+        if from_args is not None and getattr(args, f"echo_{role}_alpha", None) == 0
+    )
+    trainer.echo_normalization = getattr(args, "echo_normalization", "token_mean")
+    trainer.echo_mapping = grpo_loss_mapping(
+        args, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high
+    )
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise ValueError(
+            "router_aux_loss_coef != 0 on a model with router logits: EchoGRPOTrainer "
+            "does not add the MoE load-balancing loss; set router_aux_loss_coef=0"
+        )
+    trainer._echo_pending = None
 
-    for cls in (EchoGRPOConfig, EchoGRPOTrainer):
-        cls.__module__ = __name__
-        cls.__qualname__ = cls.__name__
-    _CLASSES["EchoGRPOConfig"] = EchoGRPOConfig
-    _CLASSES["EchoGRPOTrainer"] = EchoGRPOTrainer
+
+def _check_trainer_echo(echo: Any) -> None:
+    """Only the tool and assistant roles: system and user messages are TRL's prompt."""
+    if not isinstance(echo, EchoConfig):
+        raise TypeError(f"echo must be an echoloss.EchoConfig, got {type(echo).__name__}")
+    unused = sorted(set(echo.role_settings()) - {"tool", "assistant"})
+    if unused or echo.filter is not None or not echo.skip_initial_prompt:
+        raise ValueError(
+            "EchoGRPOTrainer echoes tool results (and optionally assistant tokens): "
+            f"the system and user messages are the prompt, never echoed; remove "
+            f"{unused or ''}{' filter' if echo.filter is not None else ''}"
+            f"{' skip_initial_prompt=False' if not echo.skip_initial_prompt else ''} "
+            "from the EchoConfig"
+        )
+
+
+# -- the echo weights of a generation batch ----------------------------------------------------
+
+
+def _echo_selection(
+    trainer: Any,
+    completion_ids: Sequence[Sequence[int]],
+    tool_mask: Sequence[Sequence[int]] | None,
+    completions: Sequence[Any],
+    given: Sequence[Sequence[float]] | None,
+) -> EchoLists:
+    """Per completion, the echo weight and the observation flag of every token: from a
+    ``rollout_func``'s ``echo_weights`` (``given``), or attributed from TRL's tool messages."""
+    if given is not None:
+        return _given_echo_weights(completion_ids, given)
+    if trainer.echo is None:
+        return (
+            [[0.0] * len(ids) for ids in completion_ids],
+            [[False] * len(ids) for ids in completion_ids],
+        )
+    weights: list[list[float]] = []
+    observation: list[list[bool]] = []
+    for i, ids in enumerate(completion_ids):
+        mask = tool_mask[i] if tool_mask is not None else [1] * len(ids)
+        if trainer.rollout_func is not None:
+            w, o = _rollout_func_echo(trainer, ids, mask)
+        else:
+            messages = completions[i] if isinstance(completions[i], list) else []
+            sel = completion_echo(
+                ids,
+                mask,
+                messages,
+                trainer.processing_class,
+                echo=trainer.echo,
+                chat_template=trainer.chat_template,
+                chat_template_kwargs=trainer.chat_template_kwargs,
+            )
+            w, o = [0.0 if x is None else x for x in sel.weights], sel.observation
+        weights.append(w)
+        observation.append(o)
+    if trainer.zero_alpha_roles:
+        for i, ids in enumerate(completion_ids):
+            mask = tool_mask[i] if tool_mask is not None else [1] * len(ids)
+            for k, m in enumerate(mask):
+                if ("assistant" if m else "tool") in trainer.zero_alpha_roles:
+                    weights[i][k] = 0.0
+    return weights, observation
+
+
+def _given_echo_weights(
+    completion_ids: Sequence[Sequence[int]], given: Sequence[Sequence[float]]
+) -> EchoLists:
+    """A ``rollout_func``'s ``echo_weights``, one per completion token (``> 0`` = echoed)."""
+    weights: list[list[float]] = []
+    observation: list[list[bool]] = []
+    for i, ids in enumerate(completion_ids):
+        w = [float(x) for x in given[i]]
+        if len(w) != len(ids):
+            raise ValueError(
+                f"rollout_func echo_weights[{i}] has length {len(w)}, expected "
+                f"{len(ids)} (one per completion token)"
+            )
+        weights.append(w)
+        observation.append([x > 0 for x in w])
+    return weights, observation
+
+
+def _rollout_func_echo(
+    trainer: Any, ids: Sequence[int], mask: Sequence[int]
+) -> tuple[list[float], list[bool]]:
+    """A custom rollout without ``echo_weights``: TRL knows no tool messages to attribute its
+    env tokens, so only the model's own tokens can be echoed (the assistant role)."""
+    if any(not m for m in mask):
+        warn_once(
+            "trl-rollout-func-no-echo-weights",
+            "echoloss: a rollout_func returned env tokens (env_mask) but no "
+            "echo_weights; they are not echoed. Return 'echo_weights' (e.g. from "
+            "echoloss.adapters.chat) to echo them",
+        )
+    sel = completion_echo(
+        list(ids), [1] * len(ids), [], trainer.processing_class, echo=trainer.echo
+    )
+    weights = [0.0 if x is None or not m else x for x, m in zip(sel.weights, mask, strict=True)]
+    observation = [o and bool(m) for o, m in zip(sel.observation, mask, strict=True)]
+    return weights, observation
+
+
+def _add_echo_tensors(
+    output: dict[str, Any],
+    weights: list[list[float]],
+    observation: list[list[bool]],
+    accelerator: Any,
+) -> None:
+    """``output["echo_weights"]`` and ``["observation_mask"]`` ``[B, T]`` (TRL's padding), and
+    ``["num_echo_items_in_batch"]``: the generation batch's echo tokens on every process."""
+    completion_ids = output["completion_ids"]
+    b, t = completion_ids.shape
+    w = torch.zeros(b, t, dtype=torch.float32, device=completion_ids.device)
+    o = torch.zeros(b, t, dtype=torch.bool, device=completion_ids.device)
+    for i in range(b):
+        n = len(weights[i])
+        w[i, :n] = torch.tensor(weights[i], dtype=torch.float32)
+        o[i, :n] = torch.tensor(observation[i], dtype=torch.bool)
+    w = w * output["completion_mask"]  # truncated completions masked by TRL stay out
+    output["echo_weights"] = w
+    output["observation_mask"] = o
+    # Like TRL's num_items_in_batch: echo tokens of the generation batch, all processes.
+    output["num_echo_items_in_batch"] = accelerator.gather((w > 0).sum()).sum()
+
+
+# -- the loss of a micro-batch ---------------------------------------------------------------
+
+
+def _completion_logits(trainer: Any, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """``[B, T, V]`` logits of the completion tokens (row ``j`` predicts token ``j``)."""
+    given = sorted(k for k in _VISION_FIELDS if inputs.get(k) is not None)
+    if given:
+        raise ValueError(
+            f"inputs {given}: EchoGRPOTrainer's loss forward takes text only, so these "
+            "image fields would be dropped and the loss computed without the images; "
+            "use trl.GRPOTrainer for vision-language models, or a text-only dataset"
+        )
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    t = completion_ids.shape[1]
+    with trainer.accelerator.autocast():
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            logits_to_keep=t + 1,
+            use_cache=False,
+        )
+    logits: torch.Tensor = out.logits[:, :-1, :]  # row j predicts completion token j
+    return logits
+
+
+def _micro_batch_loss(trainer: Any, logits: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+    """The loss of one micro-batch from its completion logits ``[B, T, V]``: TRL's objective on
+    the RL tokens plus the echo term, divided as TRL divides it; logs the metrics."""
+    from echoloss import echo_loss_from_logprobs, selective_logprobs
+    from echoloss.loss.diagnosis import check_scored_rows
+
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    b, t = completion_ids.shape
+    valid = completion_mask.bool()
+    echo_w = inputs["echo_weights"] * valid
+    echo = echo_w > 0
+    rl = valid & ~echo
+    tool = inputs.get("tool_mask")
+    if tool is not None:
+        rl = rl & tool.bool()
+    cfg, norms, scaled_echo = _divisors(trainer, inputs, rl, echo_w, valid)
+    temp = row_temperature(rl, echo, trainer.temperature, cfg.echo_temperature)
+    lp, ent = selective_logprobs(
+        logits, completion_ids, temperature=temp, return_entropy=True, mask=rl | echo
+    )
+    adv = inputs["advantages"]
+    adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, t).float()
+    old = inputs.get("old_per_token_logps")
+    if old is None:
+        # On-policy: TRL's denominator is the current logprobs, detached (same pass
+        # here), so a non-finite one comes from the logits, and is named so.
+        check_scored_rows(lp.reshape(-1), rl.reshape(-1), echo.reshape(-1), "logits")
+        old = lp.detach()
+    else:
+        old = old.float()
+    inference = None
+    if cfg.mismatch is not None:
+        sampling = inputs["sampling_per_token_logps"].float()
+        # TRL gives a token whose sampling logprob is NaN an importance ratio of 1.
+        inference = torch.where(torch.isnan(sampling), old, sampling)
+    ref = inputs.get("ref_per_token_logps") if cfg.kl_coef > 0 else None
+    record = _trl_record(
+        rl_mask=rl,
+        echo_weights=scaled_echo,
+        advantages=adv,
+        inference_logprobs=inference,
+        old_logprobs=old,
+        ref_logprobs=None if ref is None else ref.float(),
+        sequence_ids=torch.arange(b, device=lp.device).unsqueeze(1).expand(b, t),
+        observation_mask=inputs["observation_mask"] & valid,
+    )
+    result = echo_loss_from_logprobs(
+        lp, record, entropy=ent.detach(), config=cfg, normalizers=norms
+    )
+    mode = "train" if trainer.model.training else "eval"
+    for key, value in result.metrics.items():
+        if key.endswith("/all"):
+            trainer._metrics[mode][f"echoloss/{key[: -len('/all')]}"].append(float(value))
+    trainer._log_trl_metrics(mode, lp.detach(), old, adv, ref, ent.detach(), rl)
+    return result.loss
+
+
+def _divisors(
+    trainer: Any,
+    inputs: dict[str, Any],
+    rl: torch.Tensor,
+    echo_w: torch.Tensor,
+    valid: torch.Tensor,
+) -> tuple[Any, Normalizers, torch.Tensor]:
+    """The micro-batch's `LossConfig`, its RL normaliser and its echo weights scaled by the
+    echo normaliser, each as TRL accumulates (gradient accumulation, generation batches)."""
+    mapping = trainer.echo_mapping
+    training = trainer.model.training
+    ga = trainer.current_gradient_accumulation_steps if training else 1
+    spg = trainer.args.steps_per_generation if training else 1
+    nproc = trainer.accelerator.num_processes
+    cfg, norms = mapping.micro_batch(
+        batch_size=rl.shape[0],
+        max_completion_length=trainer.max_completion_length,
+        num_items_in_batch=_as_float(inputs.get("num_items_in_batch")),
+        num_processes=nproc,
+        accumulation_steps=ga,
+        steps_per_generation=spg,
+        local_items=int(rl.sum()) if mapping.loss_type in ("dapo", "cispo") else None,
+    )
+    if mapping.loss_type == "bnpo":  # TRL: this micro-batch's loss tokens
+        norms = Normalizers(rl_tokens=max(int(rl.sum()), 1) * ga)
+    scaled_echo = scale_echo_weights(
+        echo_w.float(),
+        inputs["observation_mask"] & valid,
+        normalization=trainer.echo_normalization,
+        num_echo_items_in_batch=_as_float(inputs.get("num_echo_items_in_batch")),
+        num_processes=nproc,
+        accumulation_steps=ga,
+        steps_per_generation=spg,
+    )
+    return cfg, norms, scaled_echo
+
+
+def _log_trl_metrics(
+    trainer: Any,
+    mode: str,
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    ref: torch.Tensor | None,
+    ent: torch.Tensor,
+    rl: torch.Tensor,
+) -> None:
+    """TRL's ``kl``, ``entropy``, ``clip_ratio/*`` and ``cispo_clip_ratio`` over the RL tokens
+    ``rl`` ``[B, T]``, as TRL defines them."""
+    mask = rl.float()  # [B, T]
+    log_ratio = torch.where(rl, lp - old, torch.zeros_like(lp))  # [B, T]
+    if trainer.importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        log_ratio = log_ratio.unsqueeze(-1)  # [B, 1]
+    coef_1 = torch.exp(log_ratio)
+    if trainer.loss_type != "cispo" and trainer.args.delta is not None:
+        coef_1 = torch.clamp(coef_1, max=trainer.args.delta)
+    a = adv[:, :1]  # [B, 1] TRL's per-sequence advantage
+
+    def global_masked_mean(x: torch.Tensor) -> float:
+        if x.shape[1] == 1:
+            local_sum = x.sum()
+            local_count = torch.tensor(float(x.shape[0]), device=x.device)
+        else:
+            local_sum, local_count = (x * mask).sum(), mask.sum().float()
+        totals = trainer.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
+        return float(totals[0] / totals[1].clamp(min=1.0))
+
+    def masked_seq_mean(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] == 1:
+            return x.squeeze(1)
+        return (x * mask).sum(-1) / mask.sum(-1)
+
+    metrics = trainer._metrics[mode]
+    if ref is not None:
+        d = ref.float() - lp
+        metrics["kl"].append(global_masked_mean(torch.exp(d) - d - 1))
+    metrics["entropy"].append(global_masked_mean(ent))
+    if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        low = ((coef_1 < 1 - trainer.epsilon_low) & (a < 0)).float()
+        high = ((coef_1 > 1 + trainer.epsilon_high) & (a > 0)).float()
+        metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
+        metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
+        metrics["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+        gathered_low = trainer.accelerator.gather(masked_seq_mean(low))
+        metrics["clip_ratio/low_min"].append(float(_trl_nanmin(gathered_low)))
+        gathered_high = trainer.accelerator.gather(masked_seq_mean(high))
+        metrics["clip_ratio/high_max"].append(float(_trl_nanmax(gathered_high)))
+    elif trainer.loss_type == "cispo":
+        clipped = ((coef_1 > trainer.epsilon_high) & (a > 0)).float()
+        metrics["cispo_clip_ratio"].append(global_masked_mean(clipped))
 
 
 #: The image fields TRL's ``GRPOTrainer`` feeds to the loss forward of a vision-language model.

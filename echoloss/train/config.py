@@ -638,6 +638,7 @@ heldout_size = 64
 [train]
 max_steps = 60
 eval_every = 20
+grad_ratio_every = 1   # the RL and echo terms' gradient norms on every RL step (the console shows them)
 threads = 1   # a tiny model runs fastest on one thread (two leave a core to the OS / a 2nd run)
 """
 

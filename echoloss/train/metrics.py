@@ -106,20 +106,48 @@ def rollout_metrics(
 
 
 def summary_line(row: dict[str, Any], total: int) -> str:
-    """The one-line summary of a step's metrics row."""
+    """The one-line summary of a step's metrics row: what moves from step to step.
+
+    An RL step shows the reward (mean ± std over the rollouts), the mean ``|advantage|`` (0: no
+    group had mixed rewards, so no policy gradient), the KL between sampler and trainer
+    (``mismatch_kl``) and to the reference (``ref_kl``, with ``kl_coef``), the echo loss, the
+    gradient norm before clipping and, on the steps the probe measures them
+    (``train.grad_ratio_every``), the norms of the RL and echo terms' own gradients. The
+    clipped-surrogate loss itself is left out: with advantages of mean zero and on-policy ratios
+    of 1 it is ~0 at every step whatever is learned (``loss_rl`` in ``metrics.jsonl``).
+
+    Examples:
+        >>> row = {"step": 12, "phase": "rl", "reward": 0.625, "reward_std": 0.484,
+        ...        "advantage_abs": 0.41, "mismatch_kl": 0.00123, "loss_rl": 1e-9,
+        ...        "loss_echo": 0.0412, "entropy": 0.51, "grad_norm": 0.84,
+        ...        "pg_grad_norm": 0.7, "echo_grad_norm": 0.31, "step_time": 1.52}
+        >>> summary_line(row, 60)
+        'step   12/60 rl      reward 0.625±0.484  |adv| 0.410  kl 1.23e-03  echo 0.0412  ent 0.510  |g| 0.84 (rl 0.70, echo 0.31)  1.52s'
+    """
     parts = [f"step {row['step']:>4}/{total} {row['phase']:<6}"]
+    reward = row.get("reward")
+    if reward is not None:
+        std = row.get("reward_std")
+        parts.append(f"reward {reward:.3f}" + (f"±{std:.3f}" if std is not None else ""))
     for key, fmt in (
-        ("reward", "reward {:.3f}"),
-        ("loss_rl", "rl {:+.4f}"),
+        ("advantage_abs", "|adv| {:.3f}"),
+        ("mismatch_kl", "kl {:.2e}"),
+        ("loss/ref_kl/all", "ref_kl {:.2e}"),
         ("loss_echo", "echo {:.4f}"),
         ("heldout_obs_ce", "obs_ce {:.3f}"),
         ("heldout_hidden_ce", "hidden_ce {:.3f}"),
         ("entropy", "ent {:.3f}"),
-        ("grad_norm", "|g| {:.2f}"),
-        ("step_time", "{:.2f}s"),
     ):
-        if key in row:
-            parts.append(fmt.format(row[key]))
+        value = row.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            parts.append(fmt.format(value))
+    if "grad_norm" in row:
+        norm = f"|g| {row['grad_norm']:.2f}"
+        if "pg_grad_norm" in row and "echo_grad_norm" in row:
+            norm += f" (rl {row['pg_grad_norm']:.2f}, echo {row['echo_grad_norm']:.2f})"
+        parts.append(norm)
+    if "step_time" in row:
+        parts.append(f"{row['step_time']:.2f}s")
     if row["phase"] == "warmup":
         parts.append(f"sft {row['loss_sft']:.4f}")
         if "loss_obs" in row:

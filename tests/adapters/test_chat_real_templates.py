@@ -202,9 +202,17 @@ def test_real_template_attribution(family: str, style: str) -> None:
 @pytest.mark.parametrize(("family", "style"), CASES, ids=[f"{a}-{b}" for a, b in CASES])
 def test_real_template_steps(family: str, style: str) -> None:
     f = R.BY_NAME[family]
-    tok = R.tokenizer(family, style)
+    check_steps(f, R.tokenizer(family, style))
+
+
+def check_steps(f: R.Family, tok) -> int:
+    """`steps_from_messages` on the training conversations ``f``'s template renders: every
+    prompt is exactly what the model saw, every completion its turn up to the end-of-turn
+    token. Returns how many conversations were checked."""
     eos = {tok.eos_token_id}
     special = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    family = f.name
+    checked = 0
     for name in ("agent", "chat_system", "edge"):
         msgs, tools, _ = R.scenario(f, name)
         try:
@@ -240,6 +248,8 @@ def test_real_template_steps(family: str, style: str) -> None:
                 assert msgs[k + 1]["content"].strip() not in tok.decode(c)
         cfg = echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=0.5))
         assert echoloss.interleave(steps, echo=cfg)
+        checked += 1
+    return checked
 
 
 def support_table() -> str:

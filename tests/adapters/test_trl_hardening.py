@@ -102,6 +102,25 @@ def test_bad_tool_alpha_is_refused(tmp_path, alpha):
         )
 
 
+def test_unset_bf16_without_a_bf16_gpu_is_fp32_and_said(tmp_path, caplog, monkeypatch):
+    """TRL defaults bf16 to True, which transformers refuses without a bf16 GPU (the guide's
+    example failed so on a CPU); unset, it is fp32 there, warned once. Set, it is kept."""
+    import transformers.utils.import_utils as iu
+
+    from echoloss._logging import reset_warnings
+    from echoloss.adapters.trl import EchoGRPOConfig
+
+    monkeypatch.setattr(iu, "is_torch_bf16_gpu_available", lambda: False)
+    monkeypatch.setattr(iu, "is_torch_xla_available", lambda: False)
+    reset_warnings()
+    with caplog.at_level("WARNING", logger="echoloss"):
+        args = EchoGRPOConfig(output_dir=str(tmp_path))
+    assert args.bf16 is False and not args.use_cpu
+    assert "trains in fp32" in caplog.text
+    kept = EchoGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True)
+    assert kept.bf16 is True
+
+
 @settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

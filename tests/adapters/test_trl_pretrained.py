@@ -1,17 +1,17 @@
-"""EchoGRPOTrainer on a real pretrained model: SmolLM2-135M-Instruct (the packaged model) with
-the calculator tool dataset, in SmolLM2's own chat template.
+"""EchoGRPOTrainer on a real pretrained model: SmolLM2-135M-Instruct (the packaged model) playing
+the calculator environment with its own samples, two TRL steps, fp32 master weights.
 
 SmolLM2's ChatML template ignores ``tools=`` and ``tool_calls`` (TRL's tool loop refuses it), so
-the completions come from a ``rollout_func``: each is a conversation of the calculator
-environment whose assistant turn calls the tool in SmolLM2's format, the calculator's result as
-a ``tool`` turn (``env_mask = 0``, echoed; weights from ``completion_echo``) and a final answer,
-right for one completion of each group and wrong for the other (rewards 1 and 0). The old
-logprobs are the model's own for those tokens.
+a ``rollout_func`` plays each episode: the model samples a reply (TRL's sampling temperature),
+the calculator answers a call as a ``tool`` turn, the model samples again, up to the env's turn
+limit. The completion TRL trains is the model's sampled tokens (``env_mask = 1``) with the
+template's tokens of each tool turn between them (``env_mask = 0``; echoed, weights from
+``completion_echo``); the reward is the episode's (1 for the right final number).
 """
 
 from __future__ import annotations
 
-import random
+import itertools
 
 import pytest
 from _pretrained import fastest_dtype, smollm2_dir, smollm2_tokenizer
@@ -23,103 +23,121 @@ from datasets import Dataset  # noqa: E402
 
 from echoloss import EchoConfig, RoleEcho  # noqa: E402
 from echoloss.adapters.trl import EchoGRPOTrainer, completion_echo  # noqa: E402
-from echoloss.train.envs.calculator import TOOLS, Calculator  # noqa: E402
+from echoloss.train.data import _play  # noqa: E402
+from echoloss.train.envs.calculator import Calculator  # noqa: E402
 
 ECHO = EchoConfig(tool=RoleEcho(alpha=0.05))
+MAX_NEW_TOKENS = 48  # per model turn: a call is ~35 tokens in SmolLM2's vocabulary
 
 
-def _render(tok, messages, gen=False):
-    return tok.apply_chat_template(
-        messages, tools=TOOLS, add_generation_prompt=gen, tokenize=True, return_dict=False
-    )
+def trl_completion(calls, eos: int):
+    """``(prompt, completion ids, env mask, sampling logprobs, turns)`` of one played episode:
+    the model's turns joined by the template's tokens between them (the tool turn and the next
+    generation prompt). Stops after a turn cut at the token limit (no end-of-turn token) and
+    before a turn whose prompt does not extend the previous prompt and reply token for token
+    (the reply re-tokenised differently), so every model token in the completion is one the
+    model sampled after exactly the tokens before it."""
+    prompt, first, lps = calls[0]
+    ids, mask, logps = list(first), [1] * len(first), list(lps)
+    turns = 1
+    for (p_prev, c_prev, _), (p, c, lp) in itertools.pairwise(calls):
+        head = p_prev + c_prev
+        if c_prev[-1:] != [eos] or p[: len(head)] != head:
+            break
+        bridge = p[len(head) :]
+        ids += bridge + c
+        mask += [0] * len(bridge) + [1] * len(c)
+        logps += [0.0] * len(bridge) + lp
+        turns += 1
+    return prompt, ids, mask, logps, turns
 
 
-def calculator_completion(tok, env, task, *, right: bool):
-    """``(prompt ids, completion ids, env mask, completion messages, reward)`` of one scripted
-    calculator conversation in the tokenizer's own template."""
-    messages = env.demonstration(task, random.Random(0))
-    if not right:
-        messages[-1] = {"role": "assistant", "content": f"The answer is {task.answer + 1}."}
-    start = len(env.start(task).messages)  # the system prompt, the worked examples, the question
-    prompt = _render(tok, messages[:start], gen=True)
-    full = _render(tok, messages)
-    end = len(full) - full[::-1].index(tok.eos_token_id)  # the answer's end-of-turn token
-    completion = full[len(prompt) : end]
-    call_end = completion.index(tok.eos_token_id) + 1  # the call turn's end-of-turn token
-    answer_start = len(_render(tok, messages[: start + 2], gen=True)) - len(prompt)
-    mask = (
-        [1] * call_end + [0] * (answer_start - call_end) + [1] * (end - len(prompt) - answer_start)
-    )
-    reward = 1.0 if right else 0.0
-    return prompt, completion, mask, messages[start:], reward
-
-
-@torch.no_grad()
-def _logprobs(model, prompt, completion):
-    ids = torch.tensor([prompt + completion])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0].tolist()
-
-
-def test_echo_grpo_steps_on_smollm2_with_tool_calls(tmp_path):
+def test_echo_grpo_trains_smollm2_on_its_own_calculator_episodes(tmp_path):
     from transformers import AutoModelForCausalLM
 
     tok = smollm2_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=fastest_dtype())
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32)
     env = Calculator()
-    rewards: dict[str, float] = {}
-    result_tokens: list[int] = []
+    tasks = {t.question: t for t in (env.task(seed=0, index=i) for i in range(2))}
+    played: list[dict] = []
 
     def rollout(prompts, trainer):
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "echo_weights": []}  # fmt: skip
-        for i, _ in enumerate(prompts):
-            task = env.task(seed=0, index=i // 2)
-            p, c, mask, msgs, r = calculator_completion(tok, env, task, right=i % 2 == 0)
-            sel = completion_echo(c, mask, msgs, tok, echo=ECHO)
-            echoed = [t for t, w in zip(c, sel.weights, strict=True) if w is not None]
-            assert tok.decode(echoed) == str(task.answer)  # exactly the calculator's result
-            result_tokens.append(len(echoed))
+        episodes = [env.start(tasks[p[-1]["content"]]) for p in prompts]
+        start = len(episodes[0].messages)
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        with trainer.accelerator.autocast():
+            calls = _play(
+                policy,
+                tok,
+                env,
+                episodes,
+                temperature=trainer.temperature,
+                max_new_tokens=MAX_NEW_TOKENS,
+                device=torch.device("cpu"),
+            )
+        out = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
+        out |= {"echo_weights": [], "env_reward": []}
+        for ep, episode_calls in zip(episodes, calls, strict=True):
+            p, c, mask, logps, turns = trl_completion(episode_calls, tok.eos_token_id)
+            messages = ep.messages[start : start + 2 * turns - 1]  # assistant, tool, ...
+            sel = completion_echo(c, mask, messages, tok, echo=ECHO)
+            weights = [0.0 if w is None else w for w in sel.weights]
             out["prompt_ids"].append(p)
             out["completion_ids"].append(c)
-            out["logprobs"].append(_logprobs(trainer.model, p, c))
+            out["logprobs"].append(logps)
             out["env_mask"].append(mask)
-            out["echo_weights"].append([0.0 if w is None else w for w in sel.weights])
-            rewards[tok.decode(c)] = r
+            out["echo_weights"].append(weights)
+            out["env_reward"].append(ep.reward if turns == len(episode_calls) else 0.0)
+            tools = [m["content"] for m in messages if m["role"] == "tool"]
+            echoed = [t for t, w in zip(c, weights, strict=True) if w > 0]
+            played.append({"echoed": echoed, "tools": tools, "model_tokens": sum(mask)})
         return out
 
-    def reward(completions, completion_ids, **kwargs):
-        return [rewards[tok.decode(c)] for c in completion_ids]
+    def reward(completions, env_reward, **kwargs):
+        return env_reward
 
     args = trl.GRPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=2,
         num_generations=2,
-        max_completion_length=128,
-        max_steps=1,
+        max_completion_length=3 * MAX_NEW_TOKENS + 64,
+        max_steps=2,  # the guide's two steps, one question each
+        temperature=0.7,  # as configs/pretrained.toml: at 1.0 most calls are malformed JSON
         learning_rate=1e-5,
         logging_steps=1,
         report_to="none",
         use_cpu=True,
-        bf16=fastest_dtype() == torch.bfloat16,
+        bf16=fastest_dtype() == torch.bfloat16,  # autocast: the parameters stay fp32
         save_strategy="no",
+        seed=0,
         beta=0.0,
     )
-    prompt = [{"role": "user", "content": "calculator task"}]  # replaced by the rollout
-    before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    dataset = Dataset.from_list([{"prompt": env.start(t).messages} for t in tasks.values()])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = EchoGRPOTrainer(
         model=model,
         reward_funcs=reward,
         args=args,
-        train_dataset=Dataset.from_list([{"prompt": prompt}] * 2),
+        train_dataset=dataset,
         processing_class=tok,
         rollout_func=rollout,
         echo=ECHO,
     )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "echoloss/echo_tokens" in h]
-    [h] = logs
-    # The echo term sees the calculator's result tokens, and only those.
-    assert h["echoloss/echo_tokens"] == sum(result_tokens)
-    assert h["echoloss/loss_echo"] > 0 and h["echoloss/rl_tokens"] > 0
-    changed = [n for n, p in model.named_parameters() if not torch.equal(p.float(), before[n])]
-    assert changed
+    assert len(logs) == 2 and len(played) == 4
+    for h, step in zip(logs, (played[:2], played[2:]), strict=True):
+        # The echo term trains on exactly the calculator's answers, and RL on the sampled tokens.
+        assert h["echoloss/echo_tokens"] == sum(len(r["echoed"]) for r in step)
+        assert h["echoloss/rl_tokens"] == sum(r["model_tokens"] for r in step)
+    for r in played:
+        assert tok.decode(r["echoed"]) == "".join(r["tools"])
+    assert any(r["tools"] for r in played), "no rollout called the calculator: nothing echoed"
+    # fp32 master weights: every trained tensor is fp32 and nearly every weight moved (bf16
+    # parameters round most lr = 1e-5 updates away).
+    moved = total = 0
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32, n
+        moved += int((p.detach() != before[n]).sum())
+        total += p.numel()
+    assert moved / total > 0.5, f"only {moved / total:.1%} of the weights changed"
