@@ -33,7 +33,7 @@ PANELS: list[tuple[str, float, list[str]]] = [
 #: Said on every figure: a single run has nothing to compare echo with.
 ONE_RUN = (
     "one run: it cannot show whether echo helped (that needs GRPO runs beside it, same seeds: "
-    "echoloss.train.experiment)"
+    "examples/research/echo_experiment)"
 )
 
 # One figure per question: (file, title, y-axis label with units, y scale factor,
