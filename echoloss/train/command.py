@@ -33,10 +33,12 @@ def _parser() -> argparse.ArgumentParser:
         "The ECHO experiments (docs/experiment.md) are not part of the package: "
         "`python examples/research/echo_experiment/run.py --help` in a source checkout.",
     )
+    from echoloss.train.presets import packaged_configs
+
     p.add_argument(
         "--config",
-        help="a TOML file, or a packaged config by name: default, fast, gpu, jsonl "
-        "(default: the embedded default)",
+        help="a TOML file, or a packaged config by name: "
+        f"{', '.join(packaged_configs())} (default: the embedded default)",
     )
     p.add_argument("--max-steps", type=int, help="train.max_steps")
     p.add_argument("--output-dir", help="train.output_dir")

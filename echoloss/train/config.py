@@ -120,6 +120,11 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "fastest", "float32", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attn_implementation: str = "sdpa"  # "eager", "sdpa", or "flash_attention_2" (packed varlen)
+    # The update's forward (echoloss.train.forward): "logits" (every row's logits), "packed" (the
+    # LM head only on the rows that carry loss), "shared_prefix" (that, and a prompt prefix
+    # shared by several samples computed once); auto = shared_prefix on one process with a
+    # non-flash attention and no token export, else logits (FSDP, token export) or packed
+    update_forward: Literal["auto", "logits", "packed", "shared_prefix"] = "auto"
 
     @field_validator("device")
     @classmethod
@@ -221,6 +226,8 @@ class EnvConfig(_Section):
     # mirrorgrid: the observation's direction words: the key names, or their own vocabulary
     # (north/south/west/east, no token shared with the action keys)
     words: Literal["keys", "compass"] = "keys"
+    # calculator: held-out evaluation questions (None = the env's 8)
+    eval_size: int | None = Field(None, ge=1)
 
     @field_validator("name")
     @classmethod
@@ -385,6 +392,10 @@ class EchoSection(_Section):
     # env's spans: "hidden" (the hidden-dependent word) or "noise" (the uninformative digit of
     # mirrorgrid-noise: the placebo). Through echoloss.span_echo_filter
     span: Literal["observation", "hidden", "noise"] = "observation"
+    # The weight of error observations (envs with observation kinds: the calculator's
+    # "error: ..." replies) relative to the others in the echo term: 1 = as any observation,
+    # 0 = not echoed (they still count in Z), in between = down-weighted
+    error_weight: float = Field(1.0, ge=0, le=1)
 
 
 class AdvantageConfig(_Section):

@@ -13,7 +13,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -24,15 +24,18 @@ from echoloss.train.envs.base import HeldoutObservations, ImaginedObservations, 
 __all__ = [
     "EvalResult",
     "Rollout",
+    "SharedPrompt",
     "demo_rollouts",
     "evaluate_policy",
     "generate_rollouts",
     "heldout_conversations",
     "heldout_episodes",
     "hidden_token_positions",
+    "prefill",
     "read_rollout_groups",
     "rollout_record",
     "scripted_steps",
+    "shared_prompt_length",
 ]
 
 
@@ -71,6 +74,67 @@ def _left_pad(
     return ids.to(device), mask.to(device)
 
 
+@dataclass
+class SharedPrompt:
+    """A prompt prefix that every episode of a `_play` call starts with, prefilled once: its
+    token ids and each layer's keys and values (``[1, kv_heads, P, D]``)."""
+
+    ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def starts(self, prompt: Sequence[int]) -> bool:
+        """Whether ``prompt`` starts with this prefix (and goes on after it)."""
+        n = len(self.ids)
+        return len(prompt) > n and list(prompt[:n]) == self.ids
+
+
+def shared_prompt_length(prompts: Sequence[Sequence[int]]) -> int:
+    """The tokens every prompt starts with, leaving each at least one of its own (``generate``
+    needs an uncached token per row).
+
+    Examples:
+        >>> shared_prompt_length([[1, 2, 3, 4], [1, 2, 3, 5, 6]]), shared_prompt_length([[1, 2]])
+        (3, 1)
+    """
+    from echoloss.train.forward import common_prefix_length
+
+    n = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        n = min(n, common_prefix_length(prompts[0], p))
+    return max(n, 0)
+
+
+@torch.no_grad()
+def prefill(model: Any, ids: list[int], device: torch.device) -> SharedPrompt:
+    """Run the decoder once on ``ids`` and keep its keys and values (no LM head)."""
+    from echoloss.train.forward import returned_cache
+
+    out = model.get_decoder()(input_ids=torch.tensor([ids], device=device), use_cache=True)
+    return SharedPrompt(ids, [(x.keys, x.values) for x in returned_cache(out).layers])
+
+
+def _prefixed_inputs(
+    model: Any, prompts: Sequence[list[int]], shared: SharedPrompt, pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """``generate``'s inputs for prompts that all start with ``shared``: the prefix, then each
+    prompt's own tokens left-padded (the padding sits between the two: the attention mask hides
+    it, and the positions, counted from the mask, run on from the prefix), and the prefix's keys
+    and values copied to every row as the cache."""
+    from transformers import DynamicCache
+
+    from echoloss.train.forward import cache_keyword
+
+    p, rows = len(shared.ids), len(prompts)
+    own, own_mask = _left_pad([r[p:] for r in prompts], pad, device)
+    head = torch.tensor([shared.ids], device=device).expand(rows, -1)
+    ids = torch.cat([head, own], 1)
+    mask = torch.cat([torch.ones_like(head), own_mask], 1)
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(shared.kv):
+        cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
+    return ids, mask, {cache_keyword(model): cache}
+
+
 @torch.no_grad()
 def _sample(
     model: Any,
@@ -82,19 +146,26 @@ def _sample(
     synced: bool,
     device: torch.device,
     greedy: bool = False,
+    shared: SharedPrompt | None = None,
 ) -> list[tuple[list[int], list[float]]]:
     """Sample one completion per prompt with HF ``generate``; returns ``(ids, logprobs)`` pairs.
 
     The completion stops after the first end-of-turn token (kept: the model must learn to emit
     it). Logprobs are ``log_softmax(logits / T)`` of the raw logits, i.e. of exactly the
     distribution sampled from (no top-k / top-p). ``synced`` keeps every data-parallel rank
-    stepping until all are done (FSDP gathers parameters in every forward).
+    stepping until all are done (FSDP gathers parameters in every forward). With ``shared``
+    (every prompt starts with it), the prefix's prefilled keys and values are reused: only each
+    prompt's own tokens are prefilled.
     """
     from transformers import GenerationConfig
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
-    ids, mask = _left_pad(prompts, pad, device)
+    cache: dict[str, Any] = {}
+    if shared is not None:
+        ids, mask, cache = _prefixed_inputs(model, prompts, shared, pad, device)
+    else:
+        ids, mask = _left_pad(prompts, pad, device)
     sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if not greedy else {}
     gen = GenerationConfig(
         do_sample=not greedy,
@@ -106,7 +177,7 @@ def _sample(
         output_logits=True,
     )
     out = model.generate(
-        input_ids=ids, attention_mask=mask, generation_config=gen, synced_gpus=synced
+        input_ids=ids, attention_mask=mask, generation_config=gen, synced_gpus=synced, **cache
     )
     new = out.sequences[:, ids.shape[1] :].cpu()
     logits = torch.stack(out.logits, 1).float().cpu()  # [B, T_new, V]
@@ -194,7 +265,13 @@ def _play(
     """Play ``episodes`` to the end, turn by turn, all live conversations in one ``generate``
     call per turn. Returns every model call's ``(prompt ids, completion ids, logprobs)`` per
     episode; counts imagined observations in each episode's ``stats["imagined"]`` when the env
-    recognises them (`echoloss.train.envs.base.ImaginedObservations`)."""
+    recognises them (`echoloss.train.envs.base.ImaginedObservations`).
+
+    On one process, the prompt prefix every episode starts with (a system prompt, worked
+    examples: `shared_prompt_length` of the first turn's prompts, at least
+    `echoloss.train.forward.MIN_SHARED_PREFIX` tokens) is prefilled once (`prefill`) and its
+    keys and values reused by every ``generate`` call of every turn whose prompts all start
+    with it (the weights do not change during the call)."""
     import torch.distributed as dist
 
     calls: list[list[tuple[list[int], list[int], list[float]]]] = [[] for _ in episodes]
@@ -203,6 +280,7 @@ def _play(
         if imagined:
             ep.stats.setdefault("imagined", 0.0)
     synced = world_size > 1
+    shared: SharedPrompt | Literal[False] | None = None  # False: this call shares none
     was_training = model.training
     model.eval()
     while True:
@@ -215,6 +293,9 @@ def _play(
         elif not live:
             break
         prompts = [_render_ids(tokenizer, episodes[i].messages, tool_schemas(env)) for i in live]
+        if shared is None and prompts and not synced:
+            shared = _shared_prompt(model, prompts, device)
+        reuse = shared if shared and all(shared.starts(p) for p in prompts) else None
         outs = _sample(
             model,
             tokenizer,
@@ -224,6 +305,7 @@ def _play(
             synced=synced,
             device=device,
             greedy=greedy,
+            shared=reuse or None,
         )
         for i, prompt, (comp, lp) in zip(live, prompts, outs, strict=False):
             calls[i].append((prompt, comp, lp))
@@ -237,6 +319,16 @@ def _play(
     return calls
 
 
+def _shared_prompt(
+    model: Any, prompts: Sequence[list[int]], device: torch.device
+) -> SharedPrompt | Literal[False]:
+    """The prompts' shared prefix, prefilled, or False when it is too short to be worth it."""
+    from echoloss.train.forward import MIN_SHARED_PREFIX
+
+    n = shared_prompt_length(prompts)
+    return prefill(model, prompts[0][:n], device) if n >= MIN_SHARED_PREFIX else False
+
+
 @dataclass(frozen=True)
 class EvalResult:
     """Success on a fixed task set, greedy and sampled, with the reply diagnostics.
@@ -248,6 +340,8 @@ class EvalResult:
         invalid_rate: replies that are not a move or ``done``, per assistant turn (sampled).
         imagined_rate: replies with scaffold or observation-like text, per assistant turn
             (sampled; see `echoloss.train.envs.imagined_observation`).
+        valid_call_rate: greedy episodes that called a tool and wrote no invalid reply (NaN
+            for an env that counts no ``tool_calls``).
     """
 
     success_greedy: float
@@ -255,6 +349,7 @@ class EvalResult:
     episodes: int
     invalid_rate: float
     imagined_rate: float
+    valid_call_rate: float = math.nan
 
 
 def evaluate_policy(
@@ -300,7 +395,17 @@ def evaluate_policy(
             if isinstance(env, ImaginedObservations)
             else math.nan  # the env does not recognise imagined observations: not measured
         ),
+        valid_call_rate=_valid_call_rate(greedy_eps),
     )
+
+
+def _valid_call_rate(episodes: list[Any]) -> float:
+    """The share of ``episodes`` that called a tool and wrote no invalid reply (NaN when the
+    env counts no tool calls)."""
+    if not episodes or any("tool_calls" not in ep.stats for ep in episodes):
+        return math.nan
+    ok = [ep.stats["tool_calls"] >= 1 and ep.stats.get("invalid", 0.0) == 0 for ep in episodes]
+    return float(sum(ok)) / len(episodes)
 
 
 def generate_rollouts(
@@ -508,6 +613,7 @@ def read_rollout_groups(path: str, tokenizer: Any, *, default_env: str) -> list[
                 env_name=rec.env_name or default_env,
                 errored=rec.error is not None,
                 stats=dict(rec.metrics),
+                messages=[m.model_dump(exclude_none=True) for m in rec.messages or []],
             )
         )
     if not groups:
@@ -516,7 +622,18 @@ def read_rollout_groups(path: str, tokenizer: Any, *, default_env: str) -> list[
 
 
 def rollout_record(rollout: Rollout) -> dict[str, Any]:
-    """A `Rollout` as an echoloss rollout JSONL record (token form, with attribution)."""
+    """A `Rollout` as an echoloss rollout JSONL record: token form, with attribution, the
+    conversation's ``messages`` when it has them, and the rollout's ``temperature`` when every
+    call sampled at the same one (each step also carries its own).
+
+    Examples:
+        >>> s = echoloss.Step(prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.1],
+        ...                   temperature=0.7)
+        >>> r = Rollout([s], 1.0, "g", "calc", messages=[{"role": "user", "content": "hi"}])
+        >>> rec = rollout_record(r)
+        >>> rec["temperature"], rec["messages"], rec["steps"][0]["temperature"]
+        (0.7, [{'role': 'user', 'content': 'hi'}], 0.7)
+    """
     steps = []
     for s in rollout.steps:
         a = s.attribution
@@ -540,7 +657,7 @@ def rollout_record(rollout: Rollout) -> dict[str, Any]:
                 },
             }
         )
-    return {
+    record: dict[str, Any] = {
         "schema_version": 1,
         "group_id": str(rollout.group_id),
         "reward": rollout.reward,
@@ -548,3 +665,9 @@ def rollout_record(rollout: Rollout) -> dict[str, Any]:
         "steps": steps,
         "metrics": dict(rollout.stats),
     }
+    temps = {s.temperature for s in rollout.steps}
+    if len(temps) == 1 and None not in temps:
+        record["temperature"] = temps.pop()
+    if rollout.messages:
+        record["messages"] = [dict(m) for m in rollout.messages]
+    return record

@@ -35,7 +35,7 @@ from echoloss.train.data import (
     hidden_token_positions,
     scripted_steps,
 )
-from echoloss.train.envs import Env, HiddenObservations
+from echoloss.train.envs import Env, HiddenObservations, ObservationKinds
 from echoloss.train.envs.base import HeldoutObservations, ImaginedObservations, tool_schemas
 from echoloss.train.model import packed_logits
 from echoloss.train.probes_world import WorldModelSet, world_model_ce, world_model_sets
@@ -64,6 +64,9 @@ class Heldout:
             (empty when the env does not mark them).
         hidden_floor: the Bayes-optimal NLL of the hidden-dependent tokens, per token.
         world_model: the split world-model CE's sets (`echoloss.train.probes_world`), by name.
+        kinds: for envs with observation kinds (`echoloss.train.envs.ObservationKinds`), the
+            held-out conversations packed once per kind, with only that kind's observations as
+            echo rows (``"result"``, ``"error"``: the held-out CE of each).
     """
 
     batches: list[echoloss.PackedBatch] = field(default_factory=list)
@@ -71,6 +74,7 @@ class Heldout:
     hidden: list[tuple[list[int], list[int]]] = field(default_factory=list)
     hidden_floor: float = math.nan
     world_model: dict[str, WorldModelSet] = field(default_factory=dict)
+    kinds: dict[str, list[echoloss.PackedBatch]] = field(default_factory=dict)
 
 
 def heldout_set(cfg: TrainConfig, env: Env[Any, Any], tok: Any, device: torch.device) -> Heldout:
@@ -105,6 +109,36 @@ def heldout_set(cfg: TrainConfig, env: Env[Any, Any], tok: Any, device: torch.de
     if out.hidden:
         out.hidden_floor = hidden_nats / max(sum(len(p) for _, p in out.hidden), 1)
     out.world_model = world_model_sets(env, tok, count=cfg.data.heldout_size)
+    if isinstance(env, ObservationKinds):
+        out.kinds = {
+            kind: [b.to(device) for b in batches]
+            for kind, batches in _kind_batches(env, tok, cfg).items()
+        }
+    return out
+
+
+def _kind_batches(
+    env: ObservationKinds, tok: Any, cfg: TrainConfig
+) -> dict[str, list[echoloss.PackedBatch]]:
+    """The held-out conversations packed once per observation kind, with only that kind's
+    observations echoed (`echoloss.span_echo_filter` on the env's spans of the kind)."""
+    probe = echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=1.0))
+    episodes = heldout_episodes(env, count=cfg.data.heldout_size)
+    kinds = sorted({k for messages, _ in episodes for k in env.observation_kinds(messages)})
+    out = {}
+    for kind in kinds:
+        samples = []
+        for messages, start in episodes:
+
+            def spans(m: Any, kind: str = kind) -> dict[int, tuple[int, int]]:
+                return env.observation_kinds(m).get(kind, {})
+
+            steps = scripted_steps(messages, tok, tool_schemas(env), prompt_messages=start)
+            only = echoloss.span_echo_filter(messages, spans, decode=tok.decode)
+            for s in echoloss.interleave(steps, echo=probe, echo_filter=only):
+                s.advantage = 0.0
+                samples.append(s)
+        out[kind] = echoloss.pack(samples, max_tokens=cfg.optim.micro_batch_tokens)
     return out
 
 
@@ -196,6 +230,9 @@ def evaluate(
             device=device,
         )
         out.update(eval_success_greedy=r.success_greedy, eval_episodes=float(r.episodes))
+        out["eval_n"] = float(len(tasks))
+        if math.isfinite(r.valid_call_rate):
+            out["eval_valid_call_rate"] = r.valid_call_rate
         if full and cfg.train.eval_samples:
             out.update(eval_success_sampled=r.success_sampled, eval_invalid_rate=r.invalid_rate)
             if isinstance(env, ImaginedObservations):  # an optional capability of the env
@@ -204,6 +241,9 @@ def evaluate(
         attn = cfg.model.attn_implementation
         out["heldout_obs_ce"] = heldout_observation_ce(model, heldout.batches, attn)
         out["obs_ce_floor"] = heldout.floor
+    for kind, batches in heldout.kinds.items():
+        attn = cfg.model.attn_implementation
+        out[f"heldout_{kind}_ce"] = heldout_observation_ce(model, batches, attn)
     if heldout.hidden:
         out["heldout_hidden_ce"] = heldout_hidden_ce(model, heldout.hidden, device)
         out["hidden_ce_floor"] = heldout.hidden_floor

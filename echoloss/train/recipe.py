@@ -6,7 +6,8 @@
     2. compute_advantages  echoloss.compute_advantages over the global batch (GRPO, or RAE)
     3. build_samples       echoloss.interleave(rollout.steps, echo=...)  (one per conversation)
     4. make_micro_batches  echoloss.pack(...) and the global normalisers (all-reduced once)
-    5. forward_backward    per micro-batch: the phase's losses, .backward()
+    5. forward_backward    per micro-batch: the phase's losses, .backward() (none without a
+                           gradient)
     6. update              undo data-parallel averaging; clip; AdamW step
     7. evaluate_if_due     held-out success and observation CEs, when due
     8. log_step            one JSON line per step, a one-line summary
@@ -26,7 +27,10 @@ What was simplified, and why (this is a recipe, not a framework):
   for a tiny model on CPU and for a small real model on one GPU; a production run would use an
   inference server and read its rollouts with ``data.source = "jsonl"``.
 * **The packed forward** uses a block-diagonal 4D attention mask (or FlashAttention's varlen path
-  when ``model.attn_implementation`` is a flash one), built from the batch's ``cu_seqlens``.
+  when ``model.attn_implementation`` is a flash one), built from the batch's ``cu_seqlens``. On
+  one process the update runs the LM head only on the rows that carry loss and computes a prompt
+  prefix shared by several samples once (``model.update_forward``, `echoloss.train.forward`);
+  a step without any gradient (no loss row, or every advantage 0 and no echo) runs no forward.
 * **Data parallelism is FSDP2 ``fully_shard``** per decoder layer and at the root, under
   ``torchrun``. Every rank must run the same number of forwards (FSDP gathers parameters in each),
   so ranks pad their micro-batch count with empty batches whose loss is an exact, connected zero.
@@ -37,6 +41,7 @@ What was simplified, and why (this is a recipe, not a framework):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -72,13 +77,23 @@ from echoloss.train.config import (
     pretrained_rates_problem,
 )
 from echoloss.train.data import Rollout, rollout_record
-from echoloss.train.envs import Env, make_env
+from echoloss.train.envs import Env, ObservationKinds, make_env
+from echoloss.train.forward import (
+    SharedPrefixForward,
+    first_loss_rows,
+    lm_head_weight,
+    loss_rows,
+    packed_hidden,
+    prefix_clusters,
+    resolve_update_forward,
+)
 from echoloss.train.metrics import MetricSums, banner, rollout_metrics, summary_line
 from echoloss.train.model import build_tiny_model, build_tokenizer, load_model, packed_logits
 from echoloss.train.probes import Heldout, evaluate, heldout_set
 from echoloss.train.probes_world import EchoGradient, EchoSpans, zero_variance_fraction
 from echoloss.train.regimes import (
     Phase,
+    Scores,
     copy_task_warmup,
     observation_ce,
     phase_at,
@@ -100,6 +115,7 @@ from echoloss.train.sources import RolloutSource
 
 __all__ = [
     "NO_SIGNAL_STEPS",
+    "MicroBatches",
     "Outputs",
     "Run",
     "build_samples",
@@ -119,6 +135,12 @@ __all__ = [
 #: RL steps in a row without any non-zero advantage before the trainer warns (a collapsed
 #: policy whose groups all score the same gets no RL gradient, docs/experiment.md).
 NO_SIGNAL_STEPS = 10
+
+#: The policies whose per-token loss is the advantage times a function of the ratio (zero
+#: gradient at advantage 0; `no_gradient`).
+_BUILT_IN_POLICIES = frozenset(
+    {"dppo", "ppo_clip", "cispo", "cispo_sequence", "gspo", "sapo", "sapo_sequence", "reinforce"}
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,6 +179,7 @@ class Run:
             many of them are the warm-up.
         outputs: the files the run appends to.
         no_signal: RL steps in a row on which every advantage was 0.
+        forward: the update's forward (`echoloss.train.forward.resolve_update_forward`).
     """
 
     cfg: TrainConfig
@@ -174,28 +197,36 @@ class Run:
     warm_steps: int
     outputs: Outputs
     no_signal: int = 0
+    forward: str = "logits"
 
 
 @dataclass
 class MicroBatches:
     """Step 4's result: this rank's micro-batches on the device, their next-token targets and
-    loss inputs, how many are real (the dummies that equalise ranks come last) and the global normalisers."""
+    loss inputs, how many are real (the dummies that equalise ranks come last), the global
+    normalisers and, with ``model.update_forward = "shared_prefix"``, each micro-batch's prefix
+    (an index into ``prefixes``, the token ids every sequence of that micro-batch starts with;
+    ``[]`` for sequences that share none)."""
 
     batches: list[echoloss.PackedBatch]
     targets: list[echoloss.NextTokenTargets]
     inputs: list[LossInputs]
     real: int
     norms: Normalizers
+    prefix_of: list[int] = field(default_factory=list)
+    prefixes: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
 class Trained:
-    """Step 5's result: each named loss's metrics (``"main"``, ``"obs"``), the tokens seen and,
-    on the steps the gradient probe runs (``train.grad_ratio_every``), ``(‖∇echo‖, ‖∇PG‖)``."""
+    """Step 5's result: each named loss's metrics (``"main"``, ``"obs"``), the tokens seen, the
+    forward that ran (``"skipped: ..."`` with the reason when the step had no gradient) and, on
+    the steps the gradient probe runs (``train.grad_ratio_every``), ``(‖∇echo‖, ‖∇PG‖)``."""
 
     metrics: dict[str, MetricSums] = field(default_factory=dict)
     tokens: int = 0
     echo_pg_norms: tuple[float, float] | None = None
+    forward: str = ""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,11 +308,8 @@ def setup(
     source, held-out set, checkpoint (on resume), copy-task pre-training, output files. Every
     check of the inputs runs before the first file is written."""
     ranks = start_ranks(cfg)
-    if cfg.train.threads is not None:
-        torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=ranks.device.type == "cuda")
-    seed_everything(cfg.train.seed * 1000 + ranks.rank)
+    _process_settings(cfg, ranks)
+    forward = resolve_update_forward(cfg, ranks.world)  # its errors before any file is written
     model, tok = _build_model(cfg, ranks.device)
     if ranks.world > 1:
         shard(model)
@@ -315,7 +343,18 @@ def setup(
         total,
         warm_steps,
         outputs,
+        forward=forward,
     )
+
+
+def _process_settings(cfg: TrainConfig, ranks: Ranks) -> None:
+    """Torch's CPU threads, deterministic algorithms and the seeds (``train`` restores the
+    first two when it returns)."""
+    if cfg.train.threads is not None:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=ranks.device.type == "cuda")
+    seed_everything(cfg.train.seed * 1000 + ranks.rank)
 
 
 def _print(line: str) -> None:
@@ -355,6 +394,18 @@ def _environment(cfg: TrainConfig) -> Env[Any, Any]:
         raise ValueError(
             f"echo.span = {cfg.echo.span!r}: env {cfg.env.name} names no observation spans "
             "(no echo_spans); use a mirrorgrid env, or echo.span = 'observation'"
+        )
+    weight = cfg.echo.error_weight
+    if weight != 1 and not isinstance(env, ObservationKinds):
+        raise ValueError(
+            f"echo.error_weight = {weight}: env {cfg.env.name} marks no error observations "
+            "(no observation_kinds); use the calculator env, or echo.error_weight = 1"
+        )
+    if weight != 1 and (cfg.echo.span != "observation" or cfg.data.source == "jsonl"):
+        raise ValueError(
+            f"echo.error_weight = {weight} reads each generated conversation's messages and "
+            "weights whole observations: it needs data.source = 'generate' and echo.span = "
+            "'observation'; set echo.error_weight = 1"
         )
     return env
 
@@ -539,9 +590,10 @@ def build_samples(
         if a is None:
             continue  # errored, or a group without survivors: trains nothing
         only = _span_filter(run, r, phase)
-        for s in echoloss.interleave(
+        made = echoloss.interleave(
             r.steps, echo=phase.echo, errored=r.errored, env_name=r.env_name, echo_filter=only
-        ):
+        )
+        for s in _error_weighted(run, r, phase, made):
             s.advantage = a
             samples.append(s)
     limit = run.cfg.data.max_tokens
@@ -552,6 +604,38 @@ def build_samples(
             "raise data.max_tokens (and optim.micro_batch_tokens)"
         )
     return samples
+
+
+def _error_weighted(
+    run: Run, rollout: Rollout, phase: Phase, samples: list[echoloss.Sample]
+) -> list[echoloss.Sample]:
+    """``samples`` with the echo weights of the env's error observations scaled by
+    ``echo.error_weight`` (0: not echoed; they still count in ``Z``). The error tokens are the
+    echo rows of the same steps interleaved with only the error spans kept, so the two
+    interleavings have the same tokens in the same samples."""
+    weight, env = run.cfg.echo.error_weight, run.env
+    if weight == 1 or phase.warm or phase.echo is None or not isinstance(env, ObservationKinds):
+        return samples
+
+    def errors(messages: Any) -> dict[int, tuple[int, int]]:
+        return env.observation_kinds(messages).get("error", {})
+
+    only = echoloss.span_echo_filter(rollout.messages, errors, decode=run.tok.decode)
+    marked = echoloss.interleave(
+        rollout.steps, echo=phase.echo, errored=rollout.errored, env_name=rollout.env_name,
+        echo_filter=only,
+    )  # fmt: skip
+    out = []
+    for s, e in zip(samples, marked, strict=True):
+        if s.echo_weights is None or e.echo_weights is None:
+            out.append(s)
+            continue
+        scaled = [
+            w if w is None or x is None else (w * weight if weight else None)
+            for w, x in zip(s.echo_weights, e.echo_weights, strict=True)
+        ]
+        out.append(dataclasses.replace(s, echo_weights=scaled))
+    return out
 
 
 def _span_filter(
@@ -569,8 +653,22 @@ def _span_filter(
 
 def make_micro_batches(run: Run, samples: list[echoloss.Sample]) -> MicroBatches:
     """4. Pack into micro-batches (padded with dummies to the ranks' largest count, so that every
-    rank runs as many forwards) and count the global normalisers (all-reduced once)."""
-    batches = echoloss.pack(samples, max_tokens=run.cfg.optim.micro_batch_tokens) if samples else []
+    rank runs as many forwards) and count the global normalisers (all-reduced once). With a
+    shared-prefix forward, samples are first grouped by their common prompt prefix
+    (`echoloss.train.forward.prefix_clusters`) and each micro-batch holds one group's samples."""
+    budget = run.cfg.optim.micro_batch_tokens
+    prefix_of: list[int] = []
+    prefixes: list[list[int]] = []
+    if run.forward == "shared_prefix" and samples:
+        batches = []
+        ids = [s.token_ids for s in samples]
+        for c in prefix_clusters(ids, first_loss_rows(samples)):
+            prefixes.append(ids[c.members[0]][: c.prefix_len])
+            for chunk in _continuation_chunks(samples, c.members, c.prefix_len, budget):
+                batches += echoloss.pack(chunk, max_tokens=sum(len(s) for s in chunk))
+                prefix_of.append(len(prefixes) - 1)
+    else:
+        batches = echoloss.pack(samples, max_tokens=budget) if samples else []
     real = len(batches)
     if run.ranks.world > 1:
         most = max(gather(len(batches), run.ranks.world))
@@ -582,7 +680,26 @@ def make_micro_batches(run: Run, samples: list[echoloss.Sample]) -> MicroBatches
         for b, t in zip(on_device, targets, strict=True)
     ]
     local = sum((count_normalizers(x) for x in inputs), Normalizers())
-    return MicroBatches(on_device, targets, inputs, real, all_reduce_normalizers(local))
+    norms = all_reduce_normalizers(local)
+    return MicroBatches(on_device, targets, inputs, real, norms, prefix_of, prefixes)
+
+
+def _continuation_chunks(
+    samples: list[echoloss.Sample], members: tuple[int, ...], prefix_len: int, budget: int
+) -> list[list[echoloss.Sample]]:
+    """A prefix group's samples in micro-batches of at most ``budget`` continuation tokens,
+    padding included (rows are right-padded to the longest continuation: longest first)."""
+    order = sorted(members, key=lambda i: -len(samples[i]))
+    chunks: list[list[echoloss.Sample]] = []
+    width = 0
+    for i in order:
+        n = len(samples[i]) - prefix_len
+        if chunks and (len(chunks[-1]) + 1) * width <= budget:
+            chunks[-1].append(samples[i])
+        else:
+            chunks.append([samples[i]])
+            width = n
+    return chunks
 
 
 def _dummy_batch(pad_id: int) -> echoloss.PackedBatch:
@@ -598,33 +715,102 @@ def _dummy_batch(pad_id: int) -> echoloss.PackedBatch:
 
 
 def forward_backward(run: Run, mb: MicroBatches, phase: Phase, index: int) -> Trained:
-    """5. Per micro-batch: the packed forward, the phase's losses, their backward (gradients
-    accumulate as sums in ``.grad``; under FSDP reduce-scattered once, after the last)."""
+    """5. Per micro-batch: the forward (`_scores`), the phase's losses, their backward
+    (gradients accumulate as sums in ``.grad``; under FSDP reduce-scattered once, after the
+    last). A step without any gradient (`no_gradient`) runs no forward: its gradients are set to
+    exact zeros, which is what the backward would have left, and the optimiser steps as usual."""
     cfg, model = run.cfg, run.model
     for group in run.opt.param_groups:  # Adam makes steps ~lr whatever the gradient's scale
         group["lr"] = phase.lr
     done, probe = Trained(), _gradient_probe(run, phase)
+    reason = no_gradient(run, mb, phase)
+    if reason is not None:
+        return _skipped(model, reason)
+    # The probe's echo gradient must include the prefix's share: it runs unshared.
+    done.forward = "packed" if probe is not None and run.forward == "shared_prefix" else run.forward
+    shared = (
+        SharedPrefixForward(model, mb.prefixes, run.tok.pad_token_id)
+        if done.forward == "shared_prefix"
+        else None
+    )
     for i, (b, t, x) in enumerate(zip(mb.batches, mb.targets, mb.inputs, strict=True)):
         if run.ranks.world > 1:
             model.set_requires_gradient_sync(i == len(mb.batches) - 1)
-        with autocast(cfg, run.ranks.device):  # the forward only; the loss reads its logits
-            logits = packed_logits(model, b, attn_implementation=cfg.model.attn_implementation)
-        losses = step_losses(phase, cfg, logits, x, mb.norms)
+        with autocast(cfg, run.ranks.device):  # the forward only; the loss reads its scores
+            scores = _scores(run, done.forward, shared, mb, i, b, x)
+        losses = step_losses(phase, cfg, scores, mb.norms)
         for k, (name, loss) in enumerate(losses):
             res = loss()
             if probe is not None and name == "main" and i < mb.real:  # echo's own gradient
-                probe.add(observation_ce(cfg, logits, x, mb.norms).loss)
+                probe.add(observation_ce(cfg, scores, mb.norms).loss)
             res.loss.backward(retain_graph=k < len(losses) - 1)
             if i < mb.real:  # a dummy batch counts in no metric and no export
                 done.metrics.setdefault(name, MetricSums()).add(res.metrics)
         if i >= mb.real:
             continue
         done.tokens += len(b) - b.num_padding
-        if run.outputs.tokens is not None and not phase.warm:
-            _export_tokens(run.outputs.tokens, b, t, logits, index, i)
+        if run.outputs.tokens is not None and not phase.warm and scores.logits is not None:
+            _export_tokens(run.outputs.tokens, b, t, scores.logits, index, i)
+    if shared is not None:  # the prefixes' share of the gradient, once per prefix
+        shared.backward()
     if probe is not None:  # one rank only: .grad holds the step's whole gradient
         done.echo_pg_norms = probe.norms()
     return done
+
+
+def _skipped(model: Any, reason: str) -> Trained:
+    """A step without a gradient: exact zero gradients (what the backward would leave), no
+    forward, the reason as the step's ``update_forward``."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    return Trained(forward=f"skipped: {reason}")
+
+
+def _scores(
+    run: Run,
+    forward: str,
+    shared: SharedPrefixForward | None,
+    mb: MicroBatches,
+    i: int,
+    b: echoloss.PackedBatch,
+    x: LossInputs,
+) -> Scores:
+    """What micro-batch ``i``'s losses score, by the update's forward: every row's logits, or
+    the LM head's input at the rows that carry loss (packed, or against a shared prefix)."""
+    model, attn = run.model, run.cfg.model.attn_implementation
+    if forward == "logits":
+        return Scores(x, logits=packed_logits(model, b, attn_implementation=attn))
+    if shared is not None:
+        hidden = shared.hidden(b, mb.prefix_of[i])
+    else:
+        hidden = packed_hidden(model, b, attn_implementation=attn)
+    rows = loss_rows(hidden, lm_head_weight(model), x)
+    return Scores(rows.inputs, hidden=rows.hidden, weight=rows.weight)
+
+
+def no_gradient(run: Run, mb: MicroBatches, phase: Phase) -> str | None:
+    """Why this step's loss has no gradient, or None when it may have one: no row of any rank
+    carries loss; or, in RL without echo rows, every RL row's advantage is 0 and the loss has no
+    term that trains without an advantage (``kl_coef``, ``entropy_coef``, the resolved
+    ``kl_tau`` all 0; a built-in policy, whose per-token loss is the advantage times a function
+    of the ratio)."""
+    norms = mb.norms
+    if norms.rl_tokens == 0 and norms.echo_tokens == 0:
+        return "no row carries loss"
+    loss = run.cfg.loss
+    if phase.warm or norms.echo_tokens or loss.mode != "rl":
+        return None
+    if loss.kl_coef or loss.entropy_coef or loss.resolved_kl_tau or loss.policy == "custom":
+        return None
+    if loss.policy not in _BUILT_IN_POLICIES:
+        return None
+    local = any(
+        bool((x.advantages[x.rl] != 0).any()) for x in mb.inputs if x.advantages is not None
+    )
+    if any(gather(local, run.ranks.world)):
+        return None
+    return "every advantage is 0 and no echo row"
 
 
 def _gradient_probe(run: Run, phase: Phase) -> EchoGradient | None:
@@ -731,6 +917,7 @@ def log_step(
     if not phase.warm:
         _warn_without_signal(run, phase, row)
     row.update(_common_metrics(run, mb, tokens, extra))
+    row["update_forward"] = trained.forward
     no_echo = phase.warm or phase.echo is None  # echo metrics only on steps with echo
     m = metrics.get("main", {})
     row.update({f"loss/{k}": v for k, v in sorted(m.items()) if not (no_echo and "echo" in k)})

@@ -27,13 +27,21 @@ import torch
 import torch.nn.functional as F
 
 import echoloss
-from echoloss.loss import LossConfig, LossInputs, LossOutput, Normalizers, echo_loss
+from echoloss.loss import (
+    LossConfig,
+    LossInputs,
+    LossOutput,
+    Normalizers,
+    echo_loss,
+    echo_loss_from_hidden,
+)
 from echoloss.schedules import echo_alpha
 from echoloss.train.config import TrainConfig
 
 __all__ = [
     "SFT",
     "Phase",
+    "Scores",
     "copy_task_warmup",
     "observation_ce",
     "phase_at",
@@ -126,46 +134,78 @@ def _observation_config(weight: float) -> echoloss.EchoConfig | None:
     return None if weight == 0 else echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=weight))
 
 
+@dataclass(frozen=True)
+class Scores:
+    """What a micro-batch's losses score: the logits of every row, or the final hidden states
+    and the LM head of the rows that carry loss (`echoloss.train.forward.loss_rows`), with the
+    loss inputs of those rows.
+
+    Attributes:
+        inputs: the rows' `LossInputs` (``[L]`` with ``logits``, ``[n]`` with ``hidden``).
+        logits: ``[L, V]``, or None.
+        hidden: ``[n, H]`` and ``weight`` ``[V, H]`` (in the compute dtype), or None.
+    """
+
+    inputs: LossInputs
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+
+    def loss(
+        self, inputs: LossInputs, config: LossConfig, norms: Normalizers, *, backend: str = "auto"
+    ) -> LossOutput:
+        """The loss of these rows with ``inputs`` (``self.inputs`` or a copy with fields
+        changed): [`echoloss.echo_loss`][echoloss.loss.echo_loss] on the logits, or
+        [`echoloss.echo_loss_from_hidden`][echoloss.loss.echo_loss_from_hidden] (the same loss
+        without the ``[L, V]`` logits)."""
+        if self.logits is not None:
+            return echo_loss(self.logits, inputs, config=config, normalizers=norms, backend=backend)
+        if self.hidden is None or self.weight is None:
+            raise ValueError("Scores: give logits, or hidden and weight")
+        return echo_loss_from_hidden(
+            self.hidden, self.weight, inputs, config=config, normalizers=norms, backend=backend
+        )
+
+
 def step_losses(
     phase: Phase,
     cfg: TrainConfig,
-    logits: torch.Tensor,
-    x: LossInputs,
+    scores: Scores,
     norms: Normalizers,
 ) -> list[NamedLoss]:
-    """The losses of one micro-batch (its logits and `LossInputs` ``x``) under ``phase``, in the
-    order their gradients accumulate: ``("obs", ...)`` (the warm-up's observation CE, when on)
-    then ``("main", ...)`` (SFT in the warm-up, RL + echo after it). Each is computed when
-    called, so that one loss graph is alive at a time."""
+    """The losses of one micro-batch (`Scores`: its logits or loss rows and their inputs) under
+    ``phase``, in the order their gradients accumulate: ``("obs", ...)`` (the warm-up's
+    observation CE, when on) then ``("main", ...)`` (SFT in the warm-up, RL + echo after it).
+    Each is computed when called, so that one loss graph is alive at a time."""
+    x = scores.inputs
 
     def main() -> LossOutput:
         inputs = x.replace(echo_weights=None) if phase.warm else x
         config = SFT if phase.warm else cfg.loss
-        return echo_loss(logits, inputs, config=config, normalizers=norms, backend="auto")
+        return scores.loss(inputs, config, norms)
 
     def observations() -> LossOutput:  # SFT mode has no echo: a second loss, same forward
-        return observation_ce(cfg, logits, x, norms)
+        return observation_ce(cfg, scores, norms)
 
     losses: list[NamedLoss] = [("obs", observations)] if phase.warm and phase.echo else []
     return [*losses, ("main", main)]
 
 
-def observation_ce(
-    cfg: TrainConfig, logits: torch.Tensor, x: LossInputs, norms: Normalizers
-) -> LossOutput:
+def observation_ce(cfg: TrainConfig, scores: Scores, norms: Normalizers) -> LossOutput:
     """The echo term alone (the observation rows' weighted CE, no RL rows) of one micro-batch:
     the warm-up's observation loss, and the echo part of the gradient probe."""
+    x = scores.inputs
     inputs = x.replace(rl_mask=torch.zeros_like(x.rl_mask), temperature=1.0, env_names=None)
     config = cfg.loss.model_copy(update={"compute_entropy": False})
-    return echo_loss(logits, inputs, config=config, normalizers=norms)
+    return scores.loss(inputs, config, norms)
 
 
 def phase_row(phase: Phase, metrics: dict[str, dict[str, float]]) -> dict[str, Any]:
     """The metrics only ``phase``'s regime logs, from each named loss's step metrics: the
     warm-up's ``loss_sft`` (and ``loss_obs``, ``obs_nll``), or RL's ``loss_rl``, ``entropy``,
     ``mismatch_kl``, ``echo_alpha`` (and ``loss_echo``, ``echo_nll`` on steps with echo); both
-    with ``loss``, their sum."""
-    m = metrics["main"]
+    with ``loss``, their sum (NaN where the step computed no loss: no gradient)."""
+    m = metrics.get("main", {})
     if phase.warm:  # SFT on actions (+ observation CE): no policy-gradient metrics
         row: dict[str, Any] = {"loss_sft": m.get("loss_rl/all", math.nan)}
         if "obs" in metrics:

@@ -43,6 +43,7 @@ from echoloss.train.envs.base import (
     HeldoutObservations,
     HiddenObservations,
     ImaginedObservations,
+    ObservationKinds,
     TurnsNeeded,
 )
 from echoloss.train.envs.calculator import Calculator
@@ -62,6 +63,7 @@ __all__ = [
     "ImaginedObservations",
     "MirrorGrid",
     "MirrorTask",
+    "ObservationKinds",
     "TurnsNeeded",
     "imagined_observation",
     "make_env",
@@ -110,7 +112,9 @@ ENVS: dict[str, EnvEntry] = {
         GridWalk, _GRID, "first demo env: observations print the optimal move (no echo test)"
     ),
     "calculator": EnvEntry(
-        Calculator, ("max_turns",), "a real instruct model calls a calculator tool (pretrained)"
+        Calculator,
+        ("max_turns", "eval_size"),
+        "a real instruct model calls a calculator tool (pretrained)",
     ),
 }
 

@@ -45,6 +45,7 @@ __all__ = [
     "HiddenObservations",
     "ImaginedObservations",
     "Message",
+    "ObservationKinds",
     "ToolSchemas",
     "TurnsNeeded",
     "tool_schemas",
@@ -175,6 +176,17 @@ class HiddenObservations(Protocol):
 
     def hidden_nats(self, messages: list[Message]) -> float:
         """The Bayes-optimal total NLL (nats) of the `hidden_spans`."""
+        ...
+
+
+@runtime_checkable
+class ObservationKinds(Protocol):
+    """An env whose observations come in kinds (the calculator's results and error messages):
+    the held-out CE is reported per kind, and ``echo.error_weight`` weights the ``"error"``
+    kind in the echo term."""
+
+    def observation_kinds(self, messages: list[Message]) -> dict[str, dict[int, tuple[int, int]]]:
+        """Kind -> (message index -> character span of that observation's content)."""
         ...
 
 

@@ -20,8 +20,15 @@ when the turn limit runs out). A reply is *invalid* (``stats["invalid"]``) when 
 call that is not a well-formed call of ``calculator`` with an ``expression`` string; the tool
 then answers ``error: ...`` and the episode goes on.
 
-Why it suits echo: the observation (the calculator's result) is a deterministic function of the
-call, so its exact floor is 0 nats, and predicting it *is* doing the arithmetic the task needs.
+What echo learns here: every observation is a deterministic function of the call, so its exact
+floor is 0 nats. A *result* (``1788``) is the value of the expression the model just wrote:
+predicting it is computing that product, which the model never needs to do itself (the tool
+does it), so a lower result CE says the model predicts the tool, not that it answers better. An
+*error* (``error: the tool call is not JSON (...)``, ``error: not an expression of integers
+...: '37 x 48'``) is the parser's fixed wording, sometimes quoting the model's own broken call:
+echo on it learns that text. `Calculator.observation_kinds` tells the two apart, for the
+held-out CE of each (`echoloss.train.probes`) and for ``echo.error_weight``, which weights or
+excludes the error observations in the echo term.
 
 Tasks are pure functions of ``(seed, index)``. The expression evaluator is a small parser of
 integers, ``+ - *`` and parentheses (never ``eval``).
@@ -36,6 +43,8 @@ Examples:
     (None, 1.0, True)
     >>> evaluate("(12 - 5) * 3")
     21
+    >>> env.act(env.start(task), tool_call("2 x 3"))
+    "error: not an expression of integers with + - * and parentheses: '2 x 3'"
 """
 
 from __future__ import annotations
@@ -59,6 +68,16 @@ __all__ = [
     "parse_tool_calls",
     "tool_call",
 ]
+
+ERROR_PREFIX = "error: "  # how every error observation starts (`Calculator.observe`)
+#: Held-out random walks call one of these in place of a valid expression half of the time, so
+#: that the held-out set has error observations too (their CE is reported apart from results).
+_BAD_CALLS: tuple[str, ...] = (
+    "{a} x {b} + {c}",  # a letter for the product
+    "{a} ** {b}",  # a power
+    "{a} * {b} = {c}",  # an equation
+    "{a} * ({b} + {c}",  # an unclosed parenthesis
+)
 
 TOOL_NAME = "calculator"
 #: The tool schema, passed to ``apply_chat_template(tools=...)`` and printed in the system prompt
@@ -305,15 +324,19 @@ class Calculator:
     Args:
         max_turns: assistant turns before the episode ends with reward 0 (None = 3: a call, a
             retry after an error, and the answer).
+        eval_size: held-out evaluation questions (`eval_tasks`; None = 8).
         name: the env name used for per-env metrics.
     """
 
     max_turns: int | None = None
+    eval_size: int | None = None
     name: str = "calculator"
 
     def __post_init__(self) -> None:
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"Calculator.max_turns must be >= 1, got {self.max_turns}")
+        if self.eval_size is not None and self.eval_size < 1:
+            raise ValueError(f"Calculator.eval_size must be >= 1, got {self.eval_size}")
 
     @property
     def tools(self) -> list[dict[str, Any]]:
@@ -350,9 +373,11 @@ class Calculator:
         return self._draw(random.Random(f"calculator/heldout/{index}"))
 
     def eval_tasks(self) -> Sequence[CalcTask]:
-        """A fixed evaluation set of 8 held-out questions (each evaluation plays them greedily,
-        plus ``train.eval_samples`` sampled episodes each: minutes per evaluation on a CPU)."""
-        return [self._draw(random.Random(f"calculator/eval/{i}")) for i in range(8)]
+        """A fixed evaluation set of ``eval_size`` held-out questions (default 8; each
+        evaluation plays them greedily, plus ``train.eval_samples`` sampled episodes each:
+        minutes per evaluation on a CPU). The first 8 are the same for every size."""
+        n = self.eval_size if self.eval_size is not None else 8
+        return [self._draw(random.Random(f"calculator/eval/{i}")) for i in range(n)]
 
     def start(self, task: CalcTask) -> CalcEpisode:
         """A new episode: the system prompt (the tool and its call format), the three worked
@@ -423,13 +448,32 @@ class Calculator:
 
     def random_walk(self, task: CalcTask, rng: random.Random, turns: int) -> list[Message]:
         """``turns`` calls of random expressions (held-out observation data independent of any
-        policy), then a final answer."""
+        policy), then a final answer. Half the calls (at random) write a bad expression of
+        `_BAD_CALLS`, so the walk has error observations too."""
         episode = self.start(task)
         for _ in range(min(turns, self.turn_limit - 1)):
             a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 99)
-            self.act(episode, tool_call(f"{a} * {b} + {c}"))
+            form = rng.choice(_BAD_CALLS) if rng.random() < 0.5 else "{a} * {b} + {c}"
+            self.act(episode, tool_call(form.format(a=a, b=b, c=c)))
         self.act(episode, f"The answer is {task.answer}.")
         return episode.messages
+
+    def observation_kinds(self, messages: list[Message]) -> dict[str, dict[int, tuple[int, int]]]:
+        """The tool observations by kind: ``"result"`` (the calculator's value) and ``"error"``
+        (a body starting with ``error: ``), each as message index -> the span of its whole
+        content (`echoloss.train.envs.base.ObservationKinds`).
+
+        Examples:
+            >>> msgs = [{"role": "tool", "content": "12"}, {"role": "tool", "content": "error: x"}]
+            >>> Calculator().observation_kinds(msgs)
+            {'result': {0: (0, 2)}, 'error': {1: (0, 8)}}
+        """
+        kinds: dict[str, dict[int, tuple[int, int]]] = {"result": {}, "error": {}}
+        for i, m in enumerate(messages):
+            if m["role"] == "tool":
+                kind = "error" if m["content"].startswith(ERROR_PREFIX) else "result"
+                kinds[kind][i] = (0, len(m["content"]))
+        return kinds
 
     def observation_nats(self, messages: list[Message]) -> float:
         """0: the calculator's answer is a deterministic function of the call."""

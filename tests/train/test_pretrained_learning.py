@@ -1,0 +1,187 @@
+"""The pieces of the pretrained learning curve and echo pilot: the calculator's observation kinds
+(results and errors), ``echo.error_weight``, the held-out CE per kind, the well-formed-call rate,
+the 64-question evaluation set, saved rollouts that say what was sampled, and ``--help``."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import echoloss
+from echoloss.train import recipe
+from echoloss.train.config import parse_config
+from echoloss.train.data import Rollout, _valid_call_rate, rollout_record, scripted_steps
+from echoloss.train.envs.calculator import CalcTask, Calculator, tool_call
+from echoloss.train.model import build_tokenizer
+from echoloss.train.regimes import phase_at
+
+TASK = CalcTask(question="What is 12 * 34 + 5?", expression="12 * 34 + 5", answer=413)
+
+
+def _conversation(env: Calculator) -> tuple[list[dict], int]:
+    """A bad call (an error observation), a good call (a result), the answer."""
+    ep = env.start(TASK)
+    start = len(ep.messages)
+    env.act(ep, tool_call("12 x 34 + 5"))
+    env.act(ep, tool_call("12 * 34 + 5"))
+    env.act(ep, "The answer is 413.")
+    return ep.messages, start
+
+
+def test_observation_kinds_split_results_from_errors():
+    env = Calculator()
+    messages, _ = _conversation(env)
+    kinds = env.observation_kinds(messages)
+    error, result = kinds["error"], kinds["result"]
+    assert [messages[i]["content"] for i in error] == [
+        "error: not an expression of integers with + - * and parentheses: '12 x 34 + 5'"
+    ]
+    # the worked examples' results (prompt, never echoed by the trainer) are results too
+    assert [messages[i]["content"] for i in result] == ["950", "355", "300", "413"]
+    assert all(s == (0, len(messages[i]["content"])) for i, s in result.items())
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.25, 1.0])
+def test_error_weight_scales_exactly_the_error_observation_tokens(weight):
+    env = Calculator()
+    tok = build_tokenizer()
+    messages, start = _conversation(env)
+    steps = scripted_steps(messages, tok, prompt_messages=start)
+    cfg = parse_config({"env": {"name": "calculator"}, "echo": {"error_weight": weight}})
+    run = SimpleNamespace(cfg=cfg, env=env, tok=tok)
+    phase = phase_at(cfg, 0, 0)
+    rollout = Rollout(steps, 1.0, 0, "calculator", messages=messages)
+    plain = echoloss.interleave(steps, echo=phase.echo)
+    got = recipe._error_weighted(run, rollout, phase, plain)
+    [s], [p] = got, plain
+    alpha = cfg.echo.alpha
+    before = [w for w in p.echo_weights if w is not None]
+    after = [w for w in s.echo_weights if w is not None]
+    error_text = "error: not an expression of integers with + - * and parentheses: '12 x 34 + 5'"
+    n_error = len(tok(error_text, add_special_tokens=False)["input_ids"])
+    n_result = len(tok("413", add_special_tokens=False)["input_ids"])
+    assert before == [alpha] * (n_error + n_result)
+    if weight == 0:
+        assert after == [alpha] * n_result
+    else:
+        assert sorted(after) == sorted([alpha * weight] * n_error + [alpha] * n_result)
+    # every other stream is untouched, so Z still counts the error tokens
+    assert s.token_observation_mask() == p.token_observation_mask()
+    assert s.token_ids == p.token_ids
+
+
+def test_error_weight_needs_an_env_with_observation_kinds(tmp_path):
+    from echoloss.train.recipe import _environment
+
+    with pytest.raises(ValueError, match="echo.error_weight = 0.5: env mirrorgrid marks no error"):
+        _environment(parse_config({"echo": {"error_weight": 0.5}}))
+    (tmp_path / "x.jsonl").write_text("")
+    cfg = parse_config(
+        {
+            "env": {"name": "calculator"},
+            "echo": {"error_weight": 0.5},
+            "data": {"source": "jsonl", "path": str(tmp_path / "x.jsonl")},
+            "warmup": {"steps": 0},
+        }
+    )
+    with pytest.raises(ValueError, match="needs data.source = 'generate'"):
+        _environment(cfg)
+
+
+def test_heldout_sets_of_each_kind_echo_only_that_kind():
+    from echoloss.train.probes import _kind_batches
+
+    env = Calculator()
+    tok = build_tokenizer()
+    cfg = parse_config(
+        {
+            "env": {"name": "calculator"},
+            "data": {"heldout_size": 8, "max_tokens": 4096},
+            "optim": {"micro_batch_tokens": 4096},
+        }
+    )
+    kinds = _kind_batches(env, tok, cfg)
+    assert sorted(kinds) == ["error", "result"]
+    for kind, batches in kinds.items():
+        text = "".join(
+            tok.decode(b.input_ids[b.echo_weights > 0].tolist()) for b in batches
+        )  # every echoed token, in order
+        assert text
+        if kind == "error":
+            assert text.startswith("error: ") and set(text) - set("0123456789") != set()
+        else:
+            assert set(text) <= set("0123456789-")
+
+
+def test_the_heldout_walks_have_errors_and_results():
+    from echoloss.train.data import heldout_episodes
+
+    env = Calculator()
+    counts = {"error": 0, "result": 0}
+    for messages, start in heldout_episodes(env, count=32):
+        for kind, spans in env.observation_kinds(messages[start:]).items():
+            counts[kind] += len(spans)
+    assert counts["error"] >= 16 and counts["result"] >= 16, counts
+
+
+def test_eval_size_sets_the_heldout_questions_and_keeps_the_first_eight():
+    small, big = Calculator().eval_tasks(), Calculator(eval_size=64).eval_tasks()
+    assert len(small) == 8 and len(big) == 64 and list(big[:8]) == list(small)
+    assert len({t.question for t in big}) == 64
+    with pytest.raises(ValueError, match="eval_size must be >= 1"):
+        Calculator(eval_size=0)
+    with pytest.raises(ValueError, match="eval_size: applies to the environments calculator"):
+        parse_config({"env": {"eval_size": 64}})
+
+
+def test_valid_call_rate_counts_episodes_with_a_call_and_no_invalid_reply():
+    def ep(calls, invalid):
+        return SimpleNamespace(stats={"tool_calls": calls, "invalid": invalid})
+
+    assert _valid_call_rate([ep(1, 0), ep(2, 1), ep(0, 1), ep(0, 0)]) == 0.25
+    assert math.isnan(_valid_call_rate([SimpleNamespace(stats={})]))
+
+
+def test_saved_rollouts_keep_the_conversation_and_the_sampling_temperature():
+    from echoloss.io import RolloutRecord
+
+    env = Calculator()
+    tok = build_tokenizer()
+    messages, start = _conversation(env)
+    steps = scripted_steps(messages, tok, prompt_messages=start)
+    for s in steps:
+        s.temperature = 0.7
+    record = rollout_record(Rollout(steps, 1.0, 0, "calculator", messages=messages))
+    back = RolloutRecord.model_validate(json.loads(json.dumps(record)))
+    assert back.temperature == 0.7 and all(s.temperature == 0.7 for s in back.steps)
+    assert [m.content for m in back.messages] == [m["content"] for m in messages]
+
+
+def test_help_names_every_packaged_config(capsys):
+    from echoloss.train.command import _parser
+    from echoloss.train.presets import packaged_configs
+
+    text = " ".join(_parser().format_help().split())
+    for name in packaged_configs():
+        assert name in text
+    assert {"pretrained", "gpu-pretrained", "pretrained-learn"} <= set(packaged_configs())
+
+
+def test_the_learning_configs_heldout_sizes_read_as_they_are():
+    """``data.heldout_size`` counts the held-out *conversations* of the CEs; ``env.eval_size``
+    the held-out *questions* of the success evaluation."""
+    from _train_helpers import REPO
+
+    from echoloss.train.config import load_config
+
+    for name, conversations, questions in (("pretrained", 4, 8), ("pretrained-learn", 32, 64)):
+        cfg = load_config(REPO / "configs" / f"{name}.toml")
+        env = Calculator(**{k: v for k, v in cfg.env.options().items() if v is not None})
+        assert cfg.data.heldout_size == conversations and len(env.eval_tasks()) == questions
+    text = (REPO / "configs" / "pretrained.toml").read_text()
+    assert "heldout_size = 4                 # held-out conversations" in text
+
