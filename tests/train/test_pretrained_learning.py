@@ -9,7 +9,6 @@ import math
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 import echoloss
 from echoloss.train import recipe
@@ -77,7 +76,9 @@ def test_error_weight_scales_exactly_the_error_observation_tokens(weight):
 def test_error_weight_needs_an_env_with_observation_kinds(tmp_path):
     from echoloss.train.recipe import _environment
 
-    with pytest.raises(ValueError, match="echo.error_weight = 0.5: env mirrorgrid marks no error"):
+    with pytest.raises(
+        ValueError, match=r"echo\.error_weight = 0\.5: env mirrorgrid marks no error"
+    ):
         _environment(parse_config({"echo": {"error_weight": 0.5}}))
     (tmp_path / "x.jsonl").write_text("")
     cfg = parse_config(
@@ -88,7 +89,7 @@ def test_error_weight_needs_an_env_with_observation_kinds(tmp_path):
             "warmup": {"steps": 0},
         }
     )
-    with pytest.raises(ValueError, match="needs data.source = 'generate'"):
+    with pytest.raises(ValueError, match=r"needs data\.source = 'generate'"):
         _environment(cfg)
 
 
@@ -184,4 +185,3 @@ def test_the_learning_configs_heldout_sizes_read_as_they_are():
         assert cfg.data.heldout_size == conversations and len(env.eval_tasks()) == questions
     text = (REPO / "configs" / "pretrained.toml").read_text()
     assert "heldout_size = 4                 # held-out conversations" in text
-
