@@ -1,4 +1,5 @@
-"""The goals summary of the GPU check: ``python -m benchmarks.gpu_goals DIR [--write FILE]``.
+"""The goals summary of the GPU check: ``python -m benchmarks.gpu_goals DIR [--write FILE]
+[--store RESULTS]``.
 
 Reads what ``benchmarks/gpu_check.sh`` left in ``DIR`` (``steps.jsonl``, ``log.txt``,
 ``check.jsonl``, ``values.jsonl``, ``linear-rounds.json``, ``launches.md``; any of them may be
@@ -20,6 +21,9 @@ numbers and a verdict (``met``, ``NOT MET`` or ``no result``):
 * the GPU tests (``pytest -m gpu``: passed / failed / errors from the log) and the ``nn``
   modules on CUDA against the CPU path (``values.jsonl``);
 * each step's time against its box.
+
+``--store RESULTS`` copies the check's files into ``RESULTS`` (``benchmarks/results``) under the
+names the pages cite, ``<kind>_<GPU>_<time>.<ext>`` (`stored_names`), and prints them.
 """
 
 from __future__ import annotations
@@ -236,15 +240,53 @@ def summary(folder: Path) -> str:
     return "\n".join(out)
 
 
+#: The check's files and the kind each is stored as (``--store``).
+STORED = {
+    "check.jsonl": "cuda-check",
+    "values.jsonl": "cuda-values",
+    "linear-rounds.json": "cuda-linear-chunks",
+    "launches.md": "cuda-launch-count",
+    "env.txt": "gpu-check-env",
+    "log.txt": "gpu-check-log",
+    "steps.jsonl": "gpu-check-steps",
+    "summary.md": "gpu-check-summary",
+}
+
+
+def stored_names(folder: Path) -> dict[str, str]:
+    """``{file in folder: name in benchmarks/results}``: the GPU's name and the time of the
+    check's first row (else of the values' rows), as the other result files are named."""
+    rows = (_jsonl(folder / "check.jsonl") or []) + (_jsonl(folder / "values.jsonl") or [])
+    if not rows:
+        raise SystemExit(f"{folder}: no check or values rows to name the files by")
+    env = rows[0].get("env", rows[0])
+    gpu = re.sub(r"[^A-Za-z0-9]+", "_", env["device_name"]).strip("_")[:40]
+    stamp = re.sub(r"[-:]", "", env["timestamp"])[:15] + "Z"
+    return {
+        name: f"{kind}_{gpu}_{stamp}{''.join(Path(name).suffixes)}"
+        for name, kind in STORED.items()
+        if (folder / name).exists()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_goals")
     p.add_argument("folder", type=Path)
     p.add_argument("--write", type=Path, default=None, help="also write the summary here")
+    p.add_argument("--store", type=Path, default=None, help="copy the files into this folder")
     args = p.parse_args(argv)
     s = summary(args.folder)
     if args.write is not None:
         args.write.write_text(s + "\n")
     print(s)
+    if args.store is not None:
+        args.store.mkdir(parents=True, exist_ok=True)
+        for name, target in stored_names(args.folder).items():
+            dest = args.store / target
+            if dest.exists():
+                raise SystemExit(f"{dest} exists: not overwritten")
+            dest.write_bytes((args.folder / name).read_bytes())
+            print(f"stored {dest}")
     return 0
 
 

@@ -552,3 +552,24 @@ def test_device_values_on_the_cpu_device_path(tmp_path):
     }
     assert all(r["status"] == "ok" and r["err_device"] <= r["allowed"] for r in rows)
     assert {"loss", "d_logits"} <= {r["value"] for r in rows}
+
+
+def test_gpu_goals_stores_the_files_under_the_names_the_pages_cite(tmp_path, capsys):
+    """``--store``: each file of the check under ``<kind>_<GPU>_<time>``, from its rows; a file
+    already there is not overwritten."""
+    from benchmarks import gpu_goals
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    src = GPU_RESULTS / f"cuda-check_{H100}_20261127T213515Z.jsonl"
+    (folder / "check.jsonl").write_text(src.read_text())
+    (folder / "summary.md").write_text("== GOALS ==\n")
+    results = tmp_path / "results"
+    assert gpu_goals.main([str(folder), "--store", str(results)]) == 0
+    assert sorted(p.name for p in results.iterdir()) == [
+        f"cuda-check_{H100}_20261127T213515Z.jsonl",
+        f"gpu-check-summary_{H100}_20261127T213515Z.md",
+    ]
+    assert (results / src.name).read_text() == src.read_text()
+    with pytest.raises(SystemExit, match="not overwritten"):
+        gpu_goals.main([str(folder), "--store", str(results)])
