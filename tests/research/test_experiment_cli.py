@@ -221,3 +221,48 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path, capsys):
     assert "is a file, not a directory" in _err(capsys)
     assert main(["--summarize-only", "--output-dir", str(path)]) == 2
     assert "is a file, not a directory" in _err(capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [(["world-model-probe", "--steps", "-1"], "argument --steps: must be an integer >= 1"),
+     (["world-model-probe", "--batch", "0"], "argument --batch: must be an integer >= 1"),
+     (["world-model-probe", "--hidden-size", "0"], "argument --hidden-size: must be an integer >= 4"),
+     (["world-model-probe", "--hidden-size", "18"], "--hidden-size: must be a multiple of 4"),
+     (["world-model-probe", "--lr", "nan"], "argument --lr: must be a finite number > 0"),
+     (["heldout-ce", "x", "--count", "0"], "argument --count: must be an integer >= 1")],
+)  # fmt: skip
+def test_the_probe_commands_refuse_numbers_out_of_range(capsys, argv, said):
+    """--steps -1 used to run nothing and print nothing; --batch 0 and --hidden-size 0 ended in
+    ZeroDivisionError tracebacks."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "echo_experiment_run", ROOT / "examples" / "research" / "echo_experiment" / "run.py"
+    )
+    assert spec and spec.loader
+    command = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(command)
+    with pytest.raises(SystemExit) as exit_:
+        command.main(argv)
+    assert exit_.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sub", ["world-model-probe", "heldout-ce"])
+def test_a_missing_model_directory_is_one_line(tmp_path, capsys, sub):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "echo_experiment_run", ROOT / "examples" / "research" / "echo_experiment" / "run.py"
+    )
+    assert spec and spec.loader
+    command = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(command)
+    missing = str(tmp_path / "none")
+    argv = (
+        [sub, "--init", missing, "--steps", "1"] if sub == "world-model-probe" else [sub, missing]
+    )
+    assert command.main(argv) == 2
+    err = _err(capsys)
+    assert err.startswith(f"{sub}: model.path: {missing!r} is not a local Hugging Face model"), err

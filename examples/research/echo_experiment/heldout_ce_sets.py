@@ -30,6 +30,7 @@ import random
 
 import torch
 
+from echo_experiment.argtypes import at_least
 from echoloss.train.data import heldout_conversations, hidden_token_positions
 from echoloss.train.envs import make_env
 from echoloss.train.model import load_model
@@ -51,9 +52,9 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__.splitlines()[0],
     )
     ap.add_argument("models", nargs="+", help="local model directories (e.g. */final-model)")
-    ap.add_argument("--count", type=int, default=64, help="conversations per set")
+    ap.add_argument("--count", type=at_least(1), default=64, help="conversations per set")
     ap.add_argument("--env", choices=["mirrorgrid"], default="mirrorgrid")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=at_least(1), default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     env = make_env(args.env, size=4)  # demo_explore = 0: the Bayes-optimal demonstrator

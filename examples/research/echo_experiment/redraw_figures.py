@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             read_rows(
                 run_dir,
                 prog="experiment_figures",
-                hint="pass an `python examples/research/echo_experiment/run.py` output directory or a folder of docs/experiment/",
+                hint="pass a `python examples/research/echo_experiment/run.py` output directory or a folder of docs/experiment/",
             )
         )
         if any(r.get("level") for r in rows):

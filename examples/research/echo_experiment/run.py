@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[argv[0]])
-        return int(module.main(argv[1:]) or 0)
+        try:
+            return int(module.main(argv[1:]) or 0)
+        except FileNotFoundError as err:  # a model or rows path that is not there: one line
+            print(f"{argv[0]}: {err}", file=sys.stderr)
+            return 2
     from echo_experiment.experiment import main as experiment_main
 
     return experiment_main(argv)

@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from echo_experiment.argtypes import at_least, positive_float
 from echoloss.train.data import heldout_conversations, hidden_token_positions
 from echoloss.train.envs import MirrorGrid, make_env
 from echoloss.train.model import build_tiny_model, build_tokenizer, load_model
@@ -64,17 +65,17 @@ def main(argv: list[str] | None = None) -> None:
         prog="examples/research/echo_experiment/run.py world-model-probe",
         description=__doc__.splitlines()[0],
     )
-    ap.add_argument("--hidden-size", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hidden-size", type=at_least(4), default=64)
+    ap.add_argument("--layers", type=at_least(1), default=2)
+    ap.add_argument("--steps", type=at_least(1), default=400)
+    ap.add_argument("--batch", type=at_least(1), default=32)
+    ap.add_argument("--lr", type=positive_float, default=3e-3)
+    ap.add_argument("--eval-every", type=at_least(1), default=50)
+    ap.add_argument("--seed", type=at_least(0), default=0)
     ap.add_argument("--device", default="cpu", help="e.g. cuda")
     ap.add_argument(
         "--pretrain-induction-steps",
-        type=int,
+        type=at_least(0),
         default=0,
         help="first train on copying repeated random token sequences (a generic in-context skill)",
     )
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--init", help="start from this local model directory (e.g. a copy-task model)")
     ap.add_argument("--save", help="write the trained model here (usable as model.path)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=at_least(1), default=1)
     ap.add_argument(
         "--env",
         choices=["mirrorgrid", "mirrorgrid-shown"],
@@ -94,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         help="mirrorgrid-shown prints the mirroring in the first message: a lookup, no inference",
     )
     args = ap.parse_args(argv)
+    if args.hidden_size % 4:  # the tiny model's 4 attention heads split it evenly
+        ap.error(f"argument --hidden-size: must be a multiple of 4, got {args.hidden_size}")
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     env = make_env(args.env, size=4)
