@@ -81,7 +81,8 @@ def release_process_group() -> None:
 def cpu_computes_bf16_natively() -> bool:
     """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX). Without them PyTorch
     emulates bf16 matmuls: a SmolLM2-135M forward+backward on 4 x 400 tokens took 407 s in bf16
-    and 17 s in fp32 on an AVX2-only CPU; with them bf16 is the faster one (about 9x).
+    and 17 s in fp32 on an AVX2-only CPU; with them bf16 is the faster one (measured in
+    ``docs/pretrained.md``, ``benchmarks/cpu_bf16.py``).
 
     Example:
         >>> isinstance(cpu_computes_bf16_natively(), bool)
