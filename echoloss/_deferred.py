@@ -17,6 +17,10 @@ travel to pinned host memory with one asynchronous copy, and the error is raised
 The message is the one the host path raises at once. Checks of shapes, dtypes, devices and
 configuration never read device values and stay immediate on every path. On the host code path
 (CPU tensors) every check is evaluated at once, as before.
+
+This module holds the queue and the device-path switch and imports nothing of echoloss; a call's
+checks are gathered by ``echoloss.ops.value_checks.DeferredChecks``, next to the op that
+computes their numbers.
 """
 
 from __future__ import annotations
@@ -27,13 +31,13 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 __all__ = [
-    "DeferredChecks",
+    "Message",
     "device_code_path",
+    "enqueue",
     "first_true",
     "host_to_device",
     "not_finite",
@@ -107,12 +111,6 @@ def not_finite(x: torch.Tensor) -> torch.Tensor:
     return (x - x) != 0
 
 
-def _with_flag(message: Message) -> Message:
-    """``message`` of a row check given ``(count, row, value)``: the flag is ``count > 0``,
-    formed on the host (no launch for it)."""
-    return lambda v: message([float(v[0] > 0), v[0], v[1], v[2]])
-
-
 @dataclass
 class _Pending:
     host: torch.Tensor  # [k] float64 in (pinned) host memory
@@ -139,6 +137,16 @@ def _evaluate(p: _Pending) -> Exception | None:
         if err is not None:
             return err
     return None
+
+
+def enqueue(
+    host: torch.Tensor, event: torch.cuda.Event | None, layout: list[tuple[Message, list[int]]]
+) -> None:
+    """Queue one call's check numbers for reading: ``host`` ``[k]`` float64 in (pinned) host
+    memory, filled by a copy that ``event`` marks done (None: filled already), and per check
+    its message and the positions of its numbers
+    (``echoloss.ops.value_checks.DeferredChecks.submit``)."""
+    _queue().append(_Pending(host, event, layout))
 
 
 def raise_deferred_errors(*, block: bool = True) -> None:
@@ -173,259 +181,6 @@ def raise_deferred_errors(*, block: bool = True) -> None:
         if err is not None:
             q.clear()
             raise err
-
-
-#: The numbers of one check (0-dim or one-element tensors, or Python numbers).
-Numbers = Sequence["torch.Tensor | float"]
-
-
-class DeferredChecks:
-    """The value checks of one call: evaluated at once on the host path, deferred on the device path.
-
-    ``add(numbers, message)`` takes the numbers a check needs (0-dim or one-element tensors,
-    flag first by convention) and a function that builds the error from their host values as
-    floats (None = passed); ``add_lazy(compute, message)`` takes a function that computes them,
-    run when the checks are packed (inside the compiled loss algebra when it is on, so the
-    check's own launches are part of the compiled region).
-    `submit` sends every number of the call to the host in one asynchronous copy.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.deferred = on_device_path(device)
-        # Checks not packed yet, in call order: their numbers, a function computing them, or a
-        # row check (`add_rows`, an ``echoloss.ops.value_checks.RowCheck``).
-        self._entries: list[tuple[Any, Message]] = []
-        self._blocks: list[torch.Tensor] = []  # packed numbers: [k] float64 each
-        self._layout: list[tuple[Message, list[int]]] = []  # positions in the blocks
-
-    def _values(self, numbers: Numbers) -> list[torch.Tensor]:
-        return [
-            n.detach().reshape(())
-            if isinstance(n, torch.Tensor)
-            else torch.full((), float(n), dtype=torch.float64, device=self.device)
-            for n in numbers
-        ]
-
-    def add(self, numbers: Numbers, message: Message) -> None:
-        """Queue one check; on the host path evaluate it now and raise its error."""
-        if not self.deferred:
-            err = message([float(v) for v in self._values(numbers)])
-            if err is not None:
-                raise err
-            return
-        # Detached now: a reference to a differentiable tensor kept here would make it an
-        # output of the compiled region that backward has to give a (zero) gradient.
-        self._entries.append(
-            ([n.detach() if isinstance(n, torch.Tensor) else n for n in numbers], message)
-        )
-
-    def add_rows(
-        self,
-        values: torch.Tensor,
-        rows: torch.Tensor | None,
-        rule: str,
-        message: Message,
-        *,
-        threshold: float = 0.0,
-    ) -> None:
-        """Queue the check that no entry of ``values`` on ``rows`` (None = every entry) breaks
-        ``rule`` (``echoloss.ops.value_checks.RULES``); ``message`` reads its four numbers
-        ``(bad, count, first flat index, value there)``. On the device path every such check
-        of a call is computed when the checks are packed, on CUDA in one Triton launch (a
-        program per check, eight per launch), written into one block; on the host path it is
-        evaluated now.
-
-        Examples:
-            >>> checks = DeferredChecks(torch.device("cpu"))
-            >>> checks.add_rows(torch.tensor([1.0, -2.0]), None, "not_weight",
-            ...                 lambda v: ValueError(f"row {int(v[2])}: {v[3]}") if v[0] else None)
-            Traceback (most recent call last):
-            ...
-            ValueError: row 1: -2.0
-        """
-        from echoloss.ops.value_checks import RowCheck, validate_row_check, value_check_numbers
-
-        check = RowCheck(values.detach(), rows, rule, threshold)
-        validate_row_check(check)  # at once on every path: a wrong rule is a bug, not a value
-        if not self.deferred:
-            err = message(value_check_numbers([check], backend="naive").tolist())
-            if err is not None:
-                raise err
-            return
-        self._entries.append((check, message))
-
-    def add_lazy(self, compute: Callable[[], Numbers], message: Message) -> None:
-        """`add` with the numbers computed by ``compute()`` when the checks are packed (at once
-        on the host path)."""
-        if not self.deferred:
-            self.add(compute(), message)
-            return
-        self._entries.append((compute, message))
-
-    def add_packed(
-        self, numbers: torch.Tensor, checks: Sequence[tuple[Message, Sequence[int]]]
-    ) -> None:
-        """Queue checks whose numbers a kernel already wrote into one ``[k]`` float tensor
-        (float64, or float32 for whole counts below 2**24, e.g. the row program's stats):
-        ``checks`` lists ``(message, positions in numbers)`` in call order. No launch is added
-        (the block is sent as it is); on the host path evaluate them now and raise.
-
-        Examples:
-            >>> checks = DeferredChecks(torch.device("cpu"))
-            >>> checks.add_packed(torch.tensor([0.0, 7.0], dtype=torch.float64),
-            ...                   [(lambda v: ValueError(f"row {v[1]:g}") if v[0] else None, [0, 1])])
-        """
-        if not self.deferred:
-            values = numbers.detach().double().cpu().tolist()
-            for message, positions in checks:
-                err = message([values[i] for i in positions])
-                if err is not None:
-                    raise err
-            return
-        self.pack()  # the checks queued before these keep their place in the order
-        offset = sum(b.numel() for b in self._blocks)
-        self._blocks.append(numbers.detach().reshape(-1))
-        self._layout += [(m, [offset + i for i in positions]) for m, positions in checks]
-
-    def pack(self) -> None:
-        """Gather the checks queued so far into one ``[k]`` float64 block: the row checks'
-        numbers first (`add_rows`: with the Triton program, one launch for up to eight,
-        written in place), then the others (per dtype one ``stack``, none for a single
-        number, and one cast-copy; the row checks' numbers join these on the PyTorch path).
-        Called inside the compiled loss algebra, so that computing the lazy checks' numbers
-        and packing them is part of the compiled region and only the copy remains outside."""
-        if not self._entries:
-            return
-        from echoloss.ops.value_checks import (
-            NUMBERS,
-            RowCheck,
-            counted,
-            fused_value_checks_run,
-            value_check_numbers,
-        )
-
-        numbers: list[torch.Tensor] = []
-        row_checks: list[RowCheck] = []
-        # Per check in call order: (row check?, start, stop) of its numbers, its message.
-        spans: list[tuple[bool, int, int, Message]] = []
-        fused = fused_value_checks_run(self.device)
-        for entry, message in self._entries:
-            if isinstance(entry, RowCheck) and fused:
-                start = len(NUMBERS) * len(row_checks)
-                spans.append((True, start, start + len(NUMBERS), message))
-                row_checks.append(entry)
-                continue
-            if isinstance(entry, RowCheck):  # (count, row, value), packed with the others
-                values = list(counted(entry))
-                message = _with_flag(message)
-            else:
-                values = self._values(entry() if callable(entry) else entry)
-            spans.append((False, len(numbers), len(numbers) + len(values), message))
-            numbers += values
-        self._entries = []
-        if not spans:
-            return
-        # One block: the row checks' numbers first (the program writes them in place), then
-        # the others, each dtype's stacked and copied (cast) into its slice: no join launch.
-        width = len(NUMBERS) * len(row_checks)
-        block = torch.empty(width + len(numbers), dtype=torch.float64, device=self.device)
-        if row_checks:
-            value_check_numbers(row_checks, out=block[:width])
-        where = [0] * len(numbers)  # position of number i in the block
-        groups: dict[torch.dtype, list[int]] = {}
-        for i, n in enumerate(numbers):
-            groups.setdefault(n.dtype, []).append(i)
-        k = width
-        for idx in groups.values():
-            # One number is copied (cast) as it is: no stack launch for a group of one.
-            group = (
-                numbers[idx[0]].reshape(1)
-                if len(idx) == 1
-                else torch.stack([numbers[i] for i in idx])
-            )
-            block[k : k + len(idx)].copy_(group)
-            for i in idx:
-                where[i] = k
-                k += 1
-        offset = sum(b.numel() for b in self._blocks)
-        self._blocks.append(block)
-        self._layout += [
-            (
-                m,
-                [offset + p for p in range(a, b)]
-                if rows
-                else [offset + where[i] for i in range(a, b)],
-            )
-            for rows, a, b, m in spans
-        ]
-
-    def submit(self) -> None:
-        """Send the queued numbers to the host (non-blocking) and queue them for reading.
-
-        The numbers are packed by dtype (`pack`), so a call's checks cost a handful of launches
-        and one copy, whatever their number. Inside `collecting` they join the collector
-        instead (one pack and one copy for every check of the block).
-        """
-        collector = _collector()
-        if collector is not None and collector is not self and self.deferred:
-            collector.absorb(self)
-            return
-        self.pack()
-        if not self._blocks:
-            return
-        flat = torch.cat(self._blocks) if len(self._blocks) > 1 else self._blocks[0]
-        layout = self._layout
-        event = None
-        if flat.device.type == "cuda":
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-        else:
-            host = flat
-        _queue().append(_Pending(host, event, layout))
-        self._blocks, self._layout = [], []
-
-    @contextmanager
-    def collecting(self) -> Iterator[DeferredChecks]:
-        """Inside the block, checks that other code submits join these (on the device path).
-
-        A loss entry point wraps the ops it calls (labels, temperatures, a record built inside
-        the call), so their checks go to the host with the loss's own, in call order: one pack
-        and one copy per call instead of one per op. On the host path every check raises at
-        once, as always.
-
-        Examples:
-            >>> checks = DeferredChecks(torch.device("cpu"))
-            >>> with checks.collecting():
-            ...     pass
-        """
-        stack = getattr(_state, "collectors", None)
-        if stack is None:
-            stack = _state.collectors = []
-        stack.append(self)
-        try:
-            yield self
-        finally:
-            stack.pop()
-
-    def absorb(self, other: DeferredChecks) -> None:
-        """Take ``other``'s checks, after this one's, in their order (``other`` is left empty)."""
-        if other._blocks:  # what ``other`` packed stays packed: pack both, then join the blocks
-            other.pack()
-            self.pack()
-            offset = sum(b.numel() for b in self._blocks)
-            self._blocks += other._blocks
-            self._layout += [(m, [offset + p for p in pos]) for m, pos in other._layout]
-        else:
-            self._entries += other._entries
-        other._entries, other._blocks, other._layout = [], [], []
-
-
-def _collector() -> DeferredChecks | None:
-    stack = getattr(_state, "collectors", None)
-    return stack[-1] if stack else None
 
 
 def host_to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -10,10 +10,12 @@ Two families of helpers:
 
 - lists of Python values (untrusted per-token lists of the data path): `bool_list`,
   `int_list`, `finite_float_list`, `check_len`;
-- tensors (the ops and the loss): `check_tensor`, `check_per_token`,
-  [`check_finite`][echoloss.loss.config.LossConfig.check_finite], `check_temperature`, `check_chunk_size`, `check_bool`.
+- tensors (the ops and the loss): `check_tensor`, `check_per_token`, `check_chunk_size`,
+  `check_bool`, `check_mask`.
 
-This module imports nothing from echoloss, so every layer may use it.
+Checks of tensor values that may be deferred on the device path (`check_finite`,
+`check_temperature`) are ``echoloss.ops.value_checks``', beside the op that computes their
+numbers. This module imports nothing from echoloss, so every layer may use it.
 """
 
 from __future__ import annotations
@@ -24,18 +26,14 @@ from typing import Any, Literal
 
 import torch
 
-from echoloss._deferred import DeferredChecks
-
 __all__ = [
     "bool_list",
     "check_bool",
     "check_chunk_size",
     "check_count",
-    "check_finite",
     "check_len",
     "check_mask",
     "check_per_token",
-    "check_temperature",
     "check_tensor",
     "describe",
     "finite_float",
@@ -218,7 +216,7 @@ def check_mask(name: str, t: Any, fix: str = "", *, checks: Any = None) -> torch
 
     HF-style masks arrive as ``long`` or ``float``; any value other than 0 or 1 (0.5, NaN, -1)
     is a mis-built mask and raises, naming the first bad entry, instead of being read as True.
-    With ``checks`` (an `echoloss._deferred.DeferredChecks`) the values are checked through it:
+    With ``checks`` (an `echoloss.ops.value_checks.DeferredChecks`) the values are checked through it:
     on the device path without a host read, the same error raised later.
 
     Examples:
@@ -346,111 +344,6 @@ def check_per_token(
             )
         )
     return tensor
-
-
-def check_finite(
-    name: str, t: torch.Tensor, where: torch.Tensor | None = None, fix: str = ""
-) -> None:
-    """Raise naming the first non-finite entry of ``t`` (restricted to the rows ``where``).
-
-    On the device path the check runs on the device and the error is deferred
-    (``echoloss/_deferred.py``).
-
-    Examples:
-        >>> check_finite("advantages", torch.tensor([0.0, float("nan")]))
-        Traceback (most recent call last):
-        ...
-        ValueError: advantages must be finite on the rows that participate, got 1 non-finite value(s), the first at row 1: nan
-    """
-    if t.numel() == 0:
-        return
-
-    def message(v: Sequence[float]) -> Exception | None:
-        if not v[0]:
-            return None
-        return ValueError(
-            problem(
-                name,
-                "finite on the rows that participate",
-                f"{int(v[1])} non-finite value(s), the first at row {int(v[2])}: {v[3]}",
-                fix,
-            )
-        )
-
-    checks = DeferredChecks(t.device)
-    checks.add_rows(t, where, "not_finite", message)  # (bad, count, first row, its value)
-    checks.submit()
-
-
-def _check_temperature_values(flat: torch.Tensor) -> None:
-    """Every per-token temperature positive and finite (on the device path: checked there, the
-    error deferred; see ``echoloss/_deferred.py``)."""
-    if flat.numel() == 0:
-        return
-
-    def message(v: Sequence[float]) -> Exception | None:
-        if not v[0]:
-            return None
-        return ValueError(
-            problem(
-                f"temperature[{int(v[2])}]",
-                "a positive finite number",
-                repr(v[3]),
-                "padding rows take 1.0",
-            )
-        )
-
-    checks = DeferredChecks(flat.device)
-    checks.add_rows(flat, None, "not_positive", message)  # inside a loss call: with its checks
-    checks.submit()
-
-
-def check_temperature(
-    temperature: Any, shape: torch.Size, device: torch.device, *, check_values: bool = True
-) -> float | torch.Tensor:
-    """A positive finite temperature: a Python float, or a per-token float tensor of ``shape``.
-
-    ``check_values=False`` leaves the values of a per-token tensor to a caller that checked
-    them already (the loss builds it from a validated record); type, shape and device are
-    always checked.
-
-    A 0-dim tensor is a scalar and comes back as a Python float (fp64: an fp64 temperature keeps
-    every digit). Strings, bools and other types are refused.
-
-    Examples:
-        >>> check_temperature(torch.tensor(0.7, dtype=torch.float64), torch.Size([2]), torch.device("cpu"))
-        0.7
-        >>> check_temperature("abc", torch.Size([2]), torch.device("cpu"))
-        Traceback (most recent call last):
-        ...
-        TypeError: temperature must be a positive float or a float tensor of shape [2], got str 'abc'; pass temperature=0.7 (not a string), or a tensor of per-token temperatures
-    """
-    expected = f"a positive float or a float tensor of shape {list(shape)}"
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, torch.Tensor)):
-        raise TypeError(
-            problem(
-                "temperature",
-                expected,
-                describe(temperature),
-                "pass temperature=0.7 (not a string), or a tensor of per-token temperatures",
-            )
-        )
-    if isinstance(temperature, torch.Tensor):
-        if not temperature.dtype.is_floating_point:
-            raise TypeError(
-                problem("temperature", expected, describe(temperature), "pass t.float()")
-            )
-        if temperature.dim() == 0:
-            temperature = float(temperature)
-        else:
-            check_per_token("temperature", temperature, shape, device, "float")
-            if check_values:
-                _check_temperature_values(temperature.reshape(-1))
-            return temperature
-    t = float(temperature)
-    if not (math.isfinite(t) and t > 0):
-        raise ValueError(problem("temperature", "a positive finite number", repr(temperature)))
-    return t
 
 
 def check_chunk_size(chunk_size: Any) -> int | None:

@@ -6,8 +6,11 @@ loss entry points on top of the ops) → ``nn`` (modules around the loss) ; then
 (orchestrators), ``io`` (interchange formats) and ``train`` (the reference trainer). The data path
 and the loss never import each other: ``LossInputs.from_targets`` reads the targets by name.
 Every ``import`` statement counts, including the lazy ones inside functions and those under
-``TYPE_CHECKING``: a lazy import still ties the layers together. Besides the layers, no two modules
-of the package may import each other, directly or through others (no import circle).
+``TYPE_CHECKING``: a lazy import still ties the layers together. Below every layer are the root
+helpers (``echoloss/_*.py``: argument checks, the deferred-check queue, logging, the registry
+type, ...), which import nothing of the package, so any layer may use them. Besides the layers,
+no two modules of the package may import each other, directly or through others (no import
+circle).
 """
 
 from __future__ import annotations
@@ -109,6 +112,24 @@ def test_layer_imports_point_down(layer, forbidden, why):
     root = PACKAGE / layer
     bad = _violations(lambda p: root in p.parents, forbidden)
     assert not bad, f"{layer} must not import {forbidden} ({why}):\n" + "\n".join(bad)
+
+
+def _root_helpers() -> list[Path]:
+    return sorted(p for p in PACKAGE.glob("_*.py") if p.name != "__init__.py")
+
+
+def test_root_helpers_import_nothing_of_the_package():
+    """The root helpers are leaves: one that imported a layer (even lazily) would make every
+    layer that uses it point up at that layer."""
+    helpers = _root_helpers()
+    assert {"_deferred.py", "_validate.py", "_registry.py"} <= {p.name for p in helpers}
+    bad = [
+        f"{p.relative_to(PACKAGE.parent)}:{line} imports {mod}"
+        for p in helpers
+        for line, mod in _imports(p)
+        if _hits(mod, ("echoloss",))
+    ]
+    assert not bad, "root helpers must import nothing of echoloss:\n" + "\n".join(bad)
 
 
 def test_nothing_outside_the_trainer_imports_it():

@@ -13,7 +13,7 @@ coefficients of `echoloss.loss.chunks`):
 6. the metrics (`echoloss.loss.metrics.loss_metrics`).
 
 Every step works on ``[N]`` tensors, rows selected by mask arithmetic, so on CUDA nothing is read
-back to the host; value checks go through `echoloss._deferred.DeferredChecks`.
+back to the host; value checks go through `echoloss.ops.value_checks.DeferredChecks`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from echoloss._deferred import DeferredChecks, host_to_device
+from echoloss._deferred import host_to_device
 from echoloss.loss.checks import reads_sequences
 from echoloss.loss.config import LossConfig
 from echoloss.loss.diagnosis import check_finite_rows, check_scored_rows, defer_final_loss_check
@@ -41,6 +41,7 @@ from echoloss.loss.normalization import (
     resolve_normalizers,
     row_counts,
 )
+from echoloss.loss.penalties import k3, kl_penalty, kl_tau_penalty, mismatch_weights
 from echoloss.loss.policy import (
     PolicyFn,
     PolicyInputs,
@@ -48,12 +49,10 @@ from echoloss.loss.policy import (
     PolicySpec,
     RecordRows,
     check_policy_output,
-    k3,
-    kl_penalty,
-    mismatch_weights,
 )
+from echoloss.ops.value_checks import DeferredChecks
 
-__all__ = ["kl_tau_penalty", "torch_algebra"]
+__all__ = ["torch_algebra"]
 
 
 class _RLRows(NamedTuple):
@@ -87,24 +86,6 @@ def _ratio_base(
     else:
         base = lq  # [N] prime-rl: the ratio is taken against the inference logprobs
     return base.detach(), lq
-
-
-def kl_tau_penalty(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
-    """``ρ²`` for ``|ρ| ≤ clamp``, continued linearly beyond (``2·clamp·|ρ| - clamp²``).
-
-    Equal to prime-rl's ``ρ²`` wherever the log ratio is inside ``±log_ratio_clamp`` (20 by
-    default: every realistic token); beyond it the gradient stays at ``±2·clamp`` instead of
-    growing with ``ρ``, so a token whose logprob collapsed (``ρ ≈ -1e7`` at an extreme
-    temperature) cannot overflow ``dlogits``. ``clamp=None`` is the plain square.
-
-    Examples:
-        >>> kl_tau_penalty(torch.tensor([0.5, -30.0]), 20.0).tolist()
-        [0.25, 800.0]
-    """
-    if clamp is None:
-        return log_ratio * log_ratio
-    a = log_ratio.abs()  # [n]
-    return torch.where(a <= clamp, log_ratio * log_ratio, 2.0 * clamp * a - clamp * clamp)  # [n]
 
 
 def _policy_on_rows(

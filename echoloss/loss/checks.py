@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
-from echoloss._deferred import DeferredChecks, Message
+from echoloss._deferred import Message
 from echoloss._validate import describe, problem
 from echoloss.loss.config import LossConfig
 from echoloss.loss.inputs import LossInputs
 from echoloss.loss.policy import PolicyFn, PolicySpec, get_policy
+from echoloss.ops.row_algebra.policies import ROW_POLICIES
+from echoloss.ops.value_checks import DeferredChecks
 
 __all__ = [
     "check_config",
@@ -202,8 +204,10 @@ def check_requirements(
     return spec
 
 
-#: Built-in policies whose per-token loss depends on that token alone.
-_ROW_SEPARABLE_POLICIES = frozenset({"dppo", "ppo_clip", "cispo", "reinforce", "sapo"})
+#: Built-in policies whose per-token loss depends on that token alone (not on the sequence).
+_ROW_SEPARABLE_POLICIES = frozenset(
+    name for name, row in ROW_POLICIES.items() if not row.sequence_ratio
+)
 
 
 def chunk_additive(cfg: LossConfig, policy_fn: PolicyFn | None) -> bool:

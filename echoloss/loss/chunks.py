@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 
-from echoloss._deferred import DeferredChecks
 from echoloss.loss.algebra import (
     echo_z_denominator,
     normalized_echo_term,
@@ -39,6 +38,7 @@ from echoloss.loss.normalization import (
     row_counts,
 )
 from echoloss.loss.policy import PolicySpec
+from echoloss.ops.value_checks import DeferredChecks
 
 __all__ = ["row_coefficients"]
 

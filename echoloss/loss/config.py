@@ -229,3 +229,26 @@ class LossConfig(BaseModel):
             self.eps_low if self.eps_low is not None else float(d.get("eps_low", 0.2)),
             self.eps_high if self.eps_high is not None else float(d.get("eps_high", 0.2)),
         )
+
+    def policy_parameter(self, name: str) -> float | None:
+        """The value of policy parameter ``name`` (one of `POLICY_PARAMETERS`) a policy reads:
+        ``eps_low`` and ``eps_high`` as `resolved_eps` gives them, the others as set.
+
+        Examples:
+            >>> LossConfig(policy="gspo").policy_parameter("eps_high")
+            0.0004
+        """
+        if name in ("eps_low", "eps_high"):
+            return self.resolved_eps[name == "eps_high"]
+        value = getattr(self, name)
+        return None if value is None else float(value)
+
+
+# Every parameter a built-in policy declares (`POLICY_PARAMETERS`) is a field above: a policy that
+# reads a new one needs its field (type, default, range), and this says so at import.
+_MISSING = [name for name in POLICY_PARAMETERS if name not in LossConfig.model_fields]
+if _MISSING:
+    raise TypeError(
+        f"LossConfig has no field for the policy parameters {_MISSING} that a built-in policy "
+        "reads (echoloss/ops/row_algebra/policies.py): declare each as a field of LossConfig"
+    )

@@ -12,7 +12,7 @@ logprobs is `loss_from_logprobs`, which runs one of three forms of the same ``[N
 - the PyTorch algebra (`echoloss.loss.algebra`), the definition the others are tested against;
 - its compiled region (`echoloss.loss.compiled`) when turned on.
 
-Value checks go through `echoloss._deferred.DeferredChecks` (raised at once on CPU, deferred on
+Value checks go through `echoloss.ops.value_checks.DeferredChecks` (raised at once on CPU, deferred on
 CUDA: ``docs/loss.md``, "When a value error is raised"); what they say is
 `echoloss.loss.diagnosis`.
 
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from echoloss._compile import compiler_disable
-from echoloss._deferred import DeferredChecks, on_device_path, raise_deferred_errors
+from echoloss._deferred import on_device_path, raise_deferred_errors
 from echoloss._validate import check_per_token, check_tensor, describe, problem
 from echoloss.loss.algebra import torch_algebra
 from echoloss.loss.checks import check_config, check_requirements, resolve_inputs
@@ -44,6 +44,7 @@ from echoloss.ops.selective_logprobs.op import (
     labels_checked_on_device,
     selective_logprobs_checked_by_caller,
 )
+from echoloss.ops.value_checks import DeferredChecks
 
 __all__ = [
     "LossOutput",

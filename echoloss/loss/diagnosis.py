@@ -1,6 +1,6 @@
 """The loss's value checks and what it says when a value is not finite.
 
-Three kinds, all queued on the call's `echoloss._deferred.DeferredChecks` (raised at once on the
+Three kinds, all queued on the call's `echoloss.ops.value_checks.DeferredChecks` (raised at once on the
 host path, deferred on the device path) so that the PyTorch and the fused algebra report the same
 errors in the same order:
 
@@ -21,11 +21,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from echoloss._deferred import DeferredChecks, first_true, not_finite
+from echoloss._deferred import first_true, not_finite
 from echoloss._validate import problem
 from echoloss.loss.config import LossConfig
 from echoloss.loss.inputs import LOGPROB_TOLERANCE, LossInputs
 from echoloss.loss.normalization import NO_DIVISORS, Divisors
+from echoloss.ops.value_checks import DeferredChecks
 
 __all__ = ["ENTROPY_TOLERANCE", "NonFiniteLossError", "check_final_loss", "check_scored_rows"]
 

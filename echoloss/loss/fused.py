@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from echoloss._deferred import DeferredChecks
+from echoloss._logging import warn_once
 from echoloss._validate import describe, problem
 from echoloss.loss.algebra import env_of_rows
 from echoloss.loss.compiled import compiling
@@ -37,8 +37,9 @@ from echoloss.loss.normalization import (
     used_counts,
 )
 from echoloss.loss.policy import PolicyFn, get_policy
+from echoloss.ops.row_algebra.policies import ROW_POLICIES
 from echoloss.ops.selective_logprobs.op import label_range_message
-from echoloss.ops.value_checks import fuse_value_checks
+from echoloss.ops.value_checks import DeferredChecks, fuse_value_checks
 
 __all__ = [
     "fuse_loss_algebra",
@@ -79,12 +80,6 @@ def fuse_loss_algebra(mode: str = "auto") -> None:
         raise ValueError(problem("mode", f"one of {_FUSE_MODES}", describe(mode)))
     _FUSE["mode"] = mode
     fuse_value_checks(mode)  # the call's deferred value checks follow the algebra
-
-
-#: The built-in policies the fused algebra computes (registered ones run the PyTorch algebra).
-_FUSED_POLICIES = frozenset(
-    {"dppo", "ppo_clip", "cispo", "reinforce", "gspo", "cispo_sequence", "sapo", "sapo_sequence"}
-)
 
 
 def _triton_row_algebra_runs(device: torch.device) -> bool:
@@ -145,7 +140,8 @@ def fused_algebra_covers(
         return False
     if lp_dtype != torch.float32:
         return False
-    if policy_fn is not None or (cfg.mode == "rl" and cfg.policy not in _FUSED_POLICIES):
+    if policy_fn is not None or (cfg.mode == "rl" and cfg.policy not in ROW_POLICIES):
+        _warn_unfused(cfg.policy)
         return False
     if cfg.mode == "rl" and cfg.mismatch is not None and x.inference_logprobs is None:
         return False  # the PyTorch algebra reports the missing inference logprobs
@@ -168,26 +164,37 @@ def fused_algebra_covers(
     return normalizers is None or isinstance(normalizers, Normalizers)
 
 
+def _warn_unfused(policy: str) -> None:
+    """Tell a policy's author, once per process, that its calls run the PyTorch algebra where
+    the built-in policies run the row program, and what that costs."""
+    who = "the per-call policy_fn" if policy == "custom" else f"policy {policy!r}"
+    warn_once(
+        f"unfused policy {policy}",
+        f"{who} runs the unfused PyTorch loss algebra: about 150-185 kernel launches per "
+        "forward and backward where a built-in policy's fused row program takes 8 (counted "
+        "for the echoloss.nn modules, docs/benchmarks.md); the row program covers the built-in "
+        f"policies ({', '.join(ROW_POLICIES)}). To make it fast, declare it as a built-in "
+        "policy with a branch of the row program (CONTRIBUTING.md, 'Make a policy fast'), or "
+        "run the algebra compiled (echoloss.loss.compiled.compile_loss_algebra)",
+    )
+
+
 def row_algebra_params(
     cfg: LossConfig, ent: torch.Tensor | None, x: LossInputs, normalizers: Normalizers | None
 ) -> Any:
+    """The `echoloss.ops.row_algebra.RowAlgebraParams` of a call `fused_algebra_applies` to:
+    the policy's bounds read as its declaration says (`RowPolicy.bounds`), the config's other
+    terms, and the divisors of the given ``normalizers`` (at least 1)."""
     from echoloss.ops.row_algebra import RowAlgebraParams
 
     rl_mode = cfg.mode == "rl"
-    low: float | None
-    high: float
-    if cfg.mode == "sft":
-        policy, low, high = "sft", None, 0.0
-    elif cfg.policy == "dppo":
-        policy, low, high = "dppo", cfg.dppo_low, cfg.dppo_high
-    elif cfg.policy in ("ppo_clip", "gspo"):
-        policy, (low, high) = cfg.policy, cfg.resolved_eps
-    elif cfg.policy in ("cispo", "cispo_sequence"):
-        policy, low, high = cfg.policy, cfg.cispo_min, cfg.cispo_max
-    elif cfg.policy in ("sapo", "sapo_sequence"):
-        policy, low, high = cfg.policy, None, 0.0  # the temperatures below
-    else:
-        policy, low, high = "reinforce", None, 0.0
+    policy, dual_clip = "sft", None
+    low: float | None = None
+    high: float | None = None
+    if rl_mode:  # the policy's bounds and dual clip, as its declaration reads them
+        policy, row = cfg.policy, ROW_POLICIES[cfg.policy]
+        low, high = (None if b is None else cfg.policy_parameter(b) for b in row.bounds)
+        dual_clip = cfg.dual_clip if "dual_clip" in row.reads else None
     rl_divisor: float | None = None
     echo_divisor: float | None = None
     rl_normalization = "token"
@@ -210,8 +217,8 @@ def row_algebra_params(
         policy,
         adv_tau=cfg.adv_tau,
         low=low,
-        high=high,
-        dual_clip=cfg.dual_clip if policy == "ppo_clip" else None,
+        high=0.0 if high is None else high,
+        dual_clip=dual_clip,
         sapo_temperature_pos=cfg.sapo_temperature_pos,
         sapo_temperature_neg=cfg.sapo_temperature_neg,
         log_ratio_clamp=cfg.log_ratio_clamp,

@@ -17,16 +17,9 @@ from typing import Any, Literal
 
 import torch
 
-from echoloss._deferred import DeferredChecks
-from echoloss._validate import (
-    check_finite,
-    check_per_token,
-    check_temperature,
-    check_tensor,
-    describe,
-    problem,
-)
+from echoloss._validate import check_per_token, check_tensor, describe, problem
 from echoloss.loss.metrics import RESERVED_ENV
+from echoloss.ops.value_checks import DeferredChecks, check_finite, check_temperature
 
 __all__ = [
     "LOGPROB_TOLERANCE",

@@ -21,10 +21,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from echoloss._deferred import DeferredChecks
 from echoloss._validate import describe, problem
 from echoloss.loss.config import LossConfig
 from echoloss.loss.inputs import LossInputs
+from echoloss.ops.value_checks import DeferredChecks
 
 __all__ = [
     "Divisors",

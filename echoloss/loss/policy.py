@@ -21,6 +21,7 @@ import torch
 
 from echoloss._registry import Registry
 from echoloss.loss.inputs import LossInputs
+from echoloss.ops.row_algebra.policies import ROW_POLICIES, RowArgs, RowPolicy, sequence_mean
 
 __all__ = [
     "POLICIES",
@@ -32,15 +33,15 @@ __all__ = [
     "cispo_loss",
     "dppo_loss",
     "gspo_loss",
-    "kl_penalty",
     "list_policies",
-    "mismatch_weights",
     "ppo_clip_loss",
     "register_policy",
     "reinforce_loss",
     "sapo_loss",
     "sequence_mean",
 ]
+
+# `sequence_mean` is the row algebra's (imported above), kept here as it always was.
 
 
 class PolicyInputs(NamedTuple):
@@ -152,23 +153,27 @@ class BuiltinPolicyParameters(Protocol):
     def log_ratio_clamp(self) -> float | None: ...
     @property
     def resolved_eps(self) -> tuple[float, float]: ...
+    def policy_parameter(self, name: str) -> float | None: ...
 
 
-def _exp_ratio(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
-    return torch.exp(log_ratio if clamp is None else log_ratio.clamp(-clamp, clamp))
+def _sequences(inputs: PolicyInputs, policy: str) -> tuple[torch.Tensor, int]:
+    """``(sequence_index, num_sequences)``, which a sequence-level ratio needs."""
+    if inputs.sequence_index is None:
+        raise ValueError(
+            f"policy={policy!r} needs sequence_ids: the ratio is a per-sequence mean; pass "
+            "sequence_ids=[N] int64 (row -> sequence, -1 for padding) to echo_loss"
+        )
+    return inputs.sequence_index, inputs.num_sequences
 
 
-def sequence_mean(values: torch.Tensor, index: torch.Tensor, num: int) -> torch.Tensor:
-    """``[num]`` mean of ``values [n]`` per group ``index [n]`` (0 for an empty group).
-
-    Examples:
-        >>> sequence_mean(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1]), 3)
-        tensor([2., 5., 0.])
-    """
-    sums = values.new_zeros(num).index_add(0, index, values)
-    # index_add of ones, not bincount: bincount reads the maximum index on the host.
-    counts = values.new_zeros(num).index_add_(0, index, torch.ones_like(values))
-    return sums / counts.clamp(min=1)
+def _row_form(name: str, inputs: PolicyInputs, args: RowArgs) -> PolicyOutput:
+    """Built-in policy ``name``'s row form (`echoloss.ops.row_algebra.policies`, the definition
+    the row program is tested against) on ``inputs``."""
+    row = ROW_POLICIES[name]
+    if row.sequence_ratio:
+        args = args._replace(seq=_sequences(inputs, name))
+    loss, flags = row.loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, args)
+    return PolicyOutput(loss, flags)
 
 
 def dppo_loss(
@@ -199,30 +204,7 @@ def dppo_loss(
         >>> out.flags["masked_high"].tolist()
         [False, True]
     """
-    lp, old, adv = inputs.logprobs, inputs.old_logprobs, inputs.advantages
-    with torch.no_grad():
-        delta = lp.exp() - old.exp()
-        pos = adv > 0
-        dropped = torch.where(pos, delta > high, delta < -low)
-        keep = ~dropped
-    # The dropped branch sees log ratio 0 (a constant), so exp never overflows there.
-    log_ratio = torch.where(keep, lp - old, torch.zeros_like(lp))
-    loss = -(keep.to(lp.dtype) * adv * _exp_ratio(log_ratio, log_ratio_clamp))
-    return PolicyOutput(
-        loss,
-        {"masked": dropped, "masked_low": dropped & (adv < 0), "masked_high": dropped & pos},
-    )
-
-
-def _clipped_objective(
-    ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    obj = torch.minimum(ratio * adv, clipped * adv)
-    with torch.no_grad():
-        high = (adv > 0) & (ratio > 1.0 + eps_high)
-        low = (adv < 0) & (ratio < 1.0 - eps_low)
-    return obj, {"clipped": high | low, "clipped_low": low, "clipped_high": high}
+    return _row_form("dppo", inputs, RowArgs(low, high, clamp=log_ratio_clamp))
 
 
 def ppo_clip_loss(
@@ -255,16 +237,7 @@ def ppo_clip_loss(
         >>> ppo_clip_loss(x, eps_low=0.2, eps_high=0.2).loss  # r = 1, r = 2 clipped to 1.2
         tensor([-1.0000, -1.2000], grad_fn=<NegBackward0>)
     """
-    adv = inputs.advantages
-    ratio = _exp_ratio(inputs.logprobs - inputs.old_logprobs, log_ratio_clamp)
-    obj, flags = _clipped_objective(ratio, adv, eps_low, eps_high)
-    if dual_clip is not None:
-        neg = adv < 0
-        floor = dual_clip * adv
-        with torch.no_grad():
-            flags["dual_clipped"] = neg & (obj < floor)
-        obj = torch.where(neg, torch.maximum(obj, floor), obj)
-    return PolicyOutput(-obj, flags)
+    return _row_form("ppo_clip", inputs, RowArgs(eps_low, eps_high, dual_clip, log_ratio_clamp))
 
 
 def cispo_loss(
@@ -301,19 +274,8 @@ def cispo_loss(
         >>> cispo_loss(x, weight_max=5.0).loss  # -1 · 2 · (-1)
         tensor([2.], grad_fn=<NegBackward0>)
     """
-    lp, adv = inputs.logprobs, inputs.advantages
-    with torch.no_grad():
-        log_ratio = lp - inputs.old_logprobs
-        if sequence_level:
-            ratio = _sequence_ratio(log_ratio, inputs, log_ratio_clamp, "cispo_sequence")
-        else:
-            ratio = _exp_ratio(log_ratio, log_ratio_clamp)
-        weight = ratio.clamp(min=weight_min, max=weight_max)
-        high = ratio > weight_max
-        low = ratio < weight_min if weight_min is not None else torch.zeros_like(high)
-    return PolicyOutput(
-        -(weight * adv * lp), {"clipped": high | low, "clipped_low": low, "clipped_high": high}
-    )
+    name = "cispo_sequence" if sequence_level else "cispo"
+    return _row_form(name, inputs, RowArgs(weight_min, weight_max, clamp=log_ratio_clamp))
 
 
 def gspo_loss(
@@ -344,24 +306,7 @@ def gspo_loss(
         >>> gspo_loss(x, eps_low=3e-4, eps_high=4e-4).loss
         tensor([-1., -1.], grad_fn=<NegBackward0>)
     """
-    log_ratio = inputs.logprobs - inputs.old_logprobs
-    seq_ratio = _sequence_ratio(log_ratio, inputs, log_ratio_clamp, "gspo")
-    obj, flags = _clipped_objective(seq_ratio, inputs.advantages, eps_low, eps_high)
-    return PolicyOutput(-obj, flags)
-
-
-def _sequence_ratio(
-    log_ratio: torch.Tensor, inputs: PolicyInputs, clamp: float | None, policy: str
-) -> torch.Tensor:
-    """``[n]``: each RL row's ``s_i = exp(clamp(mean_{t ∈ RL_i} ρ_t))`` of its sequence ``i``
-    (differentiable; the exponential taken once per sequence)."""
-    if inputs.sequence_index is None:
-        raise ValueError(
-            f"policy={policy!r} needs sequence_ids: the ratio is a per-sequence mean; pass "
-            "sequence_ids=[N] int64 (row -> sequence, -1 for padding) to echo_loss"
-        )
-    idx = inputs.sequence_index
-    return _exp_ratio(sequence_mean(log_ratio, idx, inputs.num_sequences), clamp)[idx]
+    return _row_form("gspo", inputs, RowArgs(eps_low, eps_high, clamp=log_ratio_clamp))
 
 
 def sapo_loss(
@@ -398,14 +343,9 @@ def sapo_loss(
         >>> sapo_loss(x, temperature_pos=1.0, temperature_neg=2.0).loss  # σ(0)·4/τ·A at r = 1
         tensor([-2.,  1.], grad_fn=<MulBackward0>)
     """
-    log_ratio = inputs.logprobs - inputs.old_logprobs
-    if sequence_level:
-        ratio = _sequence_ratio(log_ratio, inputs, log_ratio_clamp, "sapo_sequence")
-    else:
-        ratio = _exp_ratio(log_ratio, log_ratio_clamp)
-    adv = inputs.advantages
-    tau = torch.where(adv > 0, temperature_pos, temperature_neg).to(ratio.dtype)
-    return PolicyOutput(-(torch.sigmoid(tau * (ratio - 1)) * (4 / tau)) * adv, {})
+    name = "sapo_sequence" if sequence_level else "sapo"
+    args = RowArgs(temperature_neg, temperature_pos, clamp=log_ratio_clamp)
+    return _row_form(name, inputs, args)
 
 
 def reinforce_loss(inputs: PolicyInputs) -> PolicyOutput:
@@ -416,119 +356,17 @@ def reinforce_loss(inputs: PolicyInputs) -> PolicyOutput:
         >>> reinforce_loss(PolicyInputs(lp, lp.detach(), torch.tensor([2.0]), None, 0)).loss
         tensor([1.], grad_fn=<NegBackward0>)
     """
-    return PolicyOutput(-(inputs.advantages * inputs.logprobs), {})
-
-
-def mismatch_weights(
-    old_logprobs: torch.Tensor,
-    inference_logprobs: torch.Tensor,
-    *,
-    mode: str,
-    weight_max: float,
-    weight_min: float | None = None,
-    sequence_index: torch.Tensor | None = None,
-    num_sequences: int = 0,
-    log_ratio_clamp: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Detached train/inference importance weights ``w = p_old / p_inference`` for RL rows.
-
-    Token modes use ``exp(lp_old - lp_inf)`` per token; sequence modes use
-    ``exp(Σ_{t ∈ RL_i} (lp_old - lp_inf))`` for every token of sequence ``i`` (TRL's convention).
-    ``*_truncate`` clamps ``w`` to ``[weight_min, weight_max]``; ``*_mask`` sets ``w = 0`` outside.
-
-    Args:
-        old_logprobs: ``[n]`` trainer-side logprobs of the behaviour policy (detached).
-        inference_logprobs: ``[n]`` sampling logprobs.
-        mode: ``token_truncate``, ``token_mask``, ``sequence_truncate`` or ``sequence_mask``.
-        weight_max, weight_min: the bounds (``weight_min`` None = no lower bound).
-        sequence_index, num_sequences: local sequence of each row (sequence modes only).
-        log_ratio_clamp: clamp of the log weight before ``exp``.
-
-    Returns:
-        ``(w [n], flags)`` with flags ``is_truncated`` or ``is_masked``.
-
-    Examples:
-        >>> w, f = mismatch_weights(torch.tensor([0.0, 0.0]), torch.log(torch.tensor([0.5, 0.1])),
-        ...                         mode="token_truncate", weight_max=3.0)
-        >>> w, f["is_truncated"].tolist()
-        (tensor([2., 3.]), [False, True])
-    """
-    with torch.no_grad():
-        log_w = old_logprobs - inference_logprobs
-        if mode.startswith("sequence"):
-            if sequence_index is None:
-                raise ValueError(
-                    f"mismatch={mode!r} needs sequence_ids to group tokens into sequences; pass "
-                    "sequence_ids to echo_loss"
-                )
-            seq = log_w.new_zeros(num_sequences).index_add(0, sequence_index, log_w)
-            log_w = seq[sequence_index]
-        w = _exp_ratio(log_w, log_ratio_clamp)
-        outside = w > weight_max
-        if weight_min is not None:
-            outside = outside | (w < weight_min)
-        if mode.endswith("truncate"):
-            return w.clamp(min=weight_min, max=weight_max), {"is_truncated": outside}
-        return torch.where(outside, torch.zeros_like(w), w), {"is_masked": outside}
-
-
-def k3(log_ratio: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
-    """``exp(x) - x - 1`` without cancellation: ``expm1(x) - x`` in float64, cast back.
-
-    In fp32 ``exp(x) - x - 1`` loses every digit for ``|x| ≲ 1e-3`` (the value is ``≈ x²/2``, far
-    below the ulp of 1) and can even come out negative; ``expm1`` in float64 keeps it exact to
-    fp32 precision. Differentiable; ``x`` is clamped to ``±clamp`` first when given.
-
-    Examples:
-        >>> round(float(k3(torch.tensor([1e-4]))) * 1e8, 4)  # x²/2 = 0.5e-8
-        0.5
-    """
-    x = log_ratio if clamp is None else log_ratio.clamp(-clamp, clamp)
-    x64 = x.double()
-    return (torch.expm1(x64) - x64).to(log_ratio.dtype)
-
-
-def kl_penalty(
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    *,
-    estimator: str,
-    log_ratio_clamp: float | None = None,
-) -> torch.Tensor:
-    """Per-token estimate of ``KL(π_θ ‖ π_ref)`` on samples, differentiable in ``logprobs``.
-
-    With ``d = lp_ref - lp``: k1 = ``-d``; k2 = ``½ d^2``; k3 = ``exp(d) - d - 1``.
-
-    Examples:
-        >>> lp, ref = torch.tensor([0.0]), torch.tensor([-1.0])
-        >>> [round(float(kl_penalty(lp, ref, estimator=k)), 4) for k in ("k1", "k2", "k3")]
-        [1.0, 0.5, 0.3679]
-    """
-    d = ref_logprobs - logprobs
-    if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return 0.5 * d * d
-    if estimator == "k3":
-        return k3(d, log_ratio_clamp)
-    raise ValueError(f"kl_estimator: expected 'k1', 'k2' or 'k3', got {estimator!r}")
+    return _row_form("reinforce", inputs, RowArgs())
 
 
 # ---------------------------------------------------------------- the registry
 
 
-#: The ``LossConfig`` fields that parameterise one policy or another. A policy declares which of
-#: them it reads; ``LossConfig`` rejects a non-default value of any other (it would be ignored).
-POLICY_PARAMETERS: tuple[str, ...] = (
-    "dppo_low",
-    "dppo_high",
-    "eps_low",
-    "eps_high",
-    "dual_clip",
-    "cispo_max",
-    "cispo_min",
-    "sapo_temperature_pos",
-    "sapo_temperature_neg",
+#: The ``LossConfig`` fields that parameterise one policy or another: those the built-in policies
+#: read (`ROW_POLICIES`). A policy declares which of them it reads; ``LossConfig`` rejects a
+#: non-default value of any other (it would be ignored).
+POLICY_PARAMETERS: tuple[str, ...] = tuple(
+    dict.fromkeys(name for row in ROW_POLICIES.values() for name in row.reads)
 )
 
 
@@ -809,92 +647,30 @@ def get_policy(name: str) -> PolicySpec:
     return spec
 
 
-def _dppo(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
-    return dppo_loss(x, low=c.dppo_low, high=c.dppo_high, log_ratio_clamp=c.log_ratio_clamp)
+def _builtin(name: str, row: RowPolicy) -> PolicyFn:
+    """The registered function of built-in policy ``name``: its row form with the bounds, dual
+    clip and clamp the config sets (`RowPolicy.bounds`, `RowPolicy.reads`)."""
+
+    def policy(inputs: PolicyInputs, config: BuiltinPolicyParameters) -> PolicyOutput:
+        low, high = (None if b is None else config.policy_parameter(b) for b in row.bounds)
+        dual_clip = config.dual_clip if "dual_clip" in row.reads else None
+        return _row_form(name, inputs, RowArgs(low, high, dual_clip, config.log_ratio_clamp))
+
+    policy.__name__ = policy.__qualname__ = name
+    return policy
 
 
-def _ppo_clip(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
-    lo, hi = c.resolved_eps
-    return ppo_clip_loss(
-        x, eps_low=lo, eps_high=hi, dual_clip=c.dual_clip, log_ratio_clamp=c.log_ratio_clamp
+# Every built-in policy, from its one declaration.
+for _name, _row in ROW_POLICIES.items():
+    register_policy(
+        _name,
+        _builtin(_name, _row),
+        reads=_row.reads,
+        uses_ratio=_row.uses_ratio,
+        needs_sequences=_row.sequence_ratio,
+        defaults=_row.defaults,
+        all_rows=True,
     )
-
-
-def _cispo(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
-    return cispo_loss(
-        x, weight_max=c.cispo_max, weight_min=c.cispo_min, log_ratio_clamp=c.log_ratio_clamp
-    )
-
-
-def _cispo_sequence(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
-    return cispo_loss(
-        x,
-        weight_max=c.cispo_max,
-        weight_min=c.cispo_min,
-        log_ratio_clamp=c.log_ratio_clamp,
-        sequence_level=True,
-    )
-
-
-def _sapo(x: PolicyInputs, c: BuiltinPolicyParameters, *, sequence_level: bool) -> PolicyOutput:
-    return sapo_loss(
-        x,
-        temperature_pos=c.sapo_temperature_pos,
-        temperature_neg=c.sapo_temperature_neg,
-        log_ratio_clamp=c.log_ratio_clamp,
-        sequence_level=sequence_level,
-    )
-
-
-def _sapo_token(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
-    return _sapo(x, c, sequence_level=False)
-
-
-def _sapo_sequence(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
-    return _sapo(x, c, sequence_level=True)
-
-
-def _gspo(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
-    lo, hi = c.resolved_eps
-    return gspo_loss(x, eps_low=lo, eps_high=hi, log_ratio_clamp=c.log_ratio_clamp)
-
-
-def _reinforce(x: PolicyInputs, c: BuiltinPolicyParameters) -> PolicyOutput:
-    return reinforce_loss(x)
-
-
-register_policy(
-    "dppo", _dppo, reads=("dppo_low", "dppo_high"), defaults={"kl_tau": 1e-3}, all_rows=True
-)
-register_policy(
-    "ppo_clip",
-    _ppo_clip,
-    reads=("eps_low", "eps_high", "dual_clip"),
-    defaults={"eps_low": 0.2, "eps_high": 0.2},
-    all_rows=True,
-)
-register_policy("cispo", _cispo, reads=("cispo_max", "cispo_min"), all_rows=True)
-register_policy(
-    "cispo_sequence",
-    _cispo_sequence,
-    reads=("cispo_max", "cispo_min"),
-    needs_sequences=True,
-    all_rows=True,
-)
-_SAPO_READS = ("sapo_temperature_pos", "sapo_temperature_neg")
-register_policy("sapo", _sapo_token, reads=_SAPO_READS, all_rows=True)
-register_policy(
-    "sapo_sequence", _sapo_sequence, reads=_SAPO_READS, needs_sequences=True, all_rows=True
-)
-register_policy(
-    "gspo",
-    _gspo,
-    reads=("eps_low", "eps_high"),
-    needs_sequences=True,
-    defaults={"eps_low": 3e-4, "eps_high": 4e-4},
-    all_rows=True,
-)
-register_policy("reinforce", _reinforce, uses_ratio=False, all_rows=True)
 # A function given per call as ``policy_fn=`` (kept for callers of the keyword form): it may read
 # any field, and must confirm that it does not need the echo rows it never sees.
 _REGISTRY.register(

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from echoloss import LossConfig, Normalizers
-from echoloss._deferred import DeferredChecks
 from echoloss._validate import check_count, describe, finite_float, problem
+from echoloss.ops.row_algebra.policies import ROW_POLICIES
+from echoloss.ops.value_checks import DeferredChecks
 
 # The normal float32 range (the loss divides by the temperature in float32).
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
@@ -234,6 +235,14 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _at_level(policy: str, sequence: bool) -> str:
+    """``policy``, or for TRL's ``importance_sampling_level="sequence"`` the built-in policy
+    that is it on the sequence's ratio (`RowPolicy.sequence_level`)."""
+    level = ROW_POLICIES[policy].sequence_level
+    assert level is not None  # the token-level policies TRL's loss types map to
+    return level if sequence else policy
+
+
 def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> GRPOLossMapping:
     """Map a ``GRPOConfig`` onto echoloss exactly, or raise naming the setting and the fix.
 
@@ -351,18 +360,16 @@ def grpo_loss_mapping(args: Any, *, epsilon_low: float, epsilon_high: float) -> 
     }
     if lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         fields.update(
-            policy="gspo" if sequence else "ppo_clip",
+            policy=_at_level("ppo_clip", sequence),
             eps_low=epsilon_low,
             eps_high=epsilon_high,
             dual_clip=None if delta is None else float(delta),
         )
     elif lt == "cispo":  # TRL caps the ratio at epsilon_high itself, with no lower bound
-        fields.update(
-            policy="cispo_sequence" if sequence else "cispo", cispo_max=epsilon_high, cispo_min=None
-        )
+        fields.update(policy=_at_level("cispo", sequence), cispo_max=epsilon_high, cispo_min=None)
     else:  # sapo
         fields.update(
-            policy="sapo_sequence" if sequence else "sapo",
+            policy=_at_level("sapo", sequence),
             sapo_temperature_pos=float(args.sapo_temperature_pos),
             sapo_temperature_neg=float(args.sapo_temperature_neg),
         )

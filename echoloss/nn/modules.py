@@ -29,7 +29,7 @@ from echoloss import (
     Normalizers,
     selective_logprobs,
 )
-from echoloss._deferred import DeferredChecks, raise_deferred_errors
+from echoloss._deferred import raise_deferred_errors
 from echoloss._logging import warn_once
 from echoloss._validate import (
     check_chunk_size,
@@ -64,8 +64,24 @@ from echoloss.ops.fused_linear.op import (
     start_logits,
 )
 from echoloss.ops.selective_logprobs.op import selective_logprobs_checked_by_caller
+from echoloss.ops.value_checks import DeferredChecks
 
 __all__ = ["EchoFusedLinearGRPOLoss", "EchoGRPOLoss"]
+
+
+class _CallInputs(NamedTuple):
+    """The per-call inputs of a forward besides the rows and the logprobs, as the caller passed
+    them (checked in `EchoGRPOLoss._setup`)."""
+
+    advantages: torch.Tensor
+    ref_per_token_logps: torch.Tensor | None
+    old_per_token_logps: torch.Tensor | None
+    inference_logprobs: torch.Tensor | None
+    observation_mask: torch.Tensor | None
+    num_items_in_batch: float | torch.Tensor | None
+    num_echo_items_in_batch: float | torch.Tensor | None
+    normalizers: Normalizers | None
+    env_names: Sequence[str] | None
 
 
 class _CallSetup(NamedTuple):
@@ -308,22 +324,14 @@ class EchoGRPOLoss(nn.Module):
         rl: torch.Tensor,
         echo: torch.Tensor,
         echo_w: torch.Tensor,
-        advantages: torch.Tensor,
-        *,
-        ref_per_token_logps: torch.Tensor | None,
-        old_per_token_logps: torch.Tensor | None,
-        inference_logprobs: torch.Tensor | None,
-        observation_mask: torch.Tensor | None,
-        num_items_in_batch: float | torch.Tensor | None,
-        num_echo_items_in_batch: float | torch.Tensor | None,
-        normalizers: Normalizers | None,
+        call: _CallInputs,
         checks: DeferredChecks,
     ) -> _CallSetup:
         """Everything of one call's loss that does not read the logprobs: the config, the
         normalisers, the RL and echo divisors and the ``[B, T]`` advantages, observation mask
-        and echo weights (checked here)."""
+        and echo weights (checked here, with the logprob inputs of ``call``)."""
         b, t = rl.shape
-        adv = check_tensor("advantages", advantages)
+        adv = check_tensor("advantages", call.advantages)
         if adv.shape not in ((b,), (b, t)) or not adv.dtype.is_floating_point:
             raise ValueError(
                 problem(
@@ -338,25 +346,27 @@ class EchoGRPOLoss(nn.Module):
             check_float_values("advantages", adv, rl, logprob=False)  # read in place
         given = (
             None
-            if observation_mask is None
-            else check_mask("observation_mask", observation_mask, checks=checks)
+            if call.observation_mask is None
+            else check_mask("observation_mask", call.observation_mask, checks=checks)
         )
         # |O_i| (observation or echo rows) is read by the echo normaliser sequence_mean only:
         # elsewhere the echo rows stand in, unread. The loss counts `observation | echo`
         # itself, so the mask goes as given (no launch).
         reads_observation = self.mapping is None or self.echo_normalization == "sequence_mean"
         obs = echo if given is None or not reads_observation else given
-        cfg, norms, divisors = self.config, normalizers, Divisors()
+        cfg, norms, divisors = self.config, call.normalizers, Divisors()
         if self.mapping is not None:
-            if normalizers is not None:
+            if call.normalizers is not None:
                 raise ValueError(
                     "normalizers: the GRPO options fix the normaliser per call (loss_type); "
                     "pass num_items_in_batch instead, or use config=LossConfig(...)"
                 )
-            cfg, rl_divisor = self._rl_normalizer(self.mapping, rl, b, num_items_in_batch, checks)
-            echo_divisor = self._echo_divisor(echo, b, num_echo_items_in_batch, checks)
+            cfg, rl_divisor = self._rl_normalizer(
+                self.mapping, rl, b, call.num_items_in_batch, checks
+            )
+            echo_divisor = self._echo_divisor(echo, b, call.num_echo_items_in_batch, checks)
             divisors = Divisors(rl=rl_divisor, echo=echo_divisor)
-        if cfg.kl_coef > 0 and ref_per_token_logps is None:
+        if cfg.kl_coef > 0 and call.ref_per_token_logps is None:
             raise ValueError(
                 f"ref_per_token_logps: required by beta={cfg.kl_coef} ([B, T] reference-model "
                 "logprobs); or set beta=0.0"
@@ -365,9 +375,9 @@ class EchoGRPOLoss(nn.Module):
         # kind, shape and device, then their values on the RL rows (where they are read),
         # once (the call's record is built from what is checked here).
         for name, value in (
-            ("ref_per_token_logps", ref_per_token_logps if cfg.kl_coef > 0 else None),
-            ("old_per_token_logps", old_per_token_logps),
-            ("inference_logprobs", inference_logprobs),
+            ("ref_per_token_logps", call.ref_per_token_logps if cfg.kl_coef > 0 else None),
+            ("old_per_token_logps", call.old_per_token_logps),
+            ("inference_logprobs", call.inference_logprobs),
         ):
             if value is not None:
                 check_per_token(name, value, rl.shape, rl.device, "float", what="[B, T]")
@@ -382,12 +392,9 @@ class EchoGRPOLoss(nn.Module):
         rl: torch.Tensor,
         echo: torch.Tensor,
         setup: _CallSetup,
-        *,
-        ref_per_token_logps: torch.Tensor | None,
-        old_per_token_logps: torch.Tensor | None,
-        inference_logprobs: torch.Tensor | None,
-        env_names: Sequence[str] | None,
+        call: _CallInputs,
         checks: DeferredChecks,
+        *,
         source: str = "logits",
         label_check: tuple[torch.Tensor, int] | None = None,
     ) -> LossOutput:
@@ -395,18 +402,19 @@ class EchoGRPOLoss(nn.Module):
         ``label_check``: the labels' range check the logprob op left to the loss (device
         path)."""
         cfg, norms, divisors, adv, obs, echo_w = setup
+        old_given, env_names = call.old_per_token_logps, call.env_names
         # On-policy the ratio's denominator is this pass's logprobs; a non-finite one is the
         # model's output, named by its source in the loss's check of the scored rows.
-        old = lp.detach() if old_per_token_logps is None else old_per_token_logps.float()
+        old = lp.detach() if old_given is None else old_given.float()
         # Every field was checked as the caller passed it (`_rows`, `_setup`) or derived
         # from those: the record is not validated a second time under other names.
         record = unchecked_inputs(
             rl_mask=rl,
             echo_weights=echo_w,
             advantages=adv,
-            inference_logprobs=inference_logprobs,
+            inference_logprobs=call.inference_logprobs,
             old_logprobs=old,
-            ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
+            ref_logprobs=call.ref_per_token_logps if cfg.kl_coef > 0 else None,
             # The batch row of each token, where something reads it (a per-sequence
             # normaliser or policy, the per-env metrics): two launches otherwise spent.
             sequence_ids=self._sequence_ids(rl) if self._reads_sequences(cfg, env_names) else None,
@@ -593,33 +601,12 @@ class EchoGRPOLoss(nn.Module):
                 chunk_size=self.row_chunk_size,
                 backend="auto",
             )
-        setup = self._setup(
-            rl,
-            echo,
-            w,
-            advantages,
-            ref_per_token_logps=ref_per_token_logps,
-            old_per_token_logps=old_per_token_logps,
-            inference_logprobs=inference_logprobs,
-            observation_mask=observation_mask,
-            num_items_in_batch=num_items_in_batch,
-            num_echo_items_in_batch=num_echo_items_in_batch,
-            normalizers=normalizers,
-            checks=checks,
-        )
-        return self._loss(
-            lp,
-            ent,
-            rl,
-            echo,
-            setup,
-            ref_per_token_logps=ref_per_token_logps,
-            old_per_token_logps=old_per_token_logps,
-            inference_logprobs=inference_logprobs,
-            env_names=env_names,
-            checks=checks,
-            label_check=label_check,
-        )
+        call = _CallInputs(
+            advantages, ref_per_token_logps, old_per_token_logps, inference_logprobs,
+            observation_mask, num_items_in_batch, num_echo_items_in_batch, normalizers, env_names,
+        )  # fmt: skip
+        setup = self._setup(rl, echo, w, call, checks)
+        return self._loss(lp, ent, rl, echo, setup, call, checks, label_check=label_check)
 
 
 class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
@@ -735,27 +722,15 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
         rl, echo, w, scored = self._rows(attention_mask, echo_weights, checks)
         temp = self._temperatures(rl, echo)
         flat_temp = temp if isinstance(temp, float) else temp.reshape(-1)
-        setup = self._setup(
-            rl,
-            echo,
-            w,
-            advantages,
-            ref_per_token_logps=ref_per_token_logps,
-            old_per_token_logps=old_per_token_logps,
-            inference_logprobs=inference_logprobs,
-            observation_mask=observation_mask,
-            num_items_in_batch=num_items_in_batch,
-            num_echo_items_in_batch=num_echo_items_in_batch,
-            normalizers=normalizers,
-            checks=checks,
-        )
+        call = _CallInputs(
+            advantages, ref_per_token_logps, old_per_token_logps, inference_logprobs,
+            observation_mask, num_items_in_batch, num_echo_items_in_batch, normalizers, env_names,
+        )  # fmt: skip
+        setup = self._setup(rl, echo, w, call, checks)
         labels = selected_token_ids.reshape(-1)
         coefficients = None
         if chunk_additive(setup.config, None):
-            coefficients = functools.partial(
-                self._row_coefficients,
-                rl, setup, ref_per_token_logps, old_per_token_logps, inference_logprobs,
-            )  # fmt: skip
+            coefficients = functools.partial(self._row_coefficients, rl, setup, call)
         label_check = label_check_on_device(labels, weight.shape[0], hidden.device)
         with checks.collecting():  # what the op checks joins the call (none on the device path)
             lp, ent, grads = linear_logprobs_for_loss(
@@ -764,43 +739,29 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
                 labels_checked_by_caller=label_check is not None,
             )  # fmt: skip
         out = self._loss(
-            lp.view(b, t),
-            ent.view(b, t),
-            rl,
-            echo,
-            setup,
-            ref_per_token_logps=ref_per_token_logps,
-            old_per_token_logps=old_per_token_logps,
-            inference_logprobs=inference_logprobs,
-            env_names=env_names,
-            checks=checks,
-            source="hidden",
-            label_check=label_check,
-        )
+            lp.view(b, t), ent.view(b, t), rl, echo, setup, call, checks,
+            source="hidden", label_check=label_check,
+        )  # fmt: skip
         if grads is None:
             return out
         return LossOutput(attach_gradients(out.loss, hidden, weight, *grads), out.metrics)
 
     def _row_coefficients(
-        self,
-        rl: torch.Tensor,
-        setup: _CallSetup,
-        ref_per_token_logps: torch.Tensor | None,
-        old_per_token_logps: torch.Tensor | None,
-        inference_logprobs: torch.Tensor | None,
+        self, rl: torch.Tensor, setup: _CallSetup, call: _CallInputs
     ) -> RowCoefficients:
         """Each row's ``d loss / d logprob`` from that row alone (`row_coefficients`) for a
         chunk-additive loss, from the fields the record of `_loss` will hold (checked in `_setup`);
         on-policy (no ``old_per_token_logps``) the ratio's denominator is the row's own
         logprob, as in `_loss`."""
         cfg = setup.config
+        old_per_token_logps = call.old_per_token_logps
         x = unchecked_inputs(
             rl_mask=rl,
             echo_weights=setup.echo_weights,
             advantages=setup.advantages,
-            inference_logprobs=inference_logprobs,
+            inference_logprobs=call.inference_logprobs,
             old_logprobs=None if old_per_token_logps is None else old_per_token_logps.float(),
-            ref_logprobs=ref_per_token_logps if cfg.kl_coef > 0 else None,
+            ref_logprobs=call.ref_per_token_logps if cfg.kl_coef > 0 else None,
             observation_mask=setup.observation_mask,
             sequence_ids=self._sequence_ids(rl),  # as `_loss`'s: one sequence per batch row
         )

@@ -10,14 +10,8 @@ import torch
 
 from echoloss import LossConfig, LossInputs, echo_loss, echo_loss_from_hidden
 from echoloss.loss import echo_loss_from_logprobs
-from echoloss.loss.policy import (
-    PolicyInputs,
-    cispo_loss,
-    dppo_loss,
-    k3,
-    mismatch_weights,
-    ppo_clip_loss,
-)
+from echoloss.loss.penalties import k3, mismatch_weights
+from echoloss.loss.policy import PolicyInputs, cispo_loss, dppo_loss, ppo_clip_loss
 
 F64 = torch.float64
 CLAMP = 20.0

@@ -17,6 +17,7 @@ from echoloss.loss import (
     echo_loss_from_logprobs,
     undo_data_parallel_averaging,
 )
+from echoloss.ops.row_algebra.contract import SEQUENCE_RATIO_POLICIES
 
 F64 = torch.float64
 
@@ -248,6 +249,26 @@ def test_batch_token_mean_is_the_mean_of_micro_batch_means():
     assert got == pytest.approx(want, rel=1e-6)
 
 
+def test_batch_token_mean_counts_only_micro_batches_with_echo_rows():
+    """A micro-batch without an echo row is no batch of the echo mean: of four micro-batches,
+    two echo-free (sequence 3's echo weights zeroed, sequence 1 has none), the echo term is
+    the mean of the other two's own means, counted by hand here (a count of every micro-batch
+    would divide by 4)."""
+    batch = random_batch(seq_lens=[5, 3, 6, 2], vocab=9, seed=8)
+    batch["echo_weights"] = torch.where(batch["sequence_ids"] == 3, 0.0, batch["echo_weights"])
+    mbs = split_by_sequence(batch, [[0], [1], [2], [3]])
+    with_echo = [m for m in mbs if bool((m["echo_weights"] > 0).any())]
+    assert len(mbs) == 4 and len(with_echo) == 2
+    cfg = LossConfig(echo_normalization="batch_token_mean", policy="reinforce")
+    norms = sum(
+        (count_normalizers(rl_mask=m["rl_mask"], echo_weights=m["echo_weights"]) for m in mbs),
+        Normalizers(),
+    )
+    got = sum(_call(m, cfg, norms, m["logits"]).metrics["loss_echo/all"].item() for m in mbs)
+    own = [_call(m, cfg, None, m["logits"]).metrics["loss_echo/all"].item() for m in with_echo]
+    assert got == pytest.approx(sum(own) / 2, rel=1e-12)
+
+
 def test_per_call_local_normalizers_are_biased():
     # The bug docs/spec.md F14 guards against, at micro-batch level: per-call denominators overweight
     # micro-batches with few tokens.
@@ -343,7 +364,7 @@ def test_missing_inputs_for_a_mode_are_named():
             config=LossConfig(policy="reinforce", rl_normalization="sequence_mean_token_sum"),
             **kw,
         )
-    for policy in ("gspo", "cispo_sequence", "sapo_sequence"):
+    for policy in SEQUENCE_RATIO_POLICIES:
         with pytest.raises(ValueError, match=rf"sequence_ids is required by policy='{policy}'"):
             echo_loss_from_logprobs(
                 lp, config=LossConfig(policy=policy), inference_logprobs=lp, **kw

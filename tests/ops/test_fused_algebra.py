@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 import math
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ from _fused_cases import HAS_CUDA
 from _row_algebra_cases import EPS, Case, bounds, ref_kl_scale, sum_tol
 
 from echoloss._deferred import device_code_path, pending_count, raise_deferred_errors
+from echoloss._logging import reset_warnings
 from echoloss.loss import (
     LossConfig,
     LossInputs,
@@ -44,13 +46,14 @@ from echoloss.loss import (
     echo_loss_from_hidden,
     echo_loss_from_logprobs,
 )
+from echoloss.loss import policy as policy_module
 from echoloss.loss.fused import (
     fuse_loss_algebra,
     fused_algebra_applies,
     row_algebra_params,
     row_inputs,
 )
-from echoloss.loss.policy import PolicyOutput
+from echoloss.loss.policy import PolicyOutput, register_policy
 from echoloss.ops.row_algebra import fused as fused_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -851,3 +854,31 @@ def test_empty_call_in_both_modes(program_calls):
         assert lf == lr == 0.0 and gf == gr == (0,)
         assert list(mf) == list(mr)
         assert all(float(mf[k]) == float(mr[k]) == 0.0 for k in mr)
+
+
+def test_a_registered_policy_is_told_once_that_it_runs_unfused(caplog, program_calls):
+    """A policy registered by a user runs the PyTorch algebra where the built-in ones run the
+    row program: its author is told once, by the policy's name, with the cost and the way to
+    make it fast; a built-in policy's call runs the program and says nothing."""
+    name = "signed_nll_unfused"
+    x = _record(LossConfig(policy="reinforce"), n=300).replace(labels=None)
+    lp = -torch.rand(300) - 0.01
+    reset_warnings()
+    with policy_module._REGISTRY.isolated(), caplog.at_level(logging.WARNING, logger="echoloss"):
+        register_policy(
+            name,
+            lambda x, c: PolicyOutput(-x.advantages.sign() * x.logprobs, {}),
+            uses_ratio=False,
+            all_rows=True,
+        )
+        fuse_loss_algebra("always")
+        for _ in range(2):
+            echo_loss_from_logprobs(lp, x, config=LossConfig(policy=name))
+        assert program_calls[0] == 0
+        echo_loss_from_logprobs(lp, x, config=LossConfig(policy="reinforce"))
+        assert program_calls[0] == 1
+    said = [r.getMessage() for r in caplog.records if "unfused" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"policy {name!r} runs the unfused PyTorch loss algebra" in said[0]
+    assert "150-185 kernel launches" in said[0] and "takes 8" in said[0]
+    assert "'Make a policy fast'" in said[0]

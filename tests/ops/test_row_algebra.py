@@ -50,6 +50,7 @@ from echoloss.ops.row_algebra import CHECK_SLOTS, STAT_SLOTS, RowAlgebraParams, 
 from echoloss.ops.row_algebra import row_algebra as row_algebra_op
 from echoloss.ops.row_algebra.fused import BLOCK
 from echoloss.ops.row_algebra.op import FLAG_NAMES, POLICIES
+from echoloss.ops.row_algebra.policies import ROW_POLICIES
 
 # Non-finite test inputs make numpy (the interpreter) warn about inf - inf and overflows.
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -989,19 +990,10 @@ def _loss_config(p: RowAlgebraParams) -> LossConfig:
     if p.policy == "sft":
         drop = ("kl_tau", "kl_coef", "mismatch", "mismatch_max", "mismatch_min", "kl_estimator")
         return LossConfig(mode="sft", **{k: v for k, v in kw.items() if k not in drop})
-    if p.policy == "dppo":
-        kw.update(dppo_low=p.low, dppo_high=p.high)
-    elif p.policy == "ppo_clip":
-        kw.update(eps_low=p.low, eps_high=p.high, dual_clip=p.dual_clip)
-    elif p.policy == "gspo":
-        kw.update(eps_low=p.low, eps_high=p.high)
-    elif p.policy in ("cispo", "cispo_sequence"):
-        kw.update(cispo_min=p.low, cispo_max=p.high)
-    elif p.policy in ("sapo", "sapo_sequence"):
-        kw.update(
-            sapo_temperature_pos=p.sapo_temperature_pos,
-            sapo_temperature_neg=p.sapo_temperature_neg,
-        )
+    row = ROW_POLICIES[p.policy]  # its parameters, as its declaration names them
+    kw.update({name: value for name, value in zip(row.bounds, p.bounds, strict=True) if name})
+    if "dual_clip" in row.reads:
+        kw.update(dual_clip=p.dual_clip)
     return LossConfig(policy=p.policy, **kw)
 
 
@@ -1501,6 +1493,12 @@ def test_sft_rejects_policy_terms():
     for kw in (dict(kl_tau=0.1), dict(entropy_coef=0.01), dict(mismatch_metric=True)):
         with pytest.raises(ValueError, match=next(iter(kw))):
             RowAlgebraParams("sft", **kw)
+
+
+def test_every_policy_of_the_op_has_a_variant():
+    """The variants are test data (each policy's parameters); the policies are the op's table:
+    a policy declared without a variant would run in none of the tests above."""
+    assert {kw["policy"] for kw in VARIANTS.values()} == set(POLICIES)
 
 
 def test_flag_names_cover_the_flag_slots():

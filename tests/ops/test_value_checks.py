@@ -23,8 +23,14 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from echoloss._deferred import DeferredChecks, device_code_path, raise_deferred_errors
-from echoloss.ops.value_checks import RULES, RowCheck, fuse_value_checks, value_check_numbers
+from echoloss._deferred import device_code_path, raise_deferred_errors
+from echoloss.ops.value_checks import (
+    RULES,
+    DeferredChecks,
+    RowCheck,
+    fuse_value_checks,
+    value_check_numbers,
+)
 from echoloss.ops.value_checks import fused as fused_module
 from echoloss.ops.value_checks.fused import BLOCK, _rounded
 from echoloss.ops.value_checks.naive import rejected

@@ -33,13 +33,13 @@ from echoloss._validate import (
     check_bool,
     check_chunk_size,
     check_per_token,
-    check_temperature,
     check_tensor,
     describe,
     problem,
 )
 from echoloss.ops.selective_logprobs import reference, resolve_backend
 from echoloss.ops.selective_logprobs.op import LABEL_FIX, labels_checked_on_device
+from echoloss.ops.value_checks import check_temperature
 
 __all__ = [
     "DEFAULT_LINEAR_CHUNK_ELEMENTS",

@@ -1,6 +1,7 @@
 """The contract of the fused row algebra: what it computes (`RowAlgebraParams`), what it reads
 (`RowInputs`) and where it writes its metrics and check numbers (`STAT_SLOTS`, `CHECK_SLOTS`).
-Shared by ``op.py``, ``fused.py`` and ``naive.py``; imports neither.
+Shared by ``op.py``, ``fused.py`` and ``naive.py``; imports neither. The policies are those of
+``policies.py``, each declared once there.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from echoloss._validate import describe, problem
+from echoloss.ops.row_algebra.policies import ROW_POLICIES, SFT_CODE
 
 __all__ = [
     "CHECK_SLOTS",
@@ -27,33 +29,18 @@ __all__ = [
     "RowInputs",
 ]
 
-#: The per-token policies this op computes (``"sft"``: the NLL of the RL rows).
-POLICIES = (
-    "dppo",
-    "ppo_clip",
-    "cispo",
-    "reinforce",
-    "sft",
-    "gspo",
-    "cispo_sequence",
-    "sapo",
-    "sapo_sequence",
+#: The policies this op computes (``"sft"``: the NLL of the RL rows), in the order of their
+#: program codes: the built-in policies of `ROW_POLICIES` and ``"sft"``.
+POLICIES = tuple(
+    sorted([*ROW_POLICIES, "sft"], key=lambda p: SFT_CODE if p == "sft" else ROW_POLICIES[p].code)
 )
 
 #: The policies whose ratio is the sequence's, ``exp(clamp(mean ρ))`` over its RL rows.
-SEQUENCE_RATIO_POLICIES = ("gspo", "cispo_sequence", "sapo_sequence")
+SEQUENCE_RATIO_POLICIES = tuple(p for p, row in ROW_POLICIES.items() if row.sequence_ratio)
 
 #: The flags each policy reports (``<flag>_frac`` metrics), in the order the policy sets them.
 FLAG_NAMES: dict[str, tuple[str, ...]] = {
-    "dppo": ("masked", "masked_low", "masked_high"),
-    "ppo_clip": ("clipped", "clipped_low", "clipped_high"),
-    "cispo": ("clipped", "clipped_low", "clipped_high"),
-    "reinforce": (),
-    "sft": (),
-    "gspo": ("clipped", "clipped_low", "clipped_high"),
-    "cispo_sequence": ("clipped", "clipped_low", "clipped_high"),
-    "sapo": (),
-    "sapo_sequence": (),
+    p: () if p == "sft" else ROW_POLICIES[p].flags for p in POLICIES
 }
 
 #: Slots of the fp32 ``stats`` output: the loss and its two terms, the metrics (means over RL
@@ -269,11 +256,36 @@ class RowAlgebraParams:
         )
 
     @property
+    def bounds(self) -> tuple[float | None, float | None]:
+        """``(low, high)`` as the policy's branch of the program and its row form read them
+        (`echoloss.ops.row_algebra.policies.RowPolicy.bounds`): a bound these parameters hold
+        under its own name (sapo's temperatures ``(τ⁻, τ⁺)``), else `low` and `high`.
+
+        Examples:
+            >>> RowAlgebraParams("sapo", sapo_temperature_neg=2.0).bounds
+            (2.0, 1.0)
+            >>> RowAlgebraParams("cispo", low=None, high=5.0).bounds
+            (None, 5.0)
+        """
+        names = ROW_POLICIES[self.policy].bounds if self.policy in ROW_POLICIES else (None, None)
+        given = (self.low, self.high)
+        return (
+            given[0] if names[0] is None else getattr(self, names[0], given[0]),
+            given[1] if names[1] is None else getattr(self, names[1], given[1]),
+        )
+
+    @property
+    def dual_clip_read(self) -> float | None:
+        """`dual_clip` when the policy reads one (``RowPolicy.reads``), else None."""
+        reads = ROW_POLICIES[self.policy].reads if self.policy in ROW_POLICIES else ()
+        return self.dual_clip if "dual_clip" in reads else None
+
+    @property
     def flag_names(self) -> tuple[str, ...]:
         """The policy's flags, in order (``dual_clipped`` last when ppo_clip has a dual clip);
         the mismatch correction's flag is `mismatch_flag_name`."""
         names = FLAG_NAMES[self.policy]
-        if self.policy == "ppo_clip" and self.dual_clip is not None:
+        if self.dual_clip_read is not None:
             names = (*names, "dual_clipped")
         return names
 

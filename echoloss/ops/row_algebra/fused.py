@@ -29,6 +29,7 @@ import triton.language as tl
 
 from echoloss.ops._launch import on_tensor_device
 from echoloss.ops.row_algebra.contract import CHECK_SLOTS, STAT_SLOTS, RowAlgebraParams, RowInputs
+from echoloss.ops.row_algebra.policies import ROW_POLICIES, SFT_CODE
 
 __all__ = ["BLOCK", "forward", "interpreter_active"]
 
@@ -36,17 +37,8 @@ __all__ = ["BLOCK", "forward", "interpreter_active"]
 BLOCK = 1024
 NUM_WARPS = 4
 
-_POLICY_CODE = {
-    "dppo": 0,
-    "ppo_clip": 1,
-    "cispo": 2,
-    "reinforce": 3,
-    "sft": 4,
-    "gspo": 5,
-    "cispo_sequence": 6,
-    "sapo": 7,
-    "sapo_sequence": 8,
-}
+#: Each policy's branch of the program (`POLICY`), from its declaration (``policies.py``).
+_POLICY_CODE = {name: row.code for name, row in ROW_POLICIES.items()} | {"sft": SFT_CODE}
 _ECHO_CODE = {"token_mean": 0, "sum": 1, "batch_token_mean": 2, "sequence_mean": 3}
 _MISMATCH_CODE = {
     None: 0,
@@ -945,10 +937,10 @@ def _sequence_groups(
 
 
 def _bounds(p: RowAlgebraParams) -> tuple[float, float]:
-    """The program's ``(low, high)``: the policy's bounds, or sapo's ``(τ⁻, τ⁺)``."""
-    if p.policy in ("sapo", "sapo_sequence"):
-        return float(p.sapo_temperature_neg), float(p.sapo_temperature_pos)
-    return float(p.low or 0.0), float(p.high)
+    """The program's ``(low, high)``: the policy's bounds (`RowAlgebraParams.bounds`; sapo's
+    ``(τ⁻, τ⁺)``), 0 where unread."""
+    low, high = p.bounds
+    return float(low or 0.0), float(high or 0.0)
 
 
 def _advantages(
@@ -1024,7 +1016,7 @@ def forward(
             n,
             float(p.adv_tau),
             *_bounds(p),
-            float(p.dual_clip or 0.0),
+            float(p.dual_clip_read or 0.0),
             float(clamp or 0.0),
             float(p.kl_tau),
             float(p.entropy_coef),
@@ -1040,7 +1032,7 @@ def forward(
             ADV_FLAT=adv_layout[3],
             POLICY=_POLICY_CODE[p.policy],
             HAS_LOW=p.low is not None,
-            DUAL=p.policy == "ppo_clip" and p.dual_clip is not None,
+            DUAL=p.dual_clip_read is not None,
             HAS_CLAMP=clamp is not None,
             HAS_KL_TAU=p.kl_tau != 0,
             HAS_ENT=ent is not None,

@@ -1,7 +1,8 @@
 """The row algebra in plain PyTorch: the gold of ``fused.py`` (same contract; never imports triton).
 
-Readable rather than fast: the per-row loss is written as the loss module writes it and its
-derivatives come from autograd on a detached leaf, so they carry autograd's conventions (the
+Readable rather than fast: each policy's per-row loss is its row form (``policies.py``, the
+function the loss module registers under its name), the rest is written as the loss module
+writes it, and the derivatives come from autograd on a detached leaf, so they carry autograd's conventions (the
 ``minimum``/``maximum`` of equal branches splits the gradient in half, ``clamp`` passes it on
 its bounds), which the kernel reproduces in closed form.
 """
@@ -14,11 +15,11 @@ import torch
 
 from echoloss.ops.row_algebra.contract import (
     CHECK_SLOTS,
-    SEQUENCE_RATIO_POLICIES,
     STAT_SLOTS,
     RowAlgebraParams,
     RowInputs,
 )
+from echoloss.ops.row_algebra.policies import ROW_POLICIES, RowArgs
 
 __all__ = ["forward"]
 
@@ -46,65 +47,28 @@ def _clamp(x: torch.Tensor, c: float | None) -> torch.Tensor:
 
 
 def _policy(
+    rl: torch.Tensor,
     lp_rl: torch.Tensor,
     base: torch.Tensor,
     adv: torch.Tensor,
     p: RowAlgebraParams,
     seq_rl: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``(per-token policy loss [N], flags)`` on every row (neutral values off RL);
-    ``seq_rl``: each RL row's sequence and the sequences' RL rows, for the sequence-level
-    ratios (`SEQUENCE_RATIO_POLICIES`)."""
-    c = p.log_ratio_clamp
-    if p.policy == "reinforce":
-        return -(adv * lp_rl), []
-    if p.policy in SEQUENCE_RATIO_POLICIES:  # the ratio exp(clamp(mean ρ over the sequence))
+    """``(per-token policy loss [N], flags)`` on every row (neutral values off RL): the
+    policy's row form (`ROW_POLICIES`). ``seq_rl``: each row's sequence and the sequences' RL
+    rows, for the sequence-level ratios (`RowPolicy.sequence_ratio`), whose mean runs over the
+    RL rows of each sequence (the other rows go to a padding slot)."""
+    row = ROW_POLICIES[p.policy]
+    seq = None
+    if row.sequence_ratio:
         assert seq_rl is not None
-        seq, rl_rows = seq_rl
-        sums = torch.zeros_like(rl_rows).index_add(0, seq, lp_rl - base)
-        seq_ratio = torch.exp(_clamp(sums / rl_rows.clamp(min=1), c))[seq]
-    if p.policy in ("sapo", "sapo_sequence"):  # σ(τ·(r − 1))·4/τ, τ by the sign of A
-        ratio = seq_ratio if p.policy == "sapo_sequence" else torch.exp(_clamp(lp_rl - base, c))
-        tau = torch.where(adv > 0, p.sapo_temperature_pos, p.sapo_temperature_neg).to(F32)
-        return -(torch.sigmoid(tau * (ratio - 1)) * (4 / tau)) * adv, []
-    if p.policy == "gspo":  # ppo_clip's objective on the sequence's ratio
-        ratio = seq_ratio
-        lo = p.low or 0.0
-        obj = torch.minimum(ratio * adv, ratio.clamp(1.0 - lo, 1.0 + p.high) * adv)
-        with torch.no_grad():
-            high = (adv > 0) & (ratio > 1.0 + p.high)
-            low = (adv < 0) & (ratio < 1.0 - lo)
-        return -obj, [high | low, low, high]
-    if p.policy == "dppo":
-        with torch.no_grad():
-            delta = lp_rl.exp() - base.exp()
-            pos = adv > 0
-            dropped = torch.where(pos, delta > p.high, delta < -(p.low or 0.0))
-        keep = ~dropped
-        log_ratio = torch.where(keep, lp_rl - base, torch.zeros_like(lp_rl))
-        loss = -(keep.to(F32) * adv * torch.exp(_clamp(log_ratio, c)))
-        return loss, [dropped, dropped & (adv < 0), dropped & pos]
-    if p.policy == "ppo_clip":
-        lo = p.low or 0.0
-        ratio = torch.exp(_clamp(lp_rl - base, c))
-        obj = torch.minimum(ratio * adv, ratio.clamp(1.0 - lo, 1.0 + p.high) * adv)
-        with torch.no_grad():
-            high = (adv > 0) & (ratio > 1.0 + p.high)
-            low = (adv < 0) & (ratio < 1.0 - lo)
-        flags = [high | low, low, high]
-        if p.dual_clip is not None:
-            neg = adv < 0
-            floor = p.dual_clip * adv
-            flags.append(neg & (obj.detach() < floor))
-            obj = torch.where(neg, torch.maximum(obj, floor), obj)
-        return -obj, flags
-    # cispo, cispo_sequence
-    with torch.no_grad():
-        ratio = seq_ratio if p.policy == "cispo_sequence" else torch.exp(_clamp(lp_rl - base, c))
-        weight = ratio.clamp(min=p.low, max=p.high)
-        high = ratio > p.high
-        low = ratio < p.low if p.low is not None else torch.zeros_like(high)
-    return -(weight * adv * lp_rl), [high | low, low, high]
+        index, rl_rows = seq_rl
+        pad = rl_rows.numel()
+        seq = (torch.where(rl, index, pad), pad + 1)
+    low, high = p.bounds
+    args = RowArgs(low, high, p.dual_clip_read, p.log_ratio_clamp, seq)
+    loss, flags = row.loss(lp_rl, base, adv, args)
+    return loss, list(flags.values())
 
 
 def _kl_tau_penalty(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
@@ -239,7 +203,7 @@ def forward(
             else:  # on-policy (with a mismatch correction: the inference logprobs weigh)
                 base = lp_rl.detach()
             seq_rl = None if seq_counts is None else (seq_counts[0], seq_counts[1])
-            out, flags = _policy(lp_rl, base, adv, p, seq_rl)
+            out, flags = _policy(rl, lp_rl, base, adv, p, seq_rl)
             policy_loss = torch.where(rl, out, 0.0)
             per_rl = policy_loss
             if p.mismatch is not None:

@@ -17,18 +17,18 @@ from typing import Any
 import torch
 
 from echoloss._compile import compiler_disable
-from echoloss._deferred import DeferredChecks, first_true, on_device_path
+from echoloss._deferred import first_true, on_device_path
 from echoloss._logging import warn_once
 from echoloss._validate import (
     check_bool,
     check_chunk_size,
     check_per_token,
-    check_temperature,
     check_tensor,
     describe,
     problem,
 )
 from echoloss.ops.selective_logprobs import reference
+from echoloss.ops.value_checks import DeferredChecks, check_temperature
 
 __all__ = [
     "BACKENDS",

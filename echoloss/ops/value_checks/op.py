@@ -8,6 +8,7 @@ from types import ModuleType
 
 import torch
 
+from echoloss._validate import describe, problem
 from echoloss.ops.value_checks import naive
 from echoloss.ops.value_checks.contract import NUMBERS, RULES, RowCheck
 
@@ -19,18 +20,6 @@ __all__ = [
 ]
 
 _MODES = ("auto", "always", "never")
-
-
-def _describe(x: object) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)} on {x.device}"
-    return repr(x)
-
-
-def _problem(name: str, expected: str, got: str, fix: str) -> str:
-    # echoloss._validate.problem's form, written here: echoloss._deferred imports this op, and
-    # the package's message helpers import echoloss._deferred.
-    return f"{name} must be {expected}, got {got}; {fix}"
 
 
 _MODE = {"mode": "auto"}
@@ -50,7 +39,7 @@ def fuse_value_checks(mode: str = "auto") -> None:
     """
     if mode not in _MODES:
         raise ValueError(
-            _problem("mode", f"one of {_MODES}", _describe(mode), "pass 'auto' unless testing")
+            problem("mode", f"one of {_MODES}", describe(mode), "pass 'auto' unless testing")
         )
     _MODE["mode"] = mode
 
@@ -92,45 +81,43 @@ def validate_row_check(check: RowCheck, *, name: str = "check") -> None:
         >>> validate_row_check(RowCheck(torch.zeros(2), None, "finite"))
         Traceback (most recent call last):
         ...
-        ValueError: check.rule must be one of ('not_finite', 'above', 'below', 'not_weight', 'not_01', 'not_positive'), got 'finite'; pick a rule of RULES
+        ValueError: check.rule must be one of ('not_finite', 'above', 'below', 'not_weight', 'not_01', 'not_positive'), got str 'finite'; pick a rule of RULES
     """
     if not isinstance(check, RowCheck):
-        raise TypeError(_problem(name, "a RowCheck", _describe(check), "build one: RowCheck(...)"))
+        raise TypeError(problem(name, "a RowCheck", describe(check), "build one: RowCheck(...)"))
     v = check.values
     _check_one(name, check, v.device if isinstance(v, torch.Tensor) else None)
 
 
 def _check_one(name: str, check: RowCheck, device: torch.device | None) -> None:
     if not isinstance(check, RowCheck):
-        raise TypeError(_problem(name, "a RowCheck", _describe(check), "build one: RowCheck(...)"))
+        raise TypeError(problem(name, "a RowCheck", describe(check), "build one: RowCheck(...)"))
     if check.rule not in RULES:
         raise ValueError(
-            _problem(
-                f"{name}.rule", f"one of {RULES}", _describe(check.rule), "pick a rule of RULES"
-            )
+            problem(f"{name}.rule", f"one of {RULES}", describe(check.rule), "pick a rule of RULES")
         )
     v = check.values
     if not isinstance(v, torch.Tensor) or v.dtype == torch.bool or v.is_complex():
         raise TypeError(
-            _problem(
+            problem(
                 f"{name}.values",
                 "a real, non-bool tensor",
-                _describe(v),
+                describe(v),
                 "check a float or int tensor",
             )
         )
     if v.device != device:
         raise ValueError(
-            _problem(f"{name}.values", f"on {device}", f"on {v.device}", "one block per device")
+            problem(f"{name}.values", f"on {device}", f"on {v.device}", "one block per device")
         )
     bound = check.threshold
     if not isinstance(bound, (int, float)) or math.isnan(bound):
         raise TypeError(
-            _problem(f"{name}.threshold", "a number (not NaN)", _describe(bound), "pass a float")
+            problem(f"{name}.threshold", "a number (not NaN)", describe(bound), "pass a float")
         )
     if not v.dtype.is_floating_point and not float(bound).is_integer():
         raise ValueError(
-            _problem(
+            problem(
                 f"{name}.threshold",
                 "a whole number for integer values",
                 repr(bound),
@@ -145,10 +132,10 @@ def _check_one(name: str, check: RowCheck, device: torch.device | None) -> None:
         or r.device != device
     ):
         raise ValueError(
-            _problem(
+            problem(
                 f"{name}.rows",
                 f"None or a bool tensor of {v.numel()} entries on {device} (one per value)",
-                _describe(r),
+                describe(r),
                 "pass the mask of the rows to check, shaped like the values",
             )
         )
@@ -182,11 +169,9 @@ def value_check_numbers(
         [1.0, 2.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.5]
     """
     if backend not in ("auto", "naive"):
-        raise ValueError(
-            _problem("backend", "'auto' or 'naive'", _describe(backend), "pass 'auto'")
-        )
+        raise ValueError(problem("backend", "'auto' or 'naive'", describe(backend), "pass 'auto'"))
     if not checks:
-        raise ValueError(_problem("checks", "at least one RowCheck", "none", "skip the call"))
+        raise ValueError(problem("checks", "at least one RowCheck", "none", "skip the call"))
     first = getattr(checks[0], "values", None)
     device = first.device if isinstance(first, torch.Tensor) else None
     for i, check in enumerate(checks):
@@ -197,10 +182,10 @@ def value_check_numbers(
         out.dtype != torch.float64 or out.shape != (width * len(checks),) or out.device != device
     ):
         raise ValueError(
-            _problem(
+            problem(
                 "out",
                 f"float64 [{width * len(checks)}] on {device} (four numbers per check)",
-                _describe(out),
+                describe(out),
                 "pass None for a new tensor",
             )
         )
