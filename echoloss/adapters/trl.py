@@ -421,6 +421,7 @@ def _trainer_class(trainer_base: Any, config_cls: Any) -> type:
                 )
             super().__init__(*args, **kwargs)
             self._init_echo(echo)
+            _warn_low_precision_weights(self.model)
 
         def _init_echo(self, echo: EchoConfig | None) -> None:
             """Resolve the echo settings and the loss mapping (called by ``__init__``)."""
@@ -508,6 +509,22 @@ def _init_echo(trainer: Any, echo: EchoConfig | None, config_cls: Any) -> None:
             "does not add the MoE load-balancing loss; set router_aux_loss_coef=0"
         )
     trainer._echo_pending = None
+
+
+def _warn_low_precision_weights(model: Any) -> None:
+    """Trainable bf16/fp16 parameters are the optimiser's master weights: an update smaller than
+    half their spacing (lr 1e-5 against a weight of 0.01 in bf16) rounds away. Said once."""
+    low = sorted(
+        {str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype.itemsize < 4}
+    )
+    if low:
+        warn_once(
+            "trl-low-precision-weights",
+            f"echoloss: the model's trainable parameters are {', '.join(low)}, so they are the "
+            "optimiser's master weights and most small updates round away (lr 1e-5 moves a bf16 "
+            "weight of 0.01 by less than half its spacing); load the model in fp32 and set "
+            "bf16=True for bf16 autocast",
+        )
 
 
 def _check_trainer_echo(echo: Any) -> None:

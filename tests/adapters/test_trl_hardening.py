@@ -121,6 +121,35 @@ def test_unset_bf16_without_a_bf16_gpu_is_fp32_and_said(tmp_path, caplog, monkey
     assert kept.bf16 is True
 
 
+def test_bf16_master_weights_are_warned_about(tmp_path, caplog):
+    """Trainable bf16 parameters make the optimiser round most small updates away: said once,
+    naming the fix (fp32 weights with bf16 autocast); fp32 parameters say nothing."""
+    from echoloss._logging import reset_warnings
+    from echoloss.adapters.trl import EchoGRPOConfig, EchoGRPOTrainer
+
+    tok = _tokenizer()
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}] * 2)
+    args = EchoGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+        max_steps=1, report_to="none", use_cpu=True, save_strategy="no", echo_tool_alpha=0.05,
+    )  # fmt: skip
+    seen = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = Qwen3ForCausalLM(
+            Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=16, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        ).to(dtype)  # fmt: skip
+        reset_warnings()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="echoloss"):
+            EchoGRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * 2,
+                            args=args, train_dataset=data, processing_class=tok)  # fmt: skip
+        seen[dtype] = caplog.text
+    assert "master weights" not in seen[torch.float32]
+    assert "torch.bfloat16" in seen[torch.bfloat16] and "fp32" in seen[torch.bfloat16]
+
+
 @settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -52,6 +52,7 @@ def trl_completion(calls, eos: int):
     return prompt, ids, mask, logps, turns
 
 
+@pytest.mark.slow  # minutes on 2 CPU cores: generation of up to 12 turns, two updates
 def test_echo_grpo_trains_smollm2_on_its_own_calculator_episodes(tmp_path):
     from transformers import AutoModelForCausalLM
 
