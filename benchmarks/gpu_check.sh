@@ -127,7 +127,7 @@ stub() {  # the dry run's stand-in for step $1: ok, fail or hang as GPU_CHECK_ST
 }
 export -f stub
 
-collect() {  # the step outputs into $OUT: at most 8 files in all
+collect() {  # the steps' outputs into $OUT (at most 8 files in all), as far as they got
   [ -f "$WORK/env.txt" ] && cp "$WORK/env.txt" "$OUT/env.txt"
   cat "$WORK"/check/*.jsonl >"$OUT/check.jsonl" 2>/dev/null || rm -f "$OUT/check.jsonl"
   for f in values.jsonl linear-rounds.json launches.md; do
@@ -138,7 +138,6 @@ collect() {  # the step outputs into $OUT: at most 8 files in all
 
 for s in "${STEPS[@]}"; do
   box=${BOX[$s]}
-  [ "$s" = goals ] && collect
   if [ "$s" = goals ] && [ "$DRY" = 1 ]; then
     cmd=${CMD[goals]}  # the summary runs for real: over whatever the stand-ins left
     limit=$box
@@ -168,6 +167,7 @@ for s in "${STEPS[@]}"; do
   printf '{"step": "%s", "box_s": %d, "seconds": %s, "rc": %d, "timed_out": %s}\n' \
     "$s" "$box" "$secs" "$rc" "$timed_out" >>"$OUT/steps.jsonl"
   echo "== $s: rc $rc, $secs s (timed out: $timed_out) ==" >>"$LOG"
+  collect  # after every step: a command stopped from outside still returns what ran
   if [ "$s" = goals ] && [ "$rc" -ne 0 ]; then
     echo "gpu_check: the goals summary failed (rc $rc); see $LOG" >&2
   fi
