@@ -573,3 +573,55 @@ def test_gpu_goals_stores_the_files_under_the_names_the_pages_cite(tmp_path, cap
     assert (results / src.name).read_text() == src.read_text()
     with pytest.raises(SystemExit, match="not overwritten"):
         gpu_goals.main([str(folder), "--store", str(results)])
+
+
+def test_device_values_pass_rule_fails_a_wrong_value():
+    """The rule of `benchmarks.device_values.compare`: an error below 4x the CPU path's passes, one
+    more does not (above the 64-ulp floor); a NaN where the gold is finite, or another NaN
+    pattern, fails; a wrong shape fails."""
+    from benchmarks.device_values import compare
+
+    gold = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    cpu = gold + torch.tensor([0.0, 1e-3, 0.0], dtype=torch.float64)
+    assert compare("x", gold + torch.tensor([0.0, 0.0, 3.9e-3], dtype=torch.float64), cpu, gold)[
+        "passed"
+    ]
+    assert not compare(
+        "x", gold + torch.tensor([0.0, 0.0, 4.1e-3], dtype=torch.float64), cpu, gold
+    )["passed"]
+    assert compare("x", gold.clone(), gold.clone(), gold)["passed"]  # both exact
+    nan = torch.tensor([1.0, math.nan, 0.5], dtype=torch.float64)
+    assert not compare("x", nan, gold.clone(), gold)["passed"]
+    assert compare("x", nan.clone(), nan.clone(), nan)["passed"]  # the same non-finite gold
+    assert not compare("x", gold[:2], cpu, gold)["passed"]
+
+
+def test_gpu_goals_say_not_met():
+    """A peer faster at one shape, a span below 80 %, the op slower in the rounds: each goal
+    says NOT MET with the numbers."""
+    from benchmarks.gpu_goals import fastest, floor, linear
+
+    rows = [
+        json.loads(x)
+        for x in (GPU_RESULTS / f"cuda-check_{H100}_20261127T213515Z.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    for r in rows:
+        if (r["provider"], r["n"], r["v"]) == ("trl", 16384, 151936):
+            r["time_ms"]["median"] = 5.0  # faster than echoloss's 5.43
+        if (r["provider"], r["n"], r["v"]) == ("triton", 16384, 262144):
+            r["pct_of_peak_bandwidth"] = 79.4
+    lines, ok = fastest(rows)
+    assert (
+        ok is False
+        and "  N=16384 V=151936: echoloss 5.43 ms; trl 5.00, liger 29.43 ms: NOT fastest" in lines
+    )
+    lines, ok = floor(rows)
+    assert ok is False and "  span 79.4–87.8 % (goal ≥ 80 %)" in lines
+    base = {"round_medians_ms": [10.0, 10.0, 10.0], "median_ms": 10.0, "peak_extra_gib": 9.0}
+    op = {"round_medians_ms": [10.1, 9.9, 10.2], "median_ms": 10.1, "peak_extra_gib": 6.0}
+    lines, ok = linear(None, [base, op])
+    assert ok is False and "median difference +0.10 ms (+1.00 %), faster in 1 of 3" in lines[0]
+    op["round_medians_ms"] = [9.9, 9.8, 10.1]
+    assert linear(None, [base, op])[1] is True
