@@ -53,7 +53,13 @@ LOG=$OUT/log.txt
 : >"$OUT/steps.jsonl"
 
 total=0
-for s in "${STEPS[@]}"; do total=$((total + BOX[$s])); done
+for s in "${STEPS[@]}"; do
+  if [ -z "${BOX[$s]:-}" ]; then
+    echo "gpu_check: GPU_CHECK_STEPS names '$s'; the steps are: ${!BOX[*]}" >&2
+    exit 2
+  fi
+  total=$((total + BOX[$s]))
+done
 if [ "$total" -gt "$BUDGET_S" ]; then
   echo "gpu_check: the time boxes add up to $total s, over the budget of $BUDGET_S s" >&2
   exit 2

@@ -625,3 +625,11 @@ def test_gpu_goals_say_not_met():
     assert ok is False and "median difference +0.10 ms (+1.00 %), faster in 1 of 3" in lines[0]
     op["round_medians_ms"] = [9.9, 9.8, 10.1]
     assert linear(None, [base, op])[1] is True
+
+
+def test_gpu_check_refuses_an_unknown_step(tmp_path):
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "GPU_CHECK_STEPS": "setup chek",
+           "OUT": str(tmp_path / "out")}  # fmt: skip
+    res = subprocess.run(["bash", str(GPU_CHECK)], env=env, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert res.returncode == 2 and "GPU_CHECK_STEPS names 'chek'" in res.stderr
