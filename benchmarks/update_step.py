@@ -68,7 +68,7 @@ def _plain_step(run: Any, samples: list[Any]) -> float:
     for group in run.opt.param_groups:
         group["lr"] = 0.0  # as the trainer's steps here: AdamW's work, the weights unchanged
     t0 = time.perf_counter()
-    with autocast(run.cfg, run.ranks.device):
+    with autocast(run.dtype, run.ranks.device):
         loss = run.model(input_ids=ids, attention_mask=mask, labels=labels).loss
     loss.backward()
     update(run)
@@ -118,7 +118,7 @@ def _generate(run: Any, step: int, shared: bool) -> tuple[float, list[Any]]:
     try:
         torch.manual_seed(run.cfg.train.seed * 1000 + step)
         t0 = time.perf_counter()
-        with autocast(run.cfg, run.ranks.device):
+        with autocast(run.dtype, run.ranks.device):
             rollouts = run.source.get(step, run.model)
         return time.perf_counter() - t0, rollouts
     finally:
@@ -143,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     from echoloss.train.config import load_config
     from echoloss.train.recipe import build_samples, compute_advantages, setup
     from echoloss.train.regimes import phase_at
-    from echoloss.train.runtime import compute_dtype
 
     torch.set_num_threads(args.threads)
     tmp = ROOT / "runs" / "bench-update-step"
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "trainer RL update (pack, forward, loss, backward, clip, AdamW) by "
         "model.update_forward, and a plain transformers forward+backward+AdamW, same rollouts",
         "model": cfg.model.path,
-        "compute_dtype": str(compute_dtype(cfg, torch.device("cpu"))).removeprefix("torch."),
+        "compute_dtype": str(run.dtype).removeprefix("torch."),
         "prompts": args.prompts,
         "group": args.group,
         "samples": len(samples),

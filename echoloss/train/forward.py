@@ -37,7 +37,6 @@ import torch
 
 import echoloss
 from echoloss.loss import LossInputs
-from echoloss.train.config import TrainConfig
 
 __all__ = [
     "MIN_SHARED_PREFIX",
@@ -152,42 +151,44 @@ def first_loss_rows(samples: Sequence[echoloss.Sample]) -> list[int]:
     return out
 
 
-def resolve_update_forward(cfg: TrainConfig, world: int) -> str:
-    """The update's forward for ``model.update_forward`` on ``world`` processes: ``auto`` is
-    ``"shared_prefix"`` on one process with a non-flash attention and no token export,
-    ``"packed"`` with a flash attention (its varlen kernels need the packed row), ``"logits"``
-    under FSDP (its root unit gathers the LM head inside the model's own forward) or with
-    ``train.export_tokens`` (which writes every row's logprob).
+def resolve_update_forward(
+    update_forward: str, *, attn_implementation: str, world: int, export_tokens: bool
+) -> str:
+    """The update's forward for ``model.update_forward = update_forward`` on ``world``
+    processes: ``auto`` is ``"shared_prefix"`` on one process with a non-flash attention
+    (``model.attn_implementation``) and no token export (``train.export_tokens``), ``"packed"``
+    with a flash attention (its varlen kernels need the packed row), ``"logits"`` under FSDP
+    (its root unit gathers the LM head inside the model's own forward) or with
+    ``export_tokens`` (which writes every row's logprob).
 
     Raises:
         ValueError: a forward that cannot run with these settings, naming the setting to change.
 
     Examples:
-        >>> from echoloss.train.config import parse_config
-        >>> resolve_update_forward(parse_config({}), 1), resolve_update_forward(parse_config({}), 2)
-        ('shared_prefix', 'logits')
+        >>> kw = {"attn_implementation": "sdpa", "export_tokens": False}
+        >>> [resolve_update_forward("auto", world=w, **kw) for w in (1, 2)]
+        ['shared_prefix', 'logits']
     """
-    m = cfg.model
-    flash = "flash" in m.attn_implementation
+    flash = "flash" in attn_implementation
     needs = "FSDP (several processes)" if world > 1 else None
-    if cfg.train.export_tokens:
+    if export_tokens:
         needs = "train.export_tokens (every row's logprob)"
-    if m.update_forward == "auto":
+    if update_forward == "auto":
         if needs is not None:
             return "logits"
         return "packed" if flash else "shared_prefix"
-    if needs is not None and m.update_forward != "logits":
+    if needs is not None and update_forward != "logits":
         raise ValueError(
-            f"model.update_forward = {m.update_forward!r}: {needs} needs every row's logits; "
+            f"model.update_forward = {update_forward!r}: {needs} needs every row's logits; "
             "set model.update_forward = 'logits' (or 'auto')"
         )
-    if flash and m.update_forward == "shared_prefix":
+    if flash and update_forward == "shared_prefix":
         raise ValueError(
             f"model.update_forward = 'shared_prefix' needs a 4D attention mask, which "
-            f"attn_implementation = {m.attn_implementation!r} does not take; use 'packed' "
+            f"attn_implementation = {attn_implementation!r} does not take; use 'packed' "
             "(or 'auto'), or attn_implementation = 'sdpa'"
         )
-    return m.update_forward
+    return update_forward
 
 
 def lm_head_weight(model: Any) -> torch.Tensor:

@@ -184,7 +184,7 @@ def banner(
     """What this run is, before it starts: device, dtype, model, env, λ, steps, output."""
     params = sum(p.numel() for p in model.parameters())
     m = cfg.model
-    dtype = compute_dtype(cfg, device)
+    dtype = compute_dtype(m.dtype, device)
     what = (
         describe_model(m.path, m.gguf_file, torch.float32)
         if m.path

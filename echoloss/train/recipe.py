@@ -104,6 +104,7 @@ from echoloss.train.regimes import (
 from echoloss.train.runtime import (
     Ranks,
     autocast,
+    compute_dtype,
     gather,
     release_process_group,
     seed_everything,
@@ -180,6 +181,7 @@ class Run:
         outputs: the files the run appends to.
         no_signal: RL steps in a row on which every advantage was 0.
         forward: the update's forward (`echoloss.train.forward.resolve_update_forward`).
+        dtype: the dtype the model computes in (`echoloss.train.runtime.compute_dtype`).
     """
 
     cfg: TrainConfig
@@ -198,6 +200,7 @@ class Run:
     outputs: Outputs
     no_signal: int = 0
     forward: str = "logits"
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -307,9 +310,16 @@ def setup(
     """Everything before step 1: ranks and seeds, model and optimiser, environment, data
     source, held-out set, checkpoint (on resume), copy-task pre-training, output files. Every
     check of the inputs runs before the first file is written."""
-    ranks = start_ranks(cfg)
+    ranks = start_ranks(cfg.model.device)
     _process_settings(cfg, ranks)
-    forward = resolve_update_forward(cfg, ranks.world)  # its errors before any file is written
+    m = cfg.model
+    forward = resolve_update_forward(  # its errors before any file is written
+        m.update_forward,
+        attn_implementation=m.attn_implementation,
+        world=ranks.world,
+        export_tokens=cfg.train.export_tokens,
+    )
+    dtype = compute_dtype(m.dtype, ranks.device)
     model, tok = _build_model(cfg, ranks.device)
     if ranks.world > 1:
         shard(model)
@@ -324,27 +334,14 @@ def setup(
     start, resumed = _resume(cfg, resume, model, opt, rae, ranks, out, log)
     if ranks.rank == 0:
         log(banner(cfg, model, env, ranks.device, out, resumed, start))
-    _copy_task(cfg, model, tok, ranks, start, log)
+    _copy_task(cfg, model, tok, ranks, dtype, start, log)
     warm_steps = cfg.warmup.steps if cfg.data.source != "jsonl" else 0
     total = warm_steps + cfg.train.max_steps  # the warm-up comes before the RL steps
     outputs = _open_outputs(cfg, out, ranks, (start, total), resume is not None, files, log)
     return Run(
-        cfg,
-        ranks,
-        out,
-        model,
-        tok,
-        opt,
-        env,
-        source,
-        rae,
-        heldout,
-        start,
-        total,
-        warm_steps,
-        outputs,
-        forward=forward,
-    )
+        cfg, ranks, out, model, tok, opt, env, source, rae, heldout, start, total, warm_steps,
+        outputs, forward=forward, dtype=dtype,
+    )  # fmt: skip
 
 
 def _process_settings(cfg: TrainConfig, ranks: Ranks) -> None:
@@ -470,7 +467,13 @@ def _resume(
 
 
 def _copy_task(
-    cfg: TrainConfig, model: Any, tok: Any, ranks: Ranks, start: int, log: Callable[[str], None]
+    cfg: TrainConfig,
+    model: Any,
+    tok: Any,
+    ranks: Ranks,
+    dtype: torch.dtype,
+    start: int,
+    log: Callable[[str], None],
 ) -> None:
     """Copy-task pre-training (``warmup.copy_steps``) of a fresh built-in tiny model."""
     steps = cfg.warmup.copy_steps
@@ -487,7 +490,7 @@ def _copy_task(
     def report(k: int, ce: float) -> None:
         log(f"copy task {k:>5}/{steps}  ce {ce:.4f}")
 
-    with autocast(cfg, ranks.device):
+    with autocast(dtype, ranks.device):
         copy_task_warmup(
             model,
             vocab_size=len(tok),
@@ -543,7 +546,7 @@ def _open_outputs(
 
 def collect_rollouts(run: Run, index: int, phase: Phase) -> list[Rollout]:
     """1. This rank's share of the step's rollouts; RL rollouts also go to the rollout file."""
-    with autocast(run.cfg, run.ranks.device):
+    with autocast(run.dtype, run.ranks.device):
         rollouts = run.source.get(index, run.model)
     f = run.outputs.rollouts
     if f is not None and not phase.warm:  # echoloss rollout JSONL, readable as data
@@ -736,7 +739,7 @@ def forward_backward(run: Run, mb: MicroBatches, phase: Phase, index: int) -> Tr
     for i, (b, t, x) in enumerate(zip(mb.batches, mb.targets, mb.inputs, strict=True)):
         if run.ranks.world > 1:
             model.set_requires_gradient_sync(i == len(mb.batches) - 1)
-        with autocast(cfg, run.ranks.device):  # the forward only; the loss reads its scores
+        with autocast(run.dtype, run.ranks.device):  # the forward only; the loss reads its scores
             scores = _scores(run, done.forward, shared, mb, i, b, x)
         losses = step_losses(phase, cfg, scores, mb.norms)
         for k, (name, loss) in enumerate(losses):
@@ -877,7 +880,7 @@ def _record_evaluation(run: Run, step_no: int, rl_step: int, full: bool) -> dict
     # resumed run stays bit-identical), and every arm samples the same way at a given step.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(run.cfg.train.seed * 1_000_003 + step_no)
-        with autocast(run.cfg, device):
+        with autocast(run.dtype, device):
             ev = evaluate(run.cfg, run.model, run.tok, run.env, run.heldout, device, full)
     f = run.outputs.evals
     if ev and f is not None:

@@ -18,8 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from echoloss.train.config import TrainConfig
-
 __all__ = [
     "Ranks",
     "autocast",
@@ -44,25 +42,26 @@ class Ranks:
     world: int
 
 
-def _pick_device(cfg: TrainConfig) -> torch.device:
-    if cfg.model.device == "cuda" or (cfg.model.device == "auto" and torch.cuda.is_available()):
+def _pick_device(device: str) -> torch.device:
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
 
 
-def start_ranks(cfg: TrainConfig) -> Ranks:
-    """The device, and ``(rank, world_size)``; under ``torchrun`` also initialises the process
-    group (`release_process_group` destroys it again)."""
-    device = _pick_device(cfg)
+def start_ranks(device: str) -> Ranks:
+    """The device ``model.device`` names (``"auto"``: a GPU when there is one, else the CPU;
+    ``"cpu"``; ``"cuda"``), and ``(rank, world_size)``; under ``torchrun`` also initialises the
+    process group (`release_process_group` destroys it again)."""
+    picked = _pick_device(device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        return Ranks(device, 0, 1)
+        return Ranks(picked, 0, 1)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if picked.type == "cuda" else "gloo")
         _OWNED_GROUP.append(True)
-    return Ranks(device, dist.get_rank(), world)
+    return Ranks(picked, dist.get_rank(), world)
 
 
 def release_process_group() -> None:
@@ -92,41 +91,38 @@ def cpu_computes_bf16_natively() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
-def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    """The dtype the model computes in: ``model.dtype``, where ``auto`` is bf16 on a GPU and
+def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype the model computes in on ``device`` for ``model.dtype = dtype``: ``auto`` is bf16 on a GPU and
     fp32 on CPU, and ``fastest`` is bf16 on a GPU or on a CPU that computes bf16 natively
     (`cpu_computes_bf16_natively`) and fp32 elsewhere. The parameters are fp32 whatever it is
     (fp32 master weights: `autocast`).
 
     Example:
-        >>> from echoloss.train.config import parse_config
-        >>> compute_dtype(parse_config({"model": {"dtype": "auto"}}), torch.device("cpu"))
-        torch.float32
+        >>> compute_dtype("auto", torch.device("cpu")), compute_dtype("auto", torch.device("cuda"))
+        (torch.float32, torch.bfloat16)
     """
-    if cfg.model.dtype == "auto":
+    if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if cfg.model.dtype == "fastest":
+    if dtype == "fastest":
         native = device.type == "cuda" or cpu_computes_bf16_natively()
         return torch.bfloat16 if native else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
-def autocast(cfg: TrainConfig, device: torch.device) -> AbstractContextManager[Any]:
+def autocast(dtype: torch.dtype, device: torch.device) -> AbstractContextManager[Any]:
     """Where the model runs (generation, the training forward, evaluation): the parameters stay
-    fp32 and the forward computes in `compute_dtype` under ``torch.autocast``, so that AdamW
+    fp32 and the forward computes in ``dtype`` (the run's `compute_dtype`) under
+    ``torch.autocast``, so that AdamW
     updates fp32 weights. On bf16 parameters an update below half a bf16 ulp of a weight
     (``|w|·2⁻⁹``) rounds away: one step at lr 1e-6 changed 0.392 % of SmolLM2-135M-Instruct's
     parameters, against 99.949 % with fp32 master weights (``scripts/bf16_update_probe.py``).
     No-op in fp32.
 
     Example:
-        >>> from echoloss.train.config import parse_config
-        >>> cfg = parse_config({"model": {"dtype": "bfloat16"}})
-        >>> with autocast(cfg, torch.device("cpu")):
+        >>> with autocast(torch.bfloat16, torch.device("cpu")):
         ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
         torch.bfloat16
     """
-    dtype = compute_dtype(cfg, device)
     if dtype == torch.float32:
         return nullcontext()
     return torch.autocast(device.type, dtype=dtype)

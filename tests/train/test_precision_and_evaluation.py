@@ -96,7 +96,7 @@ def test_the_forward_computes_in_bf16_with_fp32_parameters():
     s = echoloss.Sample(prompt_ids=[5, 6], completion_ids=[7, 8], completion_mask=[True, True],
                         completion_logprobs=[-0.1, -0.2], advantage=1.0)  # fmt: skip
     batch = echoloss.pack([s, s], max_tokens=16)[0]
-    with autocast(cfg, torch.device("cpu")):
+    with autocast(compute_dtype(cfg.model.dtype, torch.device("cpu")), torch.device("cpu")):
         logits = packed_logits(model, batch, attn_implementation="sdpa")
     assert logits.dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.float32
@@ -200,8 +200,8 @@ def test_fastest_is_bf16_only_where_the_cpu_computes_it_natively(monkeypatch, na
     fp32); on a GPU it is bf16; ``auto`` stays fp32 on every CPU."""
     monkeypatch.setattr(runtime, "cpu_computes_bf16_natively", lambda: native)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    fastest = parse_config({"model": {"dtype": "fastest"}})
+    fastest = parse_config({"model": {"dtype": "fastest"}}).model.dtype
     assert compute_dtype(fastest, cpu) == (torch.bfloat16 if native else torch.float32)
     assert compute_dtype(fastest, cuda) == torch.bfloat16
-    assert compute_dtype(parse_config({}), cpu) == torch.float32
+    assert compute_dtype(parse_config({}).model.dtype, cpu) == torch.float32
     assert load_config(REPO / "configs" / "pretrained.toml").model.dtype == "fastest"

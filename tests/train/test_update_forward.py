@@ -188,14 +188,19 @@ def test_without_the_prefix_backward_the_prefix_gets_no_gradient():
 
 
 def test_auto_forward_by_setting():
-    def resolve(world: int = 1, **model):
-        return resolve_update_forward(parse_config({"model": model}), world)
+    def resolve(world: int = 1, export_tokens: bool = False, **model):
+        m = parse_config({"model": model}).model  # the settings as the config validates them
+        return resolve_update_forward(
+            m.update_forward,
+            attn_implementation=m.attn_implementation,
+            world=world,
+            export_tokens=export_tokens,
+        )
 
     assert resolve() == "shared_prefix"
     assert resolve(attn_implementation="flash_attention_2") == "packed"
     assert resolve(world=2) == "logits"
-    cfg = parse_config({"train": {"export_tokens": True}})
-    assert resolve_update_forward(cfg, 1) == "logits"
+    assert resolve(export_tokens=True) == "logits"
     with pytest.raises(ValueError, match=r"model.update_forward = 'packed'.*FSDP"):
         resolve(world=2, update_forward="packed")
     with pytest.raises(ValueError, match="'shared_prefix' needs a 4D attention mask"):
