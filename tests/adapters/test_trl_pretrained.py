@@ -23,7 +23,7 @@ from datasets import Dataset  # noqa: E402
 
 from echoloss import EchoConfig, RoleEcho  # noqa: E402
 from echoloss.adapters.trl import EchoGRPOTrainer, completion_echo  # noqa: E402
-from echoloss.train.data import _play  # noqa: E402
+from echoloss.train.data import generate_rollouts  # noqa: E402
 from echoloss.train.envs.calculator import Calculator  # noqa: E402
 
 ECHO = EchoConfig(tool=RoleEcho(alpha=0.05))
@@ -63,24 +63,26 @@ def test_echo_grpo_trains_smollm2_on_its_own_calculator_episodes(tmp_path):
     played: list[dict] = []
 
     def rollout(prompts, trainer):
-        episodes = [env.start(tasks[p[-1]["content"]]) for p in prompts]
-        start = len(episodes[0].messages)
+        played_tasks = [(i, tasks[p[-1]["content"]]) for i, p in enumerate(prompts)]
+        start = len(env.start(played_tasks[0][1]).messages)  # the prompt's messages
         policy = trainer.accelerator.unwrap_model(trainer.model)
         with trainer.accelerator.autocast():
-            calls = _play(
+            rollouts = generate_rollouts(
                 policy,
                 tok,
                 env,
-                episodes,
+                played_tasks,
+                group_size=1,  # TRL repeats each prompt num_generations times
                 temperature=trainer.temperature,
                 max_new_tokens=MAX_NEW_TOKENS,
                 device=torch.device("cpu"),
             )
         out = {k: [] for k in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
         out |= {"echo_weights": [], "env_reward": []}
-        for ep, episode_calls in zip(episodes, calls, strict=True):
-            p, c, mask, logps, turns = trl_completion(episode_calls, tok.eos_token_id)
-            messages = ep.messages[start : start + 2 * turns - 1]  # assistant, tool, ...
+        for r in rollouts:
+            calls = [(s.prompt_ids, s.completion_ids, s.completion_logprobs) for s in r.steps]
+            p, c, mask, logps, turns = trl_completion(calls, tok.eos_token_id)
+            messages = r.messages[start : start + 2 * turns - 1]  # assistant, tool, ...
             sel = completion_echo(c, mask, messages, tok, echo=ECHO)
             weights = [0.0 if w is None else w for w in sel.weights]
             out["prompt_ids"].append(p)
@@ -88,7 +90,7 @@ def test_echo_grpo_trains_smollm2_on_its_own_calculator_episodes(tmp_path):
             out["logprobs"].append(logps)
             out["env_mask"].append(mask)
             out["echo_weights"].append(weights)
-            out["env_reward"].append(ep.reward if turns == len(episode_calls) else 0.0)
+            out["env_reward"].append(r.reward if turns == len(calls) else 0.0)
             tools = [m["content"] for m in messages if m["role"] == "tool"]
             echoed = [t for t, w in zip(c, weights, strict=True) if w > 0]
             played.append({"echoed": echoed, "tools": tools, "model_tokens": sum(mask)})
