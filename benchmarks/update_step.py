@@ -162,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         run = setup(cfg, resume=None, log=lambda line: print(line, file=sys.stderr), files=files)
         # lr 0: AdamW does all its work but leaves the weights as they are, so that every
         # variant and repeat trains the same weights (the gate compares them).
-        phase = dataclasses.replace(phase_at(cfg, run.warm_steps, run.warm_steps), lr=0.0)
+        rl = phase_at(
+            run.warm_steps, run.warm_steps, warmup=cfg.warmup, echo=cfg.echo, rl_lr=cfg.optim.lr
+        )
+        phase = dataclasses.replace(rl, lr=0.0)
         gen = {}
         for shared in (True, False):
             gen[shared], rollouts = _generate(run, run.warm_steps, shared)

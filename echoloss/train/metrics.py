@@ -193,6 +193,7 @@ def banner(
     tasks = len(env.eval_tasks())
     played = tasks if cfg.train.eval_episodes is None else min(cfg.train.eval_episodes, tasks)
     grid = f" {cfg.env.size}x{cfg.env.size}" if "size" in cfg.env.options() else ""
+    copying = runs_copy_task(cfg.warmup.copy_steps, model_path=m.path, start=start)
     lines = [
         "echoloss-train",
         f"  device {device} ({_precision(dtype)}), {torch.get_num_threads()} CPU thread(s)",
@@ -201,7 +202,7 @@ def banner(
         + (f", {tasks} held-out tasks" if tasks else "")
         + (f" (evaluation plays {played})" if played != tasks else ""),
         "  steps  "
-        + (f"{cfg.warmup.copy_steps} copy-task + " if runs_copy_task(cfg, start) else "")
+        + (f"{cfg.warmup.copy_steps} copy-task + " if copying else "")
         + f"{cfg.warmup.steps if cfg.data.source != 'jsonl' else 0} warm-up "
         f"(lr {cfg.warmup.lr:g}, obs weight {cfg.warmup.obs_weight:g}) + "
         f"{cfg.train.max_steps} RL (lr {cfg.optim.lr:g}), "

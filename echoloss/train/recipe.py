@@ -281,7 +281,8 @@ def _run(cfg: TrainConfig, resume: str | Path | None, log: Callable[[str], None]
 def step(run: Run, index: int) -> None:
     """Optimiser step ``index`` (0-based; the warm-up's steps come first): the numbered steps."""
     t0 = time.perf_counter()
-    phase = phase_at(run.cfg, index, run.warm_steps)
+    c = run.cfg
+    phase = phase_at(index, run.warm_steps, warmup=c.warmup, echo=c.echo, rl_lr=c.optim.lr)
     rollouts = collect_rollouts(run, index, phase)  # 1.
     gen_time = time.perf_counter() - t0
     advantages = compute_advantages(run, rollouts, phase)  # 2.
@@ -326,7 +327,7 @@ def setup(
     opt = _optimizer(cfg, model)
     env = _environment(cfg)
     _warn_unsuitable(cfg, model, env, ranks)
-    source = RolloutSource(cfg, env, tok, ranks)
+    source = RolloutSource(env, tok, ranks, data=cfg.data, warmup=cfg.warmup, seed=cfg.train.seed)
     decay = cfg.advantages.rae_decay
     rae = echoloss.RAE(decay=decay) if decay is not None else None
     heldout = heldout_set(cfg, env, tok, ranks.device)
@@ -484,7 +485,7 @@ def _copy_task(
             "copy task is for the built-in tiny model before its warm-up)",
             stacklevel=3,
         )
-    if not runs_copy_task(cfg, start):
+    if not runs_copy_task(steps, model_path=cfg.model.path, start=start):
         return
 
     def report(k: int, ce: float) -> None:
@@ -741,11 +742,11 @@ def forward_backward(run: Run, mb: MicroBatches, phase: Phase, index: int) -> Tr
             model.set_requires_gradient_sync(i == len(mb.batches) - 1)
         with autocast(run.dtype, run.ranks.device):  # the forward only; the loss reads its scores
             scores = _scores(run, done.forward, shared, mb, i, b, x)
-        losses = step_losses(phase, cfg, scores, mb.norms)
+        losses = step_losses(phase, cfg.loss, scores, mb.norms)
         for k, (name, loss) in enumerate(losses):
             res = loss()
             if probe is not None and name == "main" and i < mb.real:  # echo's own gradient
-                probe.add(observation_ce(cfg, scores, mb.norms).loss)
+                probe.add(observation_ce(cfg.loss, scores, mb.norms).loss)
             res.loss.backward(retain_graph=k < len(losses) - 1)
             if i < mb.real:  # a dummy batch counts in no metric and no export
                 done.metrics.setdefault(name, MetricSums()).add(res.metrics)

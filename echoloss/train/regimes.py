@@ -36,7 +36,7 @@ from echoloss.loss import (
     echo_loss_from_hidden,
 )
 from echoloss.schedules import echo_alpha
-from echoloss.train.config import TrainConfig
+from echoloss.train.config import EchoSection, WarmupConfig
 
 __all__ = [
     "SFT",
@@ -81,44 +81,52 @@ class Phase:
         return self.kind == "warmup"
 
 
-def phase_at(cfg: TrainConfig, step: int, warm_steps: int) -> Phase:
-    """The regime of optimiser step ``step`` (0-based; the warm-up's ``warm_steps`` come first).
+def phase_at(
+    step: int, warm_steps: int, *, warmup: WarmupConfig, echo: EchoSection, rl_lr: float
+) -> Phase:
+    """The regime of optimiser step ``step`` (0-based; the warm-up's ``warm_steps`` come first):
+    the warm-up's from the ``[warmup]`` section, RL's from the ``[echo]`` section (λ on its
+    schedule) at the RL learning rate ``rl_lr`` (``optim.lr``).
 
     Example:
-        >>> from echoloss.train.config import parse_config
-        >>> cfg = parse_config({"warmup": {"steps": 2, "lr": 0.01, "lr_ramp_steps": 2}})
-        >>> p = phase_at(cfg, 0, 2)
+        >>> from echoloss.train.config import EchoSection, WarmupConfig
+        >>> warmup, echo = WarmupConfig(steps=2, lr=0.01, lr_ramp_steps=2), EchoSection(alpha=0.1)
+        >>> p = phase_at(0, 2, warmup=warmup, echo=echo, rl_lr=1e-3)
         >>> p.kind, p.rl_step, p.lr
         ('warmup', -2, 0.005)
-        >>> p = phase_at(cfg, 2, 2)
-        >>> p.kind, p.rl_step, p.alpha == cfg.echo.alpha
-        ('rl', 0, True)
+        >>> p = phase_at(2, 2, warmup=warmup, echo=echo, rl_lr=1e-3)
+        >>> p.kind, p.rl_step, p.alpha, p.lr
+        ('rl', 0, 0.1, 0.001)
     """
     rl_step = step - warm_steps
     if step < warm_steps:
-        echo = _observation_config(cfg.warmup.obs_weight)
-        return Phase("warmup", rl_step, 0.0, echo, warmup_lr(cfg, step))
-    e = cfg.echo
+        obs = _observation_config(warmup.obs_weight)
+        lr = warmup_lr(step, lr=warmup.lr, ramp_steps=warmup.lr_ramp_steps)
+        return Phase("warmup", rl_step, 0.0, obs, lr)
     alpha = echo_alpha(
         rl_step,
-        alpha=e.alpha,
-        schedule=e.schedule,
-        steps=e.schedule_steps,
-        final_alpha=e.final_alpha,
+        alpha=echo.alpha,
+        schedule=echo.schedule,
+        steps=echo.schedule_steps,
+        final_alpha=echo.final_alpha,
     )
-    return Phase("rl", rl_step, alpha, _echo_config(cfg, alpha), cfg.optim.lr)
+    return Phase("rl", rl_step, alpha, _echo_config(echo, alpha), rl_lr)
 
 
-def warmup_lr(cfg: TrainConfig, step: int) -> float:
-    """The warm-up lr: a linear ramp over ``warmup.lr_ramp_steps``, then ``warmup.lr``. A cold
-    start at the full SFT lr spikes the gradient norm (43 at lr 3e-3 on a random-init model)."""
-    ramp = cfg.warmup.lr_ramp_steps
-    return cfg.warmup.lr * (min(step + 1, ramp) / ramp if ramp else 1.0)
+def warmup_lr(step: int, *, lr: float, ramp_steps: int) -> float:
+    """The warm-up lr: a linear ramp over ``ramp_steps`` (``warmup.lr_ramp_steps``), then ``lr``
+    (``warmup.lr``). A cold start at the full SFT lr spikes the gradient norm (43 at lr 3e-3 on
+    a random-init model).
+
+    Example:
+        >>> [warmup_lr(k, lr=0.01, ramp_steps=4) for k in range(5)]
+        [0.0025, 0.005, 0.0075, 0.01, 0.01]
+    """
+    return lr * (min(step + 1, ramp_steps) / ramp_steps if ramp_steps else 1.0)
 
 
-def _echo_config(cfg: TrainConfig, alpha: float) -> echoloss.EchoConfig | None:
+def _echo_config(e: EchoSection, alpha: float) -> echoloss.EchoConfig | None:
     """The echo config of one RL step, with that step's λ (``alpha``); None when λ = 0."""
-    e = cfg.echo
     if alpha == 0:
         return None  # plain RL: no echo weights at all
     return echoloss.EchoConfig(
@@ -169,35 +177,36 @@ class Scores:
 
 def step_losses(
     phase: Phase,
-    cfg: TrainConfig,
+    config: LossConfig,
     scores: Scores,
     norms: Normalizers,
 ) -> list[NamedLoss]:
     """The losses of one micro-batch (`Scores`: its logits or loss rows and their inputs) under
     ``phase``, in the order their gradients accumulate: ``("obs", ...)`` (the warm-up's
-    observation CE, when on) then ``("main", ...)`` (SFT in the warm-up, RL + echo after it).
-    Each is computed when called, so that one loss graph is alive at a time."""
+    observation CE, when on) then ``("main", ...)`` (SFT in the warm-up, RL + echo after it,
+    with the run's loss ``config``). Each is computed when called, so that one loss graph is
+    alive at a time."""
     x = scores.inputs
 
     def main() -> LossOutput:
         inputs = x.replace(echo_weights=None) if phase.warm else x
-        config = SFT if phase.warm else cfg.loss
-        return scores.loss(inputs, config, norms)
+        return scores.loss(inputs, SFT if phase.warm else config, norms)
 
     def observations() -> LossOutput:  # SFT mode has no echo: a second loss, same forward
-        return observation_ce(cfg, scores, norms)
+        return observation_ce(config, scores, norms)
 
     losses: list[NamedLoss] = [("obs", observations)] if phase.warm and phase.echo else []
     return [*losses, ("main", main)]
 
 
-def observation_ce(cfg: TrainConfig, scores: Scores, norms: Normalizers) -> LossOutput:
-    """The echo term alone (the observation rows' weighted CE, no RL rows) of one micro-batch:
-    the warm-up's observation loss, and the echo part of the gradient probe."""
+def observation_ce(config: LossConfig, scores: Scores, norms: Normalizers) -> LossOutput:
+    """The echo term alone (the observation rows' weighted CE, no RL rows, with the run's loss
+    ``config``) of one micro-batch: the warm-up's observation loss, and the echo part of the
+    gradient probe."""
     x = scores.inputs
     inputs = x.replace(rl_mask=torch.zeros_like(x.rl_mask), temperature=1.0, env_names=None)
-    config = cfg.loss.model_copy(update={"compute_entropy": False})
-    return scores.loss(inputs, config, norms)
+    echo_only = config.model_copy(update={"compute_entropy": False})
+    return scores.loss(inputs, echo_only, norms)
 
 
 def phase_row(phase: Phase, metrics: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -235,10 +244,16 @@ def phase_row(phase: Phase, metrics: dict[str, dict[str, float]]) -> dict[str, A
 # Copy-task pre-training
 
 
-def runs_copy_task(cfg: TrainConfig, start: int) -> bool:
-    """Whether this run trains the copy task: asked for, on a fresh start of the built-in tiny
-    model (a resumed run's weights already hold it; a loaded ``model.path`` is trained)."""
-    return bool(cfg.warmup.copy_steps) and cfg.model.path is None and start == 0
+def runs_copy_task(copy_steps: int, *, model_path: str | None, start: int) -> bool:
+    """Whether this run trains the copy task: asked for (``warmup.copy_steps``), on a fresh
+    start (``start`` 0) of the built-in tiny model (a resumed run's weights already hold it; a
+    loaded ``model.path`` is trained).
+
+    Example:
+        >>> [runs_copy_task(100, model_path=None, start=s) for s in (0, 5)]
+        [True, False]
+    """
+    return bool(copy_steps) and model_path is None and start == 0
 
 
 def copy_task_warmup(

@@ -52,7 +52,7 @@ def test_error_weight_scales_exactly_the_error_observation_tokens(weight):
     steps = scripted_steps(messages, tok, prompt_messages=start)
     cfg = parse_config({"env": {"name": "calculator"}, "echo": {"error_weight": weight}})
     run = SimpleNamespace(cfg=cfg, env=env, tok=tok)
-    phase = phase_at(cfg, 0, 0)
+    phase = phase_at(0, 0, warmup=cfg.warmup, echo=cfg.echo, rl_lr=cfg.optim.lr)
     rollout = Rollout(steps, 1.0, 0, "calculator", messages=messages)
     plain = echoloss.interleave(steps, echo=phase.echo)
     got = recipe._error_weighted(run, rollout, phase, plain)

@@ -80,7 +80,7 @@ def test_the_first_rl_rollouts_of_the_pretrained_config_call_the_tool():
         device=torch.device("cpu"),
     )
     start = len(env.start(tasks[0][1]).messages)
-    echo = phase_at(cfg, 0, 0).echo
+    echo = phase_at(0, 0, warmup=cfg.warmup, echo=cfg.echo, rl_lr=cfg.optim.lr).echo
     called, valid = 0, 0
     for r in rollouts:
         played = r.messages[start:]

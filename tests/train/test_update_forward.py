@@ -296,7 +296,8 @@ def test_no_gradient_reasons():
     from echoloss.train.regimes import phase_at
 
     run = Run()
-    rl = phase_at(run.cfg, 0, 0)
+    c = run.cfg
+    rl = phase_at(0, 0, warmup=c.warmup, echo=c.echo, rl_lr=c.optim.lr)
     assert recipe.no_gradient(run, Mb(0, 0, 0.0), rl) == "no row carries loss"
     assert recipe.no_gradient(run, Mb(1, 0, 0.0), rl) == "every advantage is 0 and no echo row"
     assert recipe.no_gradient(run, Mb(1, 0, 0.5), rl) is None
