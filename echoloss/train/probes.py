@@ -27,7 +27,7 @@ import torch
 
 import echoloss
 from echoloss.loss import LossConfig, LossInputs, echo_loss
-from echoloss.train.config import TrainConfig
+from echoloss.train.config import DataConfig, TrainSection
 from echoloss.train.data import (
     EvalResult,
     evaluate_policy,
@@ -77,23 +77,28 @@ class Heldout:
     kinds: dict[str, list[echoloss.PackedBatch]] = field(default_factory=dict)
 
 
-def heldout_set(cfg: TrainConfig, env: Env[Any, Any], tok: Any, device: torch.device) -> Heldout:
-    """The held-out observation set of ``data.heldout_size`` conversations and its floors: the
+def heldout_set(
+    env: Env[Any, Any],
+    tok: Any,
+    device: torch.device,
+    *,
+    data: DataConfig,
+    micro_batch_tokens: int,
+) -> Heldout:
+    """The held-out observation set of ``data.heldout_size`` conversations, packed in
+    micro-batches of ``micro_batch_tokens`` (``optim.micro_batch_tokens``), and its floors: the
     env's Bayes-optimal NLL of all observation bodies over their token count, and of the
     hidden-dependent tokens over theirs (when the env is a ``HiddenObservations``). Empty with
     ``data.heldout_size = 0``, a JSONL data source (no env to play) or an env without held-out
     random walks and their floor (`echoloss.train.envs.base.HeldoutObservations`)."""
-    if (
-        cfg.data.heldout_size == 0
-        or cfg.data.source == "jsonl"
-        or not isinstance(env, HeldoutObservations)
-    ):
+    count = data.heldout_size
+    if count == 0 or data.source == "jsonl" or not isinstance(env, HeldoutObservations):
         return Heldout()
     probe = echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=1.0))
     samples = []
     out = Heldout()
     nats = hidden_nats = 0.0
-    for messages, start in heldout_episodes(env, count=cfg.data.heldout_size):
+    for messages, start in heldout_episodes(env, count=count):
         nats += env.observation_nats(messages)
         steps = scripted_steps(messages, tok, tool_schemas(env), prompt_messages=start)
         for s in echoloss.interleave(steps, echo=probe):
@@ -103,27 +108,25 @@ def heldout_set(cfg: TrainConfig, env: Env[Any, Any], tok: Any, device: torch.de
             hidden_nats += env.hidden_nats(messages)
             out.hidden.append(hidden_token_positions(messages, tok, env.hidden_spans(messages)))
     tokens = sum(sum(1 for w in (s.echo_weights or []) if w) for s in samples)
-    batches = echoloss.pack(samples, max_tokens=cfg.optim.micro_batch_tokens)
+    batches = echoloss.pack(samples, max_tokens=micro_batch_tokens)
     out.batches = [b.to(device) for b in batches]
     out.floor = nats / max(tokens, 1)
     if out.hidden:
         out.hidden_floor = hidden_nats / max(sum(len(p) for _, p in out.hidden), 1)
-    out.world_model = world_model_sets(env, tok, count=cfg.data.heldout_size)
+    out.world_model = world_model_sets(env, tok, count=count)
     if isinstance(env, ObservationKinds):
-        out.kinds = {
-            kind: [b.to(device) for b in batches]
-            for kind, batches in _kind_batches(env, tok, cfg).items()
-        }
+        by_kind = _kind_batches(env, tok, count=count, micro_batch_tokens=micro_batch_tokens)
+        out.kinds = {kind: [b.to(device) for b in batches] for kind, batches in by_kind.items()}
     return out
 
 
 def _kind_batches(
-    env: ObservationKinds, tok: Any, cfg: TrainConfig
+    env: ObservationKinds, tok: Any, *, count: int, micro_batch_tokens: int
 ) -> dict[str, list[echoloss.PackedBatch]]:
-    """The held-out conversations packed once per observation kind, with only that kind's
-    observations echoed (`echoloss.span_echo_filter` on the env's spans of the kind)."""
+    """The ``count`` held-out conversations packed once per observation kind, with only that
+    kind's observations echoed (`echoloss.span_echo_filter` on the env's spans of the kind)."""
     probe = echoloss.EchoConfig(tool=echoloss.RoleEcho(alpha=1.0))
-    episodes = heldout_episodes(env, count=cfg.data.heldout_size)
+    episodes = heldout_episodes(env, count=count)
     kinds = sorted({k for messages, _ in episodes for k in env.observation_kinds(messages)})
     out = {}
     for kind in kinds:
@@ -138,7 +141,7 @@ def _kind_batches(
             for s in echoloss.interleave(steps, echo=probe, echo_filter=only):
                 s.advantage = 0.0
                 samples.append(s)
-        out[kind] = echoloss.pack(samples, max_tokens=cfg.optim.micro_batch_tokens)
+        out[kind] = echoloss.pack(samples, max_tokens=micro_batch_tokens)
     return out
 
 
@@ -204,45 +207,48 @@ def eval_subset(tasks: Sequence[T], count: int | None) -> list[T]:
 
 
 def evaluate(
-    cfg: TrainConfig,
     model: Any,
     tok: Any,
     env: Env[Any, Any],
     heldout: Heldout,
     device: torch.device,
     full: bool,
+    *,
+    data: DataConfig,
+    train: TrainSection,
+    attn_implementation: str,
 ) -> dict[str, float]:
     """Held-out success on the env's fixed evaluation tasks (`eval_subset` of them with
-    ``train.eval_episodes``; one greedy episode each, plus ``train.eval_samples`` sampled ones
-    when ``full``: at the RL start and end) and the held-out observation CEs with their floors.
+    ``train.eval_episodes``; one greedy episode each at ``data``'s sampling settings, plus
+    ``train.eval_samples`` sampled ones when ``full``: at the RL start and end) and the held-out
+    observation CEs with their floors (the model's forward with ``model.attn_implementation``).
     Keys absent when they do not apply."""
     out: dict[str, float] = {}
-    tasks = eval_subset(env.eval_tasks(), cfg.train.eval_episodes)
-    if tasks and cfg.data.source != "jsonl":
+    tasks = eval_subset(env.eval_tasks(), train.eval_episodes)
+    if tasks and data.source != "jsonl":
         r: EvalResult = evaluate_policy(
             model,
             tok,
             env,
             tasks,
-            samples=cfg.train.eval_samples if full else 0,
-            temperature=cfg.data.temperature,
-            max_new_tokens=cfg.data.max_new_tokens,
+            samples=train.eval_samples if full else 0,
+            temperature=data.temperature,
+            max_new_tokens=data.max_new_tokens,
             device=device,
         )
         out.update(eval_success_greedy=r.success_greedy, eval_episodes=float(r.episodes))
         out["eval_n"] = float(len(tasks))
         if math.isfinite(r.valid_call_rate):
             out["eval_valid_call_rate"] = r.valid_call_rate
-        if full and cfg.train.eval_samples:
+        if full and train.eval_samples:
             out.update(eval_success_sampled=r.success_sampled, eval_invalid_rate=r.invalid_rate)
             if isinstance(env, ImaginedObservations):  # an optional capability of the env
                 out["eval_imagined_rate"] = r.imagined_rate
+    attn = attn_implementation
     if heldout.batches:
-        attn = cfg.model.attn_implementation
         out["heldout_obs_ce"] = heldout_observation_ce(model, heldout.batches, attn)
         out["obs_ce_floor"] = heldout.floor
     for kind, batches in heldout.kinds.items():
-        attn = cfg.model.attn_implementation
         out[f"heldout_{kind}_ce"] = heldout_observation_ce(model, batches, attn)
     if heldout.hidden:
         out["heldout_hidden_ce"] = heldout_hidden_ce(model, heldout.hidden, device)

@@ -330,7 +330,8 @@ def setup(
     source = RolloutSource(env, tok, ranks, data=cfg.data, warmup=cfg.warmup, seed=cfg.train.seed)
     decay = cfg.advantages.rae_decay
     rae = echoloss.RAE(decay=decay) if decay is not None else None
-    heldout = heldout_set(cfg, env, tok, ranks.device)
+    tokens = cfg.optim.micro_batch_tokens
+    heldout = heldout_set(env, tok, ranks.device, data=cfg.data, micro_batch_tokens=tokens)
     out = Path(cfg.train.output_dir)
     start, resumed = _resume(cfg, resume, model, opt, rae, ranks, out, log)
     if ranks.rank == 0:
@@ -875,14 +876,24 @@ def evaluate_if_due(run: Run, index: int, phase: Phase) -> dict[str, float]:
 
 def _record_evaluation(run: Run, step_no: int, rl_step: int, full: bool) -> dict[str, float]:
     """Evaluate (`echoloss.train.probes.evaluate`) and append the result to ``eval.jsonl``."""
-    t = time.perf_counter()
+    t, c = time.perf_counter(), run.cfg
     device = run.ranks.device
     # Its own seeded RNG: evaluating never shifts the training run's sampling stream (a
     # resumed run stays bit-identical), and every arm samples the same way at a given step.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(run.cfg.train.seed * 1_000_003 + step_no)
+        torch.manual_seed(c.train.seed * 1_000_003 + step_no)
         with autocast(run.dtype, device):
-            ev = evaluate(run.cfg, run.model, run.tok, run.env, run.heldout, device, full)
+            ev = evaluate(
+                run.model,
+                run.tok,
+                run.env,
+                run.heldout,
+                device,
+                full,
+                data=c.data,
+                train=c.train,
+                attn_implementation=c.model.attn_implementation,
+            )
     f = run.outputs.evals
     if ev and f is not None:
         row = {"step": step_no, "rl_step": rl_step, **ev, "eval_time": time.perf_counter() - t}

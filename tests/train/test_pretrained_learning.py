@@ -105,7 +105,8 @@ def test_heldout_sets_of_each_kind_echo_only_that_kind():
             "optim": {"micro_batch_tokens": 4096},
         }
     )
-    kinds = _kind_batches(env, tok, cfg)
+    tokens = cfg.optim.micro_batch_tokens
+    kinds = _kind_batches(env, tok, count=cfg.data.heldout_size, micro_batch_tokens=tokens)
     assert sorted(kinds) == ["error", "result"]
     for kind, batches in kinds.items():
         text = "".join(
