@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ def _question_figure(
                 transform=ax.transAxes, ha="center", va="center")  # fmt: skip
     ax.set_xlabel("optimiser step (warm-up shaded, then RL)")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title}\n({ONE_RUN})", fontsize=9)
+    ax.set_title(f"{title}\n" + textwrap.fill(f"({ONE_RUN})", 90), fontsize=9)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
