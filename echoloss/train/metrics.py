@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from echoloss.loss import raise_deferred_errors
-from echoloss.train.config import TrainConfig
+from echoloss.train.config import EchoSection, TrainConfig
 from echoloss.train.data import Rollout
 from echoloss.train.envs import Env
 from echoloss.train.model import describe_model
@@ -157,8 +157,7 @@ def summary_line(row: dict[str, Any], total: int) -> str:
     return "  ".join(parts)
 
 
-def _echo_text(cfg: TrainConfig) -> str:
-    e = cfg.echo
+def _echo_text(e: EchoSection) -> str:
     to = f" to {e.final_alpha:g}" if e.schedule == "decay" else ""
     text = f"{e.alpha:g}"
     if e.schedule != "constant":
@@ -207,7 +206,7 @@ def banner(
         f"(lr {cfg.warmup.lr:g}, obs weight {cfg.warmup.obs_weight:g}) + "
         f"{cfg.train.max_steps} RL (lr {cfg.optim.lr:g}), "
         f"{cfg.data.prompts_per_step}x{cfg.data.group_size} rollouts/step",
-        f"  echo   λ = {_echo_text(cfg)}",
+        f"  echo   λ = {_echo_text(cfg.echo)}",
         f"  output {out}",
         f"  resume {resumed} (from step {start})" if resumed else "  resume no (fresh start)",
     ]

@@ -446,7 +446,7 @@ def _resume(
     if resume is None:
         return 0, None
     path = ckpt.find_checkpoint(resume)  # verified (checksums); before anything is written
-    state = load_run(path, model, opt, ranks, cfg)
+    state = load_run(path, model, opt, ranks, model_config=cfg.model)
     start = int(state["step"])
     if rae is not None and state.get("rae") is not None:
         rae.load_state_dict(state["rae"])
@@ -459,7 +459,7 @@ def _resume(
             stacklevel=2,
         )
     if path.resolve().is_relative_to(out.resolve()):  # the resumed run rewrites what follows
-        names = appended_outputs(cfg, ranks.rank)
+        names = appended_outputs(ranks.rank, save_rollouts=cfg.train.save_rollouts)
         ckpt.truncate_outputs(
             out, state.get("outputs", {}), step=start, rank=ranks.rank, names=names
         )
@@ -998,9 +998,20 @@ def _write_row(run: Run, row: dict[str, Any]) -> None:
 
 def checkpoint_if_due(run: Run, index: int) -> None:
     """9. A checkpoint (atomic) every ``train.checkpoint_every`` steps and after the last."""
-    done = index + 1
-    if done % run.cfg.train.checkpoint_every == 0 or done == run.total:
-        save_run(run.out, done, run.model, run.opt, run.rae, run.cfg, run.ranks)
+    done, c = index + 1, run.cfg
+    if done % c.train.checkpoint_every == 0 or done == run.total:
+        save_run(
+            run.out,
+            done,
+            run.model,
+            run.opt,
+            run.rae,
+            run.ranks,
+            config=c.model_dump(mode="json"),
+            prompts_per_step=c.data.prompts_per_step,
+            keep=c.train.keep_checkpoints,
+            save_rollouts=c.train.save_rollouts,
+        )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,16 +13,22 @@ import torch
 
 import echoloss
 from echoloss.train import checkpoint as ckpt
-from echoloss.train.config import TrainConfig
+from echoloss.train.config import ModelConfig
 from echoloss.train.runtime import Ranks, gather, seed_everything
 
 __all__ = ["appended_outputs", "export_model", "load_run", "save_run"]
 
 
-def appended_outputs(cfg: TrainConfig, rank: int) -> list[str]:
-    """This rank's append-only output files (relative to the output directory)."""
+def appended_outputs(rank: int, *, save_rollouts: bool) -> list[str]:
+    """This rank's append-only output files (relative to the output directory): rank 0's
+    metrics and evaluations, and its rollouts with ``train.save_rollouts``.
+
+    Example:
+        >>> appended_outputs(0, save_rollouts=True), appended_outputs(1, save_rollouts=False)
+        (['metrics.jsonl', 'eval.jsonl', 'rollouts.rank0.jsonl'], [])
+    """
     names = ["metrics.jsonl", "eval.jsonl"] if rank == 0 else []
-    return [*names, f"rollouts.rank{rank}.jsonl"] if cfg.train.save_rollouts else names
+    return [*names, f"rollouts.rank{rank}.jsonl"] if save_rollouts else names
 
 
 def save_run(
@@ -31,10 +37,18 @@ def save_run(
     model: Any,
     opt: torch.optim.Optimizer,
     rae: echoloss.RAE | None,
-    cfg: TrainConfig,
     ranks: Ranks,
+    *,
+    config: dict[str, Any],
+    prompts_per_step: int,
+    keep: int,
+    save_rollouts: bool,
 ) -> None:
-    """Checkpoint ``step`` under ``out/checkpoints`` (a collective under FSDP; rank 0 writes)."""
+    """Checkpoint ``step`` under ``out/checkpoints`` (a collective under FSDP; rank 0 writes),
+    keeping the newest ``keep`` (``train.keep_checkpoints``). ``config`` is the run's
+    configuration as JSON (saved beside the weights, compared on resume); the data position is
+    ``step * prompts_per_step``; with ``save_rollouts`` the rollout files' sizes are saved too
+    (a resumed run cuts them back)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -46,7 +60,8 @@ def save_run(
     model_sd = get_model_state_dict(model, options=full)
     opt_sd = get_optimizer_state_dict(model, opt, options=full)
     rngs = gather(ckpt.capture_rng(), world)  # tensors and numbers: loads with weights_only
-    sizes = gather(ckpt.output_sizes(out, appended_outputs(cfg, rank)), world)
+    names = appended_outputs(rank, save_rollouts=save_rollouts)
+    sizes = gather(ckpt.output_sizes(out, names), world)
     if rank != 0:
         return
 
@@ -56,23 +71,23 @@ def save_run(
         torch.save(rngs, d / "rng.pt")
         state = {
             "step": step,
-            "data_position": step * cfg.data.prompts_per_step,
+            "data_position": step * prompts_per_step,
             "world_size": world,
             "rae": rae.state_dict() if rae is not None else None,
-            "config": cfg.model_dump(mode="json"),
+            "config": config,
             "outputs": {k: v for part in sizes for k, v in part.items()},  # cut back on resume
         }
         (d / "state.json").write_text(json.dumps(state, indent=1))
 
-    ckpt.save_checkpoint(out / "checkpoints", step, write, keep=cfg.train.keep_checkpoints)
+    ckpt.save_checkpoint(out / "checkpoints", step, write, keep=keep)
 
 
 def load_run(
-    path: Path, model: Any, opt: torch.optim.Optimizer, ranks: Ranks, cfg: TrainConfig
+    path: Path, model: Any, opt: torch.optim.Optimizer, ranks: Ranks, *, model_config: ModelConfig
 ) -> dict[str, Any]:
     """Restore weights, optimiser and this rank's RNG from checkpoint ``path``; returns its
     ``state.json``. A checkpoint of another model shape is a `ckpt.CheckpointError` naming the
-    changed ``[model]`` settings."""
+    ``[model]`` settings that differ from the checkpoint's (``model_config`` is this run's)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -89,7 +104,7 @@ def load_run(
         set_model_state_dict(model, model_sd, options=full)
         set_optimizer_state_dict(model, opt, opt_sd, options=full)
     except (RuntimeError, KeyError, ValueError) as err:
-        now = {"model": cfg.model.model_dump(mode="json")}
+        now = {"model": model_config.model_dump(mode="json")}
         changed = [
             c for c in ckpt.config_changes(state.get("config", {}), now) if c.startswith("model.")
         ]

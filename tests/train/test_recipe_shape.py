@@ -174,3 +174,82 @@ def test_the_trainer_checks_capabilities_by_protocol_not_by_attribute_name():
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "hasattr"
     ]
     assert not bad, bad
+
+
+#: The modules that hold the whole `TrainConfig`: the config itself, the command line that loads
+#: it and the recipe, whose `recipe.setup` and steps hand every other part of the trainer only
+#: the values (or the config section) it reads.
+CONFIG_HOLDERS = ("config", "cli", "command", "recipe")
+#: Functions elsewhere in ``echoloss.train`` that still take the whole `TrainConfig`, each with
+#: the reason it needs all of it.
+WHOLE_CONFIG_TAKERS = {
+    "metrics.banner": "prints what the run is before step 1: it reads 8 of the config's 9 "
+    "sections (model, env, data, warmup, echo, optim, train and the dtype)",
+}
+
+
+def _config_takers(source: str, module: str) -> set[str]:
+    """``module.[Class.]function`` of each function of ``source`` with a parameter annotated
+    with `TrainConfig` (alone, in a union, quoted) or named ``cfg``, and ``"module: imports
+    TrainConfig"`` when it imports the class (an attribute or a local holding it)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = child.args
+                params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+                if any(
+                    p is not None
+                    and (
+                        p.arg == "cfg"
+                        or (p.annotation is not None and "TrainConfig" in ast.unparse(p.annotation))
+                    )
+                    for p in params
+                ):
+                    found.add(f"{prefix}{child.name}")
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ImportFrom):
+                if any(alias.name == "TrainConfig" for alias in child.names):
+                    found.add(f"{module}: imports TrainConfig")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), f"{module}.")
+    return found
+
+
+def _trainer_config_takers() -> set[str]:
+    found: set[str] = set()
+    for path in sorted(TRAIN.rglob("*.py")):
+        module = ".".join(path.relative_to(TRAIN).with_suffix("").parts)
+        if module not in CONFIG_HOLDERS:
+            found |= _config_takers(path.read_text(), module)
+    return found
+
+
+def test_the_trainer_config_stops_at_the_recipe():
+    """Below `recipe.setup`, functions take plain values or one config section (`DataConfig`,
+    `EchoSection`, ...), never the whole `TrainConfig`: what each part of the trainer reads is in
+    its signature (a new setting reaches only the functions that are given it)."""
+    allowed = set(WHOLE_CONFIG_TAKERS)
+    allowed |= {f"{name.split('.')[0]}: imports TrainConfig" for name in WHOLE_CONFIG_TAKERS}
+    found = _trainer_config_takers()
+    assert not found - allowed, sorted(found - allowed)
+    assert not set(WHOLE_CONFIG_TAKERS) - found, "stale entries in WHOLE_CONFIG_TAKERS"
+
+
+def test_the_config_check_sees_every_way_of_taking_it():
+    source = """
+from echoloss.train.config import DataConfig, TrainConfig
+def a(cfg): ...
+def b(x: int, c: TrainConfig | None = None): ...
+class S:
+    def __init__(self, *, config: "TrainConfig") -> None: ...
+    def get(self, step: int) -> None: ...
+def fine(data: DataConfig, seed: int) -> None: ...
+"""
+    assert _config_takers(source, "m") == {"m: imports TrainConfig", "m.a", "m.b", "m.S.__init__"}
+    assert _config_takers("from echoloss.train.config import DataConfig\n", "m") == set()
