@@ -90,3 +90,42 @@ def test_project_venv_is_created_announced_and_reused(tmp_path, ensurepip):
     assert pip.returncode == 0, pip.stderr
     second = _select(env)
     assert _chosen(second) == py and "creating" not in second.stderr
+
+
+def _demo(tmp: Path, *args: str, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """Run a copy of scripts/demo.sh whose install is a no-op and whose Python prints the
+    trainer's arguments: ``(the --output-dir it was given, stderr)``."""
+    (tmp / "scripts").mkdir(exist_ok=True)
+    (tmp / "scripts" / "demo.sh").write_text((ROOT / "scripts" / "demo.sh").read_text())
+    (tmp / "scripts" / "install.sh").write_text("true\n")
+    (tmp / "scripts" / "python.sh").write_text('PY="$(dirname "$0")/../fake-python"\n')
+    fake = tmp / "fake-python"
+    fake.write_text('#!/usr/bin/env bash\necho "$@"\n')
+    fake.chmod(0o755)
+    res = subprocess.run(
+        ["bash", str(tmp / "scripts" / "demo.sh"), *args],
+        env={"PATH": os.environ["PATH"], **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    argv = res.stdout.split()
+    return argv[argv.index("--output-dir") + 1], res.stderr
+
+
+def test_demo_never_runs_into_an_earlier_run(tmp_path):
+    """`bash scripts/demo.sh --max-steps 1` after a full demo cut runs/demo/metrics.jsonl and
+    replaced its plots and model: a used runs/demo now gives a fresh, announced directory."""
+    assert _demo(tmp_path)[0] == "runs/demo"  # none yet
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    assert _demo(tmp_path)[0] == "runs/demo"  # empty
+    (tmp_path / "runs" / "demo" / "metrics.jsonl").write_text("{}\n")
+    out, err = _demo(tmp_path, "--max-steps", "1")
+    assert out.startswith("runs/demo-") and out != "runs/demo"
+    assert "runs/demo holds an earlier run; this one writes to " + out in err
+    for chosen in (["--resume"], ["--overwrite"]):  # asked for: the trainer's flags decide
+        assert _demo(tmp_path, *chosen)[0] == "runs/demo"
+    argv = _demo(tmp_path, "--output-dir", "elsewhere")  # the last --output-dir wins in argparse
+    assert argv[0] == "runs/demo"
+    assert _demo(tmp_path, env={"ECHOLOSS_DEMO_DIR": "runs/x"})[0] == "runs/x"

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
 import torch
 
+from echoloss._ratios import sapo_temperature_problem
 from echoloss._registry import Registry
 from echoloss.loss.inputs import LossInputs
 from echoloss.ops.row_algebra.policies import ROW_POLICIES, RowArgs, RowPolicy, sequence_mean
@@ -325,11 +326,15 @@ def sapo_loss(
     instead of dropping to 0 at a clip bound: ``d loss / d lp = -4·A·σ·(1 - σ)·r``.
     ``sequence_level``: ``r`` is the sequence's ratio ``s_i = exp(mean_{t ∈ RL_i} ρ_t)``
     (``importance_sampling_level="sequence"``) and the gradient flows through the mean:
-    ``d loss / d lp_k = -Σ_{t ∈ RL_i} 4·A_t·σ_t·(1 - σ_t) · s_i / |RL_i|``.
+    ``d loss / d lp_k = -Σ_{t ∈ RL_i} 4·A_t·σ_t·(1 - σ_t) · s_i / |RL_i|`` ``σ·(1 - σ)·r`` is
+    computed as ``exp(ρ - |z|) / (1 + exp(-|z|))²`` (``z = τ·(r - 1)``) where ``r`` can leave
+    the float range (no ``log_ratio_clamp``, or one above ``log`` of the dtype's maximum):
+    finite for every finite ``ρ``, 0 where the gate is saturated.
 
     Args:
         inputs: the RL rows (``sequence_index`` required with ``sequence_level``).
-        temperature_pos, temperature_neg: the gate's temperatures (> 0).
+        temperature_pos, temperature_neg: the gate's temperatures, in
+            ``echoloss._ratios.SAPO_TEMPERATURE_RANGE`` (``[1e-6, 1e6]``).
         log_ratio_clamp: clamp of ``ρ`` (of the mean ``ρ`` at the sequence level) before
             ``exp`` (None = none).
         sequence_level: the sequence's ratio instead of the token's.
@@ -344,6 +349,10 @@ def sapo_loss(
         tensor([-2.,  1.], grad_fn=<MulBackward0>)
     """
     name = "sapo_sequence" if sequence_level else "sapo"
+    for arg, value in (("temperature_pos", temperature_pos), ("temperature_neg", temperature_neg)):
+        bad = sapo_temperature_problem(arg, value)
+        if bad is not None:
+            raise ValueError(bad)
     args = RowArgs(temperature_neg, temperature_pos, clamp=log_ratio_clamp)
     return _row_form(name, inputs, args)
 

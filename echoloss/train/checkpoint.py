@@ -8,7 +8,8 @@ Layout of ``<output_dir>/checkpoints/``::
         rng.pt              RNG states of every rank as tensors and numbers (torch, python, numpy)
         state.json          step, data position, RAE state, the config, output file sizes
         manifest.json       size and SHA-256 of every other file; written last
-    latest                  text file naming the newest complete checkpoint
+    latest                  text file naming the newest complete checkpoint (a symbolic link
+                            to a step_NNNNNN directory of this run is followed too)
 
 **Nothing in a checkpoint runs code.** Every ``.pt`` file is read with
 ``torch.load(weights_only=True)``, which accepts tensors and plain containers only; a file holding
@@ -350,14 +351,54 @@ def _step_of(path: Path) -> int:
 def _pointer(root: Path) -> Path | None:
     """The directory ``root/latest`` names (None when there is no ``latest``).
 
+    ``latest`` is the text file `save_checkpoint` writes, or a symbolic link to the checkpoint
+    directory (``ln -s step_000003 latest``, a common convention), which is followed under the
+    same rules as the name a text file holds.
+
     Raises:
         CheckpointError: ``latest`` names anything but a ``step_NNNNNN`` directory of ``root``
-            (an absolute path, ``..``, another directory): resuming there would read another
-            run's checkpoint and append to this run's outputs.
+            (an absolute path, ``..``, another directory, a link out of the run or a link
+            loop), or is neither a file nor a link: resuming there would read another run's
+            checkpoint and append to this run's outputs; ignoring it would resume from a
+            checkpoint the run abandoned.
     """
     pointer = root / "latest"
-    if not pointer.is_file():
+    fix = (
+        "Fix latest to name one of this run's checkpoints (a text file holding step_NNNNNN, or "
+        "a link to that directory), or pass that checkpoint directory to --resume"
+    )
+    if pointer.is_symlink():
+        try:
+            target = os.readlink(pointer)
+            resolved = pointer.resolve(strict=False)
+            # resolve() does not raise on a loop before Python 3.13: check that it settled
+            loop = resolved.is_symlink()
+        except (OSError, RuntimeError) as err:
+            target, loop = str(err), True
+        if loop:
+            raise CheckpointError(
+                f"--resume: {str(pointer)!r} is a symbolic link that never reaches a directory "
+                f"(a link loop: {target!r}). {fix}"
+            )
+        named = root / resolved.name
+        if (
+            resolved.parent != root.resolve()
+            or not resolved.name.startswith("step_")
+            or _step_of(named) < 0
+        ):
+            raise CheckpointError(
+                f"--resume: {str(pointer)!r} is a link to {target!r} ({str(resolved)!r}), which "
+                f"is not a step_NNNNNN directory of {str(root)!r}; a checkpoint elsewhere belongs "
+                f"to another run. {fix}"
+            )
+        return named
+    if not pointer.exists():
         return None
+    if not pointer.is_file():
+        raise CheckpointError(
+            f"--resume: {str(pointer)!r} is not a file (a directory?); it must name this run's "
+            f"newest checkpoint. {fix}"
+        )
     try:
         text = pointer.read_text().strip()
     except (OSError, UnicodeDecodeError) as err:

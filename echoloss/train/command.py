@@ -51,6 +51,13 @@ def _parser() -> argparse.ArgumentParser:
         help="resume from a checkpoint directory, or (no value) from OUTPUT_DIR/checkpoints/latest",
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="train.overwrite: replace the earlier run in OUTPUT_DIR (its metrics, plots, "
+        "checkpoints, final model); without it a fresh run into a used directory is refused",
+    )
+    p.add_argument(
         "--allow-import-paths",
         action="store_true",
         default=None,
@@ -85,6 +92,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("train.max_steps", args.max_steps),
         ("train.output_dir", args.output_dir),
         ("train.seed", args.seed),
+        ("train.overwrite", args.overwrite),
         ("train.allow_import_paths", args.allow_import_paths),
         ("train.report_to", args.report_to),
     ):
@@ -110,6 +118,7 @@ def run(argv: list[str]) -> int:
     from echoloss.io import RolloutFileError
     from echoloss.loss import NonFiniteLossError
     from echoloss.train.checkpoint import CheckpointError, final_model_complete
+    from echoloss.train.model import ModelLoadError
     from echoloss.train.recipe import train
 
     resume = None
@@ -119,7 +128,13 @@ def run(argv: list[str]) -> int:
     existed = out_dir.exists()
     try:
         out = train(cfg, resume=resume)
-    except (FileNotFoundError, RolloutFileError, CheckpointError, ConfigError) as err:
+    except (
+        FileNotFoundError,
+        RolloutFileError,
+        CheckpointError,
+        ConfigError,
+        ModelLoadError,
+    ) as err:
         # Bad input: say what, no traceback, and leave no directory this run created.
         _remove_if_created(out_dir, existed)
         print(f"echoloss-train: {err}", file=sys.stderr)

@@ -18,6 +18,7 @@ Examples:
 from __future__ import annotations
 
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -458,6 +459,10 @@ class TrainSection(_Section):
     max_steps: int = Field(150, ge=0)  # RL optimiser steps, after the warmup.steps warm-up
     seed: int = Field(0, ge=0, le=MAX_SEED)
     output_dir: str = "runs/echoloss-train"
+    # a fresh run into an output_dir that holds an earlier run replaces that run's outputs
+    # (its metrics, evaluations, plots, checkpoints, final model) only if true (--overwrite);
+    # otherwise it is refused: continue that run with --resume, or give a new output_dir
+    overwrite: bool = False
     eval_every: int = Field(10, ge=1)  # held-out evaluation every N RL steps (and start, end)
     # sampled episodes per held-out task at the RL start and end (every evaluation also plays
     # each task once greedily): 240 tasks x (1 + 4) = 1,200 episodes on mirrorgrid 4x4
@@ -602,7 +607,81 @@ class TrainConfig(_Section):
                 "warmup.steps and train.max_steps are both 0: nothing to train (to only "
                 "evaluate a model, give model.path and train.eval_at_start = true)"
             )
+        problems = size_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of this machine (``2**40`` where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return 2**40
+
+
+#: Bytes a sample (a rollout, a demonstration, a held-out conversation) takes at the least while
+#: the trainer holds it: its messages, token ids and masks as Python objects (far more in fact).
+BYTES_PER_HELD_SAMPLE = 1024
+#: Bytes a parameter of the built-in model takes at the least in training (fp32 weight, its
+#: gradient and AdamW's two moments).
+BYTES_PER_TRAINED_PARAMETER = 16
+
+
+def size_problems(cfg: TrainConfig, memory: int | None = None) -> list[str]:
+    """Sizes the machine cannot hold: each problem names the field, its value and the bound.
+
+    The bounds are lower bounds of what a run needs, so a refused config could not run: an
+    episode that reaches ``env.max_turns`` assistant turns holds at least one token per turn,
+    and a sample longer than ``data.max_tokens`` is an error (a turn limit above the token
+    limit is one no episode may reach); a step holds ``prompts_per_step · group_size``
+    rollouts (the warm-up ``demos_per_step`` demonstrations, the evaluation ``heldout_size``
+    conversations) at `BYTES_PER_HELD_SAMPLE` each at the least; the built-in model's
+    parameters take `BYTES_PER_TRAINED_PARAMETER` each. ``memory``: the machine's bytes
+    (default `physical_memory`).
+
+    Examples:
+        >>> cfg = parse_config({"env": {"max_turns": 10**9}})
+        Traceback (most recent call last):
+        ...
+        echoloss.train.config.ConfigError: invalid trainer config:
+          env.max_turns = 1000000000: ...
+    """
+    memory = physical_memory() if memory is None else memory
+    d, m = cfg.data, cfg.model
+    out = []
+    if cfg.env.max_turns is not None and cfg.env.max_turns > d.max_tokens:
+        out.append(
+            f"env.max_turns = {cfg.env.max_turns}: a conversation of that many assistant turns "
+            f"takes at least {cfg.env.max_turns} tokens, more than data.max_tokens = "
+            f"{d.max_tokens} (a longer sample is an error); set env.max_turns <= "
+            f"{d.max_tokens}, or leave it unset"
+        )
+    held = {
+        "data.prompts_per_step * data.group_size": d.prompts_per_step * d.group_size,
+        "warmup.demos_per_step": cfg.warmup.demos_per_step,
+        "data.heldout_size": d.heldout_size,
+    }
+    for name, samples in held.items():
+        need = samples * BYTES_PER_HELD_SAMPLE
+        if need > memory:
+            out.append(
+                f"{name} = {samples} samples need at least {need / 2**30:.3g} GiB held at once, "
+                f"more than this machine's {memory / 2**30:.3g} GiB; lower it"
+            )
+    if m.path is None:
+        h, i, layers = m.hidden_size, m.intermediate_size, m.num_layers
+        params = layers * (4 * h * h + 3 * h * i) + 2 * h * m.max_position_embeddings
+        need = params * BYTES_PER_TRAINED_PARAMETER
+        if need > memory:
+            out.append(
+                f"model: hidden_size = {h}, intermediate_size = {i}, num_layers = {layers} make "
+                f"about {params:.3g} parameters, whose training needs at least "
+                f"{need / 2**30:.3g} GiB, more than this machine's {memory / 2**30:.3g} GiB; "
+                "lower them"
+            )
+    return out
 
 
 def advantage_fn(cfg: TrainConfig) -> str | Callable[..., Any]:

@@ -22,6 +22,7 @@ import torch
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "ModelLoadError",
     "build_tiny_model",
     "build_tokenizer",
     "describe_model",
@@ -29,6 +30,60 @@ __all__ = [
     "packed_attention_mask",
     "packed_logits",
 ]
+
+
+class ModelLoadError(ValueError):
+    """``model.path`` could not be loaded: one line naming the path and the problem (the
+    command line prints it and exits 2)."""
+
+
+def _one_line(err: BaseException) -> str:
+    """``err`` as ``Type: message`` on one line (libraries' messages span several)."""
+    text = " ".join(str(err).split())
+    kind = type(err).__name__
+    if type(err).__module__ not in ("builtins", "__main__"):
+        kind = f"{type(err).__module__}.{kind}"  # struct.error, not a bare "error"
+    return f"{kind}: {text}" if text else kind
+
+
+def _checked_config_json(p: Path) -> None:
+    """``p/config.json`` is a JSON object with a ``model_type`` (transformers' Auto classes
+    read it first; without it they blame a missing tokenizer library)."""
+    import json
+
+    f = p / "config.json"
+    try:
+        config = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelLoadError(
+            f"model.path: cannot read {str(f)!r} ({_one_line(err)}); it must be the JSON "
+            "config of a Hugging Face causal LM"
+        ) from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        got = sorted(config)[:6] if isinstance(config, dict) else type(config).__name__
+        raise ModelLoadError(
+            f"model.path: {str(f)!r} has no model_type (got {got!r}); it must be the config of "
+            "a Hugging Face causal LM (save one with model.save_pretrained)"
+        )
+    missing = [
+        what
+        for what, names in (
+            ("tokenizer", _TOKENIZER_FILES),
+            ("weights", ("*.safetensors", "pytorch_model*.bin")),
+        )
+        if not any(any(p.glob(n)) for n in names)
+    ]
+    if missing:
+        raise ModelLoadError(
+            f"model.path: {str(p)!r} has a config.json but no {' and no '.join(missing)} files "
+            f"(tokenizer: {', '.join(_TOKENIZER_FILES)}; weights: *.safetensors or "
+            "pytorch_model*.bin); copy the whole model directory"
+        )
+
+
+#: Files one of which a Hugging Face tokenizer directory holds.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
 
 # ChatML as Qwen renders it: tool results are <tool_response> blocks in a user turn; consecutive
 # tool messages share one turn. The generation prompt is "<|im_start|>assistant\n".
@@ -198,8 +253,28 @@ def load_model(
 
     Raises:
         FileNotFoundError: ``path`` is neither a directory with a ``config.json`` nor a GGUF file.
-        ValueError: the tokenizer has no chat template (the trainer renders conversations with it).
+        ModelLoadError: the files are there but do not load (a truncated GGUF file, a
+            ``config.json`` without ``model_type``, a tokenizer without a chat template, any
+            failure of the loading library), in one line naming the path and the problem.
     """
+    p = Path(path).expanduser()
+    try:
+        return _load(
+            path, dtype=dtype, attn_implementation=attn_implementation, gguf_file=gguf_file
+        )
+    except (ModelLoadError, FileNotFoundError):
+        raise
+    except Exception as err:  # a foreign file: any library's failure is the file's problem
+        where = str(p / gguf_file) if gguf_file is not None else str(p)
+        raise ModelLoadError(
+            f"model.path: cannot load {where!r}: {_one_line(err)}; check that it is a complete "
+            "Hugging Face model directory or GGUF file"
+        ) from err
+
+
+def _load(
+    path: str | Path, *, dtype: torch.dtype, attn_implementation: str, gguf_file: str | None
+) -> tuple[Any, Any]:
     import transformers
 
     if str(path).startswith("packaged:"):
@@ -222,10 +297,11 @@ def load_model(
             "for the tiny built-in model"
         )
     else:
+        _checked_config_json(p)
         tok = transformers.AutoTokenizer.from_pretrained(p, local_files_only=True)
         model = None
     if not getattr(tok, "chat_template", None):
-        raise ValueError(
+        raise ModelLoadError(
             f"model.path: the tokenizer of {str(gguf or p)!r} has no chat template (a base "
             "model); the trainer renders conversations with it: use an instruct/chat model"
         )

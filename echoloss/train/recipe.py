@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -111,7 +112,13 @@ from echoloss.train.runtime import (
     shard,
     start_ranks,
 )
-from echoloss.train.snapshots import appended_outputs, export_model, load_run, save_run
+from echoloss.train.snapshots import (
+    appended_outputs,
+    claim_output_dir,
+    export_model,
+    load_run,
+    save_run,
+)
 from echoloss.train.sources import RolloutSource
 
 __all__ = [
@@ -311,6 +318,7 @@ def setup(
     """Everything before step 1: ranks and seeds, model and optimiser, environment, data
     source, held-out set, checkpoint (on resume), copy-task pre-training, output files. Every
     check of the inputs runs before the first file is written."""
+    claim_output_dir(cfg, resume, rank=int(os.environ.get("RANK", "0")))
     ranks = start_ranks(cfg.model.device)
     _process_settings(cfg, ranks)
     m = cfg.model

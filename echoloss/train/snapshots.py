@@ -16,7 +16,70 @@ from echoloss.train import checkpoint as ckpt
 from echoloss.train.config import ModelConfig
 from echoloss.train.runtime import Ranks, gather, seed_everything
 
-__all__ = ["appended_outputs", "export_model", "load_run", "save_run"]
+__all__ = [
+    "RUN_OUTPUTS",
+    "appended_outputs",
+    "claim_output_dir",
+    "export_model",
+    "load_run",
+    "save_run",
+]
+
+#: What a run writes in its output directory (``rollouts.rank<R>.jsonl`` per rank): what
+#: ``--overwrite`` removes, and what marks a directory as holding a run.
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "eval.jsonl",
+    "rollouts.rank*.jsonl",
+    "token_exports",
+    "checkpoints",
+    "final-model",
+    "plots",
+    "tensorboard",
+    "wandb",
+)
+
+
+def claim_output_dir(cfg: TrainConfig, resume: str | Path | None, rank: int) -> None:
+    """Check ``train.output_dir`` before anything is loaded or written; with
+    ``train.overwrite``, remove the earlier run's `RUN_OUTPUTS` (rank 0 only).
+
+    A fresh run (or one resumed from a checkpoint of another directory) into a directory that
+    already holds files would truncate its ``metrics.jsonl``, replace its plots and final model
+    and leave its newer checkpoints beside the new ones: refused unless ``train.overwrite``.
+
+    Raises:
+        ConfigError: ``output_dir`` is an existing file, or a non-empty directory that is not
+            being resumed (the message names ``--output-dir`` and the ways on).
+    """
+    from echoloss.train.config import ConfigError
+
+    out = Path(cfg.train.output_dir)
+    flag = f"--output-dir (train.output_dir) {str(out)!r}"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{flag} is an existing file, not a directory; name a new directory")
+    if rank != 0 or not out.is_dir():
+        return
+    if resume is not None and Path(resume).resolve().is_relative_to(out.resolve()):
+        return  # resuming this directory's own run: it cuts its outputs back itself
+    held = sorted(p.name for p in out.iterdir())
+    if not held:
+        return
+    if not cfg.train.overwrite:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise ConfigError(
+            f"{flag} is not empty ({shown}): a new run would truncate its metrics and leave its "
+            "checkpoints beside the new ones. Continue that run with --resume, replace it with "
+            "--overwrite (train.overwrite = true), or give a new --output-dir"
+        )
+    import shutil
+
+    for pattern in RUN_OUTPUTS:
+        for path in out.glob(pattern):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def appended_outputs(rank: int, *, save_rollouts: bool) -> list[str]:

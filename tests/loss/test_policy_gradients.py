@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _loss_batches import random_batch
@@ -124,7 +126,7 @@ def test_sapo(temperatures):
     pos, neg = temperatures
     g, _ = _grad(LossConfig(policy="sapo", sapo_temperature_pos=pos, sapo_temperature_neg=neg))
     r = RHO.exp()
-    tau = torch.where(ADV > 0, pos, neg).to(F64)
+    tau = torch.where(ADV > 0, torch.tensor(pos, dtype=F64), torch.tensor(neg, dtype=F64))
     gate = torch.sigmoid(tau * (r - 1))
     # d/dlp of -σ(τ(r - 1))·4/τ·A = -4·A·σ(1 - σ)·r: the slope of the plain policy gradient at
     # r = 1 (σ = 1/2), smaller away from it on both sides
@@ -140,7 +142,7 @@ def test_sequence_level_sapo_and_cispo():
         rows = s == SEQ
         ratio = RHO[rows].mean().exp()
         adv = ADV[rows]
-        tau = torch.where(adv > 0, 1.0, 1.05).to(F64)
+        tau = torch.where(adv > 0, torch.tensor(1.0, dtype=F64), torch.tensor(1.05, dtype=F64))
         gate = torch.sigmoid(tau * (ratio - 1))
         # every token of sequence i: Σ_t -4·A_t·σ_t(1 - σ_t) · s_i / |RL_i| (through the mean)
         want_sapo[rows] = (-4 * adv * gate * (1 - gate)).sum() * ratio / rows.sum() / N
@@ -317,3 +319,104 @@ def test_log_ratio_clamp_keeps_huge_ratios_finite(clamp):
     else:
         assert out.loss.item() == pytest.approx(torch.tensor(20.0, dtype=F64).exp().item())
         assert g.item() == 0.0
+
+
+# ------------------------------------------------------------------ ratios past the float range
+
+#: log ratios whose ratio leaves fp32 (e^±100) or every float (e^±1e4) on row 0; row 1 is 0.1
+EXTREME_RHO = [100.0, -100.0, 1e4, -1e4]
+
+
+def _mp_sapo_slope(rho: float, tau: float) -> float:
+    """``σ(z)(1 - σ(z))·e^ρ`` of ``z = τ(e^ρ - 1)`` in 60-digit arithmetic (the exact value)."""
+    import mpmath
+
+    with mpmath.workdps(60):
+        r = mpmath.exp(mpmath.mpf(rho))
+        z = tau * (r - 1)
+        # σ(1 - σ) = 1/(4·cosh²(z/2)): no 1 - σ, which cancels even in 60 digits for z > 130
+        return float(r / (4 * mpmath.cosh(z / 2) ** 2))
+
+
+def _extreme_case(rho: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lp, old)`` with ``lp - old = [rho, 0.1]``, both valid logprobs (≤ 0)."""
+    lp = torch.tensor([-0.5 + min(rho, 0.0), -1.0], dtype=dtype, requires_grad=True)
+    old = torch.tensor([-0.5 - max(rho, 0.0), -1.1], dtype=dtype)
+    return lp, old
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rho", EXTREME_RHO)
+@pytest.mark.parametrize("adv0", [1.0, -1.0])
+def test_sapo_derivative_is_finite_and_exact_past_the_float_range(rho, adv0, dtype):
+    """Without a clamp the gate saturates (σ = 1 or σ(-τ)) while ``r`` overflows: autograd of
+    ``torch.sigmoid(τ·(exp(ρ) - 1))`` gave ``0·inf = NaN``. The derivative ``-4·A·σ(1 - σ)·r/N``
+    against its 60-digit value (mpmath): within 8 ulps of the dtype, forward and backward."""
+    lp, old = _extreme_case(rho, dtype)
+    adv = torch.tensor([adv0, -0.5], dtype=dtype)
+    cfg = LossConfig(policy="sapo", log_ratio_clamp=None, sapo_temperature_neg=1.05)
+    out = echo_loss_from_logprobs(
+        lp, rl_mask=torch.ones(2, dtype=torch.bool), advantages=adv, old_logprobs=old, config=cfg
+    )
+    (g,) = torch.autograd.grad(out.loss, lp)
+    assert torch.isfinite(out.loss) and torch.isfinite(g).all(), (out.loss, g)
+    import mpmath
+
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    want_loss = 0.0
+    rhos = [rho, float(lp[1].detach() - old[1])]
+    for i, (rho_i, a) in enumerate(zip(rhos, [adv0, -0.5], strict=True)):
+        tau = 1.0 if a > 0 else 1.05
+        want_g = -4 * a * _mp_sapo_slope(rho_i, tau) / 2
+        # row 0's derivative is tiny (|ρ| ≥ 100: ≤ e^-99; 0 or a denormal in fp32, 0 at
+        # |ρ| = 1e4); ``exp(ρ - |z|)`` carries an error of a few ``eps·(|ρ| + |z|)``
+        tol = 8 * eps * (1 + min(abs(rho_i), 100.0)) * abs(want_g) + tiny
+        assert abs(float(g[i]) - want_g) <= tol, (i, float(g[i]), want_g)
+        with mpmath.workdps(60):
+            z = tau * (mpmath.exp(mpmath.mpf(rho_i)) - 1)
+            want_loss += float(-(1 / (1 + mpmath.exp(-z))) * 4 / tau * a / 2)
+    assert abs(float(out.loss.detach()) - want_loss) <= 8 * eps * 4
+
+
+@pytest.mark.parametrize("policy", ["sapo_sequence", "gspo", "ppo_clip", "cispo_sequence"])
+@pytest.mark.parametrize("rho", EXTREME_RHO)
+def test_clipped_and_gated_policies_give_finite_derivatives_past_the_float_range(policy, rho):
+    """A flat objective (a clip past its bound, a saturated gate) whose ratio overflows has
+    derivative 0, not autograd's ``0·inf = NaN``; fp32 against fp64 autograd of the same loss
+    with the clamp at 700 (fp64's ``exp`` is finite there, so plain autograd is the gold)."""
+    extra = {"dual_clip": 3.0} if policy == "ppo_clip" else {}
+    rho = max(min(rho, 100.0), -100.0) if policy.endswith("sequence") or policy == "gspo" else rho
+    grads = {}
+    for dtype, clamp in ((torch.float32, None), (torch.float64, 700.0)):
+        lp, old = _extreme_case(rho, dtype)
+        out = echo_loss_from_logprobs(
+            lp,
+            rl_mask=torch.ones(2, dtype=torch.bool),
+            advantages=torch.tensor([1.0, -1.0], dtype=dtype),
+            old_logprobs=old,
+            sequence_ids=torch.tensor([0, 1]),
+            config=LossConfig(policy=policy, log_ratio_clamp=clamp, **extra),
+        )
+        (g,) = torch.autograd.grad(out.loss, lp)
+        assert torch.isfinite(out.loss) and torch.isfinite(g).all(), (dtype, out.loss, g)
+        grads[dtype] = g
+    torch.testing.assert_close(
+        grads[torch.float32].double(), grads[torch.float64], rtol=4e-7, atol=1e-38
+    )
+
+
+def test_sapo_slope_against_60_digit_arithmetic():
+    """``exp(ρ - |z|)/(1 + exp(-|z|))²`` (fp64) against ``σ(z)(1 - σ(z))·e^ρ`` in 60 digits on
+    ``ρ ∈ [-50, 8]`` and four temperatures: within ``8·eps·(1 + |ρ| + |z|)`` relative (the
+    exponent ``ρ - |z|`` carries an absolute error of a few ``eps·|z|``). The plain fp64 formula
+    loses up to ``eps/(1 - σ)`` to the cancellation in ``1 - σ`` (2e-8 at ``z ≈ 19``)."""
+    from echoloss._ratios import sapo_gate_slope
+
+    rho = torch.linspace(-50, 8, 233, dtype=F64)
+    eps = torch.finfo(F64).eps
+    for tau in (0.05, 1.0, 1.05, 8.0):
+        got = sapo_gate_slope(rho, torch.full_like(rho, tau))
+        for r, g in zip(rho.tolist(), got.tolist(), strict=True):
+            want = _mp_sapo_slope(r, tau)
+            z = abs(tau * (math.exp(r) - 1))
+            assert abs(g - want) <= 8 * eps * (1 + abs(r) + z) * want + 1e-300, (tau, r, g, want)

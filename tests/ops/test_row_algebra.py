@@ -1237,6 +1237,41 @@ def test_policy_loss_overflow_without_the_clamp():
         _checks_as_naive(c, {})
 
 
+@pytest.mark.parametrize("variant", ["sapo", "sapo_sequence", "ppo_clip", "ppo_clip_dual", "gspo"])
+def test_saturated_objectives_past_the_float_range_have_finite_derivatives(variant):
+    """log_ratio_clamp None and log ratios of ±100 and ±1e4 (r = e^ρ leaves fp32) where the
+    objective is flat: a saturated sapo gate, a clip past its bound, a dual clip's floor. The
+    loss is finite, and so is every derivative: 0 (or a denormal) on those rows, where the
+    program's ``-dobj·r`` and ``σ(1 - σ)·r`` gave ``0·inf = NaN`` before; the program as its gold
+    within 16 eps of each row's derivative."""
+    kw = {k: v for k, v in VARIANTS[variant].items() if k != "policy"}
+    case = _small(VARIANTS[variant]["policy"], n=700, log_ratio_clamp=None, **kw)
+    rl, lp = case.rows.rl, case.lp.clone()
+    adv, old = case.rows.advantages.clone(), case.rows.old_logprobs.clone()
+    sequence_level = variant in ("sapo_sequence", "gspo")
+    if sequence_level:  # sequence 0 (rows 0-36): mean ρ ≈ 1e4/13; sequence 1: ≈ -1e4/12
+        adv[:37] = torch.where(rl[:37], adv[:37].abs() + 0.1, NAN)
+        extreme = {3: 1e4, 39: -1e4}
+    else:  # A < 0 with r → inf is -inf for a clip without the dual floor: A > 0 there
+        neg = -1.0 if variant != "ppo_clip" else 1.0
+        extreme = {3: 100.0, 6: 1e4, 9: -100.0, 12: -1e4, 15: 100.0}
+        for row, a in {3: 1.0, 6: neg, 9: -1.0, 12: 1.0, 15: neg}.items():
+            adv[row] = a
+    for row, rho in extreme.items():
+        assert rl[row]
+        lp[row] = -0.5 + min(rho, 0.0)
+        old[row] = -0.5 - max(rho, 0.0)
+    case.lp = lp
+    case.rows = case.rows._replace(advantages=adv, old_logprobs=old)
+    (fused, a_f, _), (naive, a_n, _) = (_run(case, b) for b in ("triton", "naive"))
+    for out, a, backend in ((fused, a_f, "triton"), (naive, a_n, "naive")):
+        assert math.isfinite(float(out.loss)), backend
+        assert torch.isfinite(a).all(), (backend, a[~torch.isfinite(a)][:5])
+    assert (a_f - a_n).abs().max() <= 16 * EPS * a_n.abs().max()
+    for row in extreme:  # flat (or e^-99 small) there: 0 or below the float range
+        assert a_f[row].abs() < 1e-30 and a_n[row].abs() < 1e-30, (row, a_f[row], a_n[row])
+
+
 def test_entropy_nan_with_entropy_coef():
     case = _small("dppo", entropy_coef=0.01)
     case.ent = _set(case.ent, {1800: NAN, 2400: math.inf, 1801: NAN})  # RL, RL; 1801 echo: unread

@@ -113,3 +113,58 @@ def test_missing_latest_target_falls_back_with_a_warning_naming_both(tmp_path):
         match=r"names step_000005, which does not exist; resuming from .*step_000003",
     ):
         assert ckpt.find_checkpoint(tmp_path) == d3
+
+
+def test_latest_as_a_link_to_a_checkpoint_is_followed(tmp_path):
+    """``ln -s step_000003 latest`` after a rollback: resume from step 3, not the abandoned 5
+    (a link was ignored before, and the newest checkpoint used without a word)."""
+    root = tmp_path / "checkpoints"
+    d3 = _save(root, 3)
+    _save(root, 5)
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("step_000003")
+    assert ckpt.find_checkpoint(tmp_path) == d3
+    (root / "latest").unlink()
+    (root / "latest").symlink_to(d3.resolve())  # an absolute link into the run: the same
+    assert ckpt.find_checkpoint(tmp_path) == d3
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda root: (root / "latest").symlink_to("latest"), r"link loop"),
+        (
+            lambda root: (
+                (root / "a").symlink_to("b"),
+                (root / "b").symlink_to("a"),
+                (root / "latest").symlink_to("a"),
+            ),
+            r"link loop",
+        ),
+        (lambda root: (root / "latest").symlink_to(root.parent), r"is a link to .* not a step_"),
+        (
+            lambda root: (root / "latest").symlink_to(root.parent / "other" / "step_000003"),
+            r"is a link to .* not a step_NNNNNN directory of",
+        ),
+        (lambda root: (root / "latest").mkdir(), r"is not a file"),
+    ],
+    ids=["self-loop", "two-link loop", "link to the run", "link to another run", "directory"],
+)
+def test_latest_that_is_a_loop_a_foreign_link_or_a_directory_is_refused(tmp_path, make, match):
+    root = tmp_path / "checkpoints"
+    _save(root, 3)
+    (tmp_path / "other").mkdir()
+    _save(tmp_path / "other", 3, weight=5.0)
+    (root / "latest").unlink()
+    make(root)
+    with pytest.raises(ckpt.CheckpointError, match=match):
+        ckpt.find_checkpoint(tmp_path)
+
+
+def test_dangling_link_latest_falls_back_with_a_warning(tmp_path):
+    root = tmp_path / "checkpoints"
+    d3 = _save(root, 3)
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("step_000009")
+    with pytest.warns(ckpt.ResumeWarning, match=r"names step_000009, which does not exist"):
+        assert ckpt.find_checkpoint(tmp_path) == d3

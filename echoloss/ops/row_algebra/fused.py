@@ -105,6 +105,16 @@ def _sigmoid(x):
 
 
 @triton.jit
+def _sapo_slope(x, tau):
+    """``σ(z)·(1 − σ(z))·exp(x)`` of ``z = τ·(exp(x) − 1)`` as ``exp(x − |z|) / (1 + exp(−|z|))²``:
+    no factor overflows, 0 past the float range (echoloss/_ratios.py's `sapo_gate_slope`)."""
+    a = tl.abs(tau * (tl.exp(x) - 1.0))
+    e = tl.exp(-a)
+    slope = tl.exp(x - a) / ((1.0 + e) * (1.0 + e))
+    return tl.where(a == float("inf"), 0.0, slope)
+
+
+@triton.jit
 def _not_finite(x):
     return (x - x) != 0
 
@@ -602,7 +612,8 @@ def _row_algebra_kernel(
                     dobj = tl.where(neg, wd * dobj, dobj)
                     obj = tl.where(neg, _nan_max(obj, floor), obj)
                 pol = -obj
-                d = -dobj * r * gx
+                # a clipped row's 0 stays 0 where r overflows (autograd's 0·inf would be NaN)
+                d = tl.where(dobj == 0, 0.0, -dobj * r * gx)
             elif POLICY == 2 or POLICY == 6:
                 # cispo: a clipped, detached weight times the REINFORCE term (6: the weight of
                 # the sequence's ratio; detached, so no derivative through it)
@@ -629,7 +640,8 @@ def _row_algebra_kernel(
                 tau = tl.where(adv > 0, high, low)
                 gate = _sigmoid(tau * (r - 1.0))
                 pol = -(gate * (4.0 / tau)) * adv
-                d = -4.0 * adv * gate * (1.0 - gate) * r * gx  # d/dr = −(4/τ)·A·τ·σ(1 − σ)
+                # d/dr = −(4/τ)·A·τ·σ(1 − σ), times r: σ(1 − σ)·r without overflow
+                d = -4.0 * adv * _sapo_slope(x, tau) * gx
             elif POLICY == 8:  # sapo_sequence: sapo's gate on the sequence's ratio
                 x, gx, cnt_g = _sequence_ratio(SUM_IN, CNT_RL, grp, m, clamp, HAS_CLAMP)
                 s = tl.exp(x)
@@ -639,11 +651,12 @@ def _row_algebra_kernel(
                 pol = -(tl.where(pos, gate_pos * (4.0 / high), gate_neg * (4.0 / low))) * adv
                 # as gspo's below: Σ_t w_t·∂pol_t/∂s over the sequence's RL rows is
                 # −4·(σ⁺(1 − σ⁺)·Σ w·A⁺ + σ⁻(1 − σ⁻)·Σ w·A⁻), times ∂s/∂ℓ = s·gx/|RL_i|
-                q = gate_pos * (1.0 - gate_pos) * tl.load(
+                # (σ(1 − σ)·s in the form that cannot overflow)
+                q = _sapo_slope(x, high) * tl.load(
                     SUM_IN + n + grp, mask=m, other=0.0
-                ) + gate_neg * (1.0 - gate_neg) * tl.load(SUM_IN + 2 * n + grp, mask=m, other=0.0)
+                ) + _sapo_slope(x, low) * tl.load(SUM_IN + 2 * n + grp, mask=m, other=0.0)
                 q = tl.where(s != s, s, q)  # a NaN ratio: a NaN gradient, as autograd's
-                d = -4.0 * q * s * gx / cnt_g
+                d = -4.0 * q * gx / cnt_g
             elif POLICY == 5:  # gspo: ppo_clip's objective on the sequence's ratio
                 x, gx, cnt_g = _sequence_ratio(SUM_IN, CNT_RL, grp, m, clamp, HAS_CLAMP)
                 s = tl.exp(x)
@@ -666,7 +679,7 @@ def _row_algebra_kernel(
                     SUM_IN + 2 * n + grp, mask=m, other=0.0
                 )
                 q = tl.where(s != s, s, q)  # a NaN ratio: a NaN gradient, as autograd's
-                d = -q * s * gx / cnt_g
+                d = tl.where(q == 0, 0.0, -q * s * gx / cnt_g)  # no 0·inf past the float range
             else:  # reinforce
                 pol = -(adv * lp_rl)
                 d = -adv

@@ -18,12 +18,15 @@ neutral values (log ratio 0, advantage 0, the padding sequence): their outputs a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
+
+from echoloss._ratios import exp_ratio, sapo_gate
 
 __all__ = [
     "ROW_POLICIES",
@@ -96,6 +99,18 @@ def _clamped(x: torch.Tensor, clamp: float | None) -> torch.Tensor:
     return x if clamp is None else x.clamp(-clamp, clamp)
 
 
+def _may_overflow(clamp: float | None, dtype: torch.dtype) -> bool:
+    """Whether ``exp`` of a log ratio clamped at ``clamp`` can leave ``dtype``'s range."""
+    return clamp is None or clamp >= math.log(torch.finfo(dtype).max)
+
+
+def _exp(x: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    """``exp`` of a log ratio ``x`` clamped at ``clamp``, differentiable. Where it can overflow,
+    `exp_ratio`: a flat objective's 0 gradient stays 0 (autograd's ``0·inf`` would be NaN);
+    a clamp that keeps ``exp`` finite needs no guard (and no launches for it)."""
+    return exp_ratio(x) if _may_overflow(clamp, x.dtype) else torch.exp(x)
+
+
 def sequence_mean(values: torch.Tensor, index: torch.Tensor, num: int) -> torch.Tensor:
     """``[num]`` mean of ``values [n]`` per group ``index [n]`` (0 for an empty group).
 
@@ -120,13 +135,24 @@ def sequence_ratio(log_ratio: torch.Tensor, args: RowArgs) -> torch.Tensor:
     """
     assert args.seq is not None  # RowPolicy.sequence_ratio: the caller passes the sequences
     index, num = args.seq
-    return torch.exp(_clamped(sequence_mean(log_ratio, index, num), args.clamp))[index]
+    return _exp(_clamped(sequence_mean(log_ratio, index, num), args.clamp), args.clamp)[index]
+
+
+def _log_ratio(
+    lp: torch.Tensor, base: torch.Tensor, args: RowArgs, per_sequence: bool
+) -> torch.Tensor:
+    """``[n]``: each row's clamped log ratio (of its sequence's mean with ``per_sequence``)."""
+    if per_sequence:
+        assert args.seq is not None  # RowPolicy.sequence_ratio
+        index, num = args.seq
+        return _clamped(sequence_mean(lp - base, index, num), args.clamp)[index]
+    return _clamped(lp - base, args.clamp)
 
 
 def _ratio(lp: torch.Tensor, base: torch.Tensor, args: RowArgs, per_sequence: bool) -> torch.Tensor:
     if per_sequence:
         return sequence_ratio(lp - base, args)
-    return torch.exp(_clamped(lp - base, args.clamp))
+    return _exp(_clamped(lp - base, args.clamp), args.clamp)
 
 
 def _dppo(
@@ -214,11 +240,23 @@ def _cispo_sequence(
 def _sapo_gated(
     lp: torch.Tensor, base: torch.Tensor, adv: torch.Tensor, a: RowArgs, per_sequence: bool
 ) -> tuple[torch.Tensor, Flags]:
-    """``-σ(τ·(r − 1))·4/τ·A``, ``τ = high`` (τ⁺) where ``A > 0``, else ``low`` (τ⁻)."""
+    """``-σ(τ·(r − 1))·4/τ·A``, ``τ = high`` (τ⁺) where ``A > 0``, else ``low`` (τ⁻).
+
+    Where ``r`` can leave the float range (no clamp, or one above ``log`` of the dtype's
+    maximum) the gate is `sapo_gate`, whose derivative ``τ·σ(1 − σ)·r`` is
+    ``τ·exp(ρ − |z|)/(1 + exp(−|z|))²``: finite, 0 where the gate saturates (autograd of the
+    sigmoid gives ``0·inf = NaN`` there)."""
     assert a.low is not None and a.high is not None  # RowPolicy.bounds
-    ratio = _ratio(lp, base, a, per_sequence)
-    tau = torch.where(adv > 0, a.high, a.low).to(ratio.dtype)
-    return -(torch.sigmoid(tau * (ratio - 1)) * (4 / tau)) * adv, {}
+    x = _log_ratio(lp, base, a, per_sequence)
+    tau = torch.where(adv > 0, a.high, a.low)  # fp32
+    if tau.dtype != x.dtype:  # τ in x's dtype: .to(fp64) of the fp32 τ would keep 1.05's rounding
+        pos, neg = (torch.tensor(t, dtype=x.dtype) for t in (a.high, a.low))
+        tau = torch.where(adv > 0, pos, neg)
+    if _may_overflow(a.clamp, x.dtype):
+        gate = sapo_gate(x, tau)
+    else:  # a clamp keeps r finite: autograd's τ·σ(1 − σ)·r is finite (and costs fewer launches)
+        gate = torch.sigmoid(tau * (torch.exp(x) - 1))
+    return -(gate * (4 / tau)) * adv, {}
 
 
 def _sapo(
