@@ -21,7 +21,39 @@ from typing import Any
 
 import torch
 
-__all__ = ["exp_ratio", "sapo_gate", "sapo_gate_slope"]
+__all__ = [
+    "SAPO_TEMPERATURE_RANGE",
+    "exp_ratio",
+    "sapo_gate",
+    "sapo_gate_slope",
+    "sapo_temperature_problem",
+]
+
+#: The temperatures SAPO's gate accepts. The loss is ``-σ(τ·(r - 1))·4/τ·A``: at ``τ = 1e-38``
+#: ``4/τ`` overflows float32 (a finite advantage gives an infinite loss), at ``τ = 1e39`` ``τ``
+#: itself does; ``[1e-6, 1e6]`` keeps ``4/τ·A`` finite for ``|A| < 1e32`` and ``τ·(r - 1)`` for
+#: ratios below ``1e32``, six orders of magnitude around the usual 1.0 and 1.05 either way.
+SAPO_TEMPERATURE_RANGE = (1e-6, 1e6)
+
+
+def sapo_temperature_problem(name: str, value: object) -> str | None:
+    """Why ``value`` is not a SAPO temperature (None when it is one).
+
+    Examples:
+        >>> sapo_temperature_problem("sapo_temperature_pos", 1.05) is None
+        True
+        >>> sapo_temperature_problem("sapo_temperature_neg", 1e-38)
+        'sapo_temperature_neg must be a float in [1e-06, 1e+06] (SAPO divides by it: 4/τ and τ·(r - 1) must stay finite in float32), got 1e-38; the usual values are 1.0 (A > 0) and 1.05 (A ≤ 0)'
+    """
+    lo, hi = SAPO_TEMPERATURE_RANGE
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
+    if ok:
+        return None
+    return (
+        f"{name} must be a float in [{lo:g}, {hi:g}] (SAPO divides by it: 4/τ and τ·(r - 1) "
+        f"must stay finite in float32), got {value!r}; the usual values are 1.0 (A > 0) and "
+        "1.05 (A ≤ 0)"
+    )
 
 
 def sapo_gate_slope(log_ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,11 @@ class Registry(Mapping[str, T], Generic[T]):
         can never be replaced.
         """
         self.check_name(name)
+        if not isinstance(overwrite, bool):  # "no" or "false" would replace the entry
+            raise TypeError(
+                f"overwrite must be a bool (True replaces {self.kind} {name!r}), got "
+                f"{overwrite!r}; pass True or False"
+            )
         if name in self._builtin and self._items[name] != value:
             raise ValueError(
                 f"{self.kind} {name!r} is built in and cannot be replaced; register yours under "
@@ -83,6 +88,10 @@ class Registry(Mapping[str, T], Generic[T]):
             )
         self._items[name] = value
         return value
+
+    def is_builtin(self, name: str) -> bool:
+        """Whether ``name`` is one of the entries frozen as built in."""
+        return name in self._builtin
 
     def decorator(self, name: str, *, overwrite: bool = False) -> Callable[[T], T]:
         """``@registry.decorator(name)``: register the decorated object, return it unchanged."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from typing import Any
 
 import pytest
@@ -309,3 +310,187 @@ def test_verl_echo_agg_loss(key, value, lp, w, mode):
     if out is not None and bool(torch.isfinite(out)):
         (grad,) = torch.autograd.grad(out, log_prob)
         assert bool(torch.isfinite(grad).all())
+
+
+# -- the newest surfaces: one table of bad inputs per surface -------------------------------------
+#
+# Each row: (surface, case, call, expected). ``expected`` is ``(exception type, regex)`` (the
+# message names the argument and the value) or ``("warns", regex)`` (a warning once). A row that
+# returns without either is a silent case and fails. The totals per surface are the ones
+# docs/reliability.md reports (`test_the_table_counts_what_the_docs_report`).
+
+
+def _rows_call(**kw: Any) -> Any:
+    """`loss_from_logprobs` with ``divisors`` on a 2 RL + 2 echo row record."""
+    from echoloss.loss.core import loss_from_logprobs
+
+    lp = torch.tensor([-0.5, -1.0, -0.2, -0.3], requires_grad=True)
+    x = LossInputs(
+        rl_mask=torch.tensor([True, True, False, False]),
+        echo_weights=torch.tensor([0, 0, 1.0, 1.0]),
+        advantages=torch.tensor([1.0, -1.0, 0, 0]),
+        old_logprobs=torch.tensor([-0.5, -1.0, -0.2, -0.3]),
+    )
+    return loss_from_logprobs(lp, None, x, LossConfig(policy="ppo_clip"), None, None,
+                              source="logprobs", **kw)  # fmt: skip
+
+
+def _divisors(**kw: Any) -> Any:
+    from echoloss.loss.normalization import Divisors
+
+    return lambda: _rows_call(divisors=Divisors(**kw))
+
+
+def _module(**call: Any) -> Any:
+    """An `EchoGRPOLoss` built and called on a [2, 3] batch (at the row's run: a constructor's
+    error is the row's); ``init`` keywords go to the constructor."""
+    init = call.pop("init", {})
+
+    def run() -> Any:
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(2, 3, 5, generator=g, requires_grad=True)
+        ids = torch.randint(0, 5, (2, 3), generator=g)
+        echo = torch.tensor([[0.0, 0.0, 0.5], [0.0, 0.0, 0.0]])
+        mod = EchoGRPOLoss(**({} if "config" in init else {"beta": 0.0}), **init)
+        return mod(logits, ids, torch.ones(2, 3), torch.tensor([1.0, -0.5]),
+                   echo_weights=echo, **call)  # fmt: skip
+
+    return run
+
+
+def _sapo_loss(**kw: Any) -> Any:
+    from echoloss.loss import PolicyInputs
+    from echoloss.loss.policy import sapo_loss
+
+    x = PolicyInputs(torch.zeros(2), torch.zeros(2), torch.ones(2), None, 0)
+    return lambda: sapo_loss(x, **{"temperature_pos": 1.0, "temperature_neg": 1.05, **kw})
+
+
+def _compile(*args: Any, **kw: Any) -> Any:
+    from echoloss.loss.compiled import compile_loss_algebra
+
+    def call() -> None:
+        try:
+            compile_loss_algebra(*args, **kw)
+        finally:
+            compile_loss_algebra(False)
+
+    return call
+
+
+def _register(**kw: Any) -> Any:
+    from echoloss.loss.policy import _REGISTRY
+
+    def fn(inputs: Any, config: Any) -> PolicyOutput:
+        return PolicyOutput(-inputs.logprobs, {})
+
+    def call() -> None:
+        with _REGISTRY.isolated():
+            register_policy("table_policy", fn, uses_ratio=False)
+            register_policy("table_policy", lambda i, c: fn(i, c), uses_ratio=False, **kw)
+
+    return call
+
+
+_cfg = lambda **kw: lambda: LossConfig(**kw)  # noqa: E731
+_E = (ValueError, TypeError)
+_OBS = torch.ones(2, 4, dtype=torch.bool)  # [B, T + 1]
+
+NEWEST_TABLE: list[tuple[str, str, Any, Any]] = [
+    # the divisors a caller (the nn modules, Liger, TRL) passes for one call
+    ("divisors", "rl=-4", _divisors(rl=-4.0), (ValueError, r"divisors.rl must be finite and > 0 .* got -4.0")),
+    ("divisors", "echo=-2", _divisors(echo=-2.0), (ValueError, r"divisors.echo .* got -2.0")),
+    ("divisors", "rl=inf", _divisors(rl=math.inf), (ValueError, r"divisors.rl .* got inf")),
+    ("divisors", "rl=nan", _divisors(rl=math.nan), (ValueError, r"divisors.rl .* got nan")),
+    ("divisors", "rl=0", _divisors(rl=0.0), (ValueError, r"divisors.rl .* divides by 0.* got 0.0")),
+    ("divisors", "rl=True", _divisors(rl=True), (TypeError, r"divisors.rl must be a float.* got bool True")),
+    ("divisors", "rl=tensor 0", _divisors(rl=torch.tensor(0.0)), (ValueError, r"divisors.rl .* got 0.0")),
+    ("divisors", "rl=tensor -1", _divisors(rl=torch.tensor(-1.0)), (ValueError, r"divisors.rl .* got -1.0")),
+    ("divisors", "rl=tensor nan", _divisors(rl=torch.tensor(math.nan)), (ValueError, r"divisors.rl .* got nan")),
+    ("divisors", "rl=fp16 70000", _divisors(rl=torch.tensor(7e4).half()), (TypeError, r"divisors.rl .* float16 .*fp16 overflows")),
+    ("divisors", "rl=int64 tensor", _divisors(rl=torch.tensor(4)), (TypeError, r"divisors.rl .* int64")),
+    ("divisors", "rl='4'", _divisors(rl="4"), (TypeError, r"divisors.rl .* got str '4'")),
+    ("divisors", "rl=[4.0]", _divisors(rl=[4.0]), (TypeError, r"divisors.rl .* got list")),
+    ("divisors", "rl=[2] tensor", _divisors(rl=torch.tensor([2.0, 3.0])), (ValueError, r"divisors.rl must be a 0-dim .* float32 \[2\]")),
+    ("divisors", "rl=meta tensor", _divisors(rl=torch.tensor(2.0, device="meta")), (ValueError, r"divisors.rl .* on meta")),
+    ("divisors", "plain tuple", lambda: _rows_call(divisors=(4.0, None)), (TypeError, r"divisors must be a Divisors.* got tuple")),
+    # SAPO's temperatures: the config, the policy function, the modules
+    ("sapo temperatures", "config 1e-38", _cfg(policy="sapo", sapo_temperature_pos=1e-38), (ValueError, r"sapo_temperature_pos\n  Input should be greater than or equal to")),
+    ("sapo temperatures", "config 1e39", _cfg(policy="sapo", sapo_temperature_neg=1e39), (ValueError, r"sapo_temperature_neg\n  Input should be less than or equal to")),
+    ("sapo temperatures", "config nan", _cfg(policy="sapo", sapo_temperature_neg=math.nan), (ValueError, r"sapo_temperature_neg")),
+    ("sapo temperatures", "config -1", _cfg(policy="sapo_sequence", sapo_temperature_pos=-1.0), (ValueError, r"sapo_temperature_pos")),
+    ("sapo temperatures", "sapo_loss 1e-38", _sapo_loss(temperature_neg=1e-38), (ValueError, r"temperature_neg must be a float in \[1e-06, 1e\+06\] .* got 1e-38")),
+    ("sapo temperatures", "sapo_loss 1e39", _sapo_loss(temperature_pos=1e39), (ValueError, r"temperature_pos must be a float in .* got 1e\+39")),
+    ("sapo temperatures", "sapo_loss True", _sapo_loss(temperature_pos=True), (ValueError, r"temperature_pos .* got True")),
+    ("sapo temperatures", "module sapo 1e-38", _module(init={"loss_type": "sapo", "sapo_temperature_pos": 1e-38}), (ValueError, r"sapo_temperature_pos must be a float in")),
+    ("sapo temperatures", "module sapo 1e39", _module(init={"loss_type": "sapo", "sapo_temperature_neg": 1e39}), (ValueError, r"sapo_temperature_neg must be a float in")),
+    ("sapo temperatures", "module grpo nan", _module(init={"loss_type": "grpo", "sapo_temperature_neg": math.nan}), (ValueError, r"sapo_temperature_neg")),
+    ("sapo temperatures", "module dapo -1", _module(init={"loss_type": "dapo", "sapo_temperature_pos": -1.0}), (ValueError, r"sapo_temperature_pos must be a float in .* got -1.0")),
+    ("sapo temperatures", "module cispo 2.0 (unread)", _module(init={"loss_type": "cispo", "sapo_temperature_pos": 2.0}), ("warns", r"sapo_temperature_pos=2 is ignored by loss_type='cispo'")),
+    # compile_loss_algebra: a strict switch, options checked when given
+    ("compile_loss_algebra", "'false'", _compile("false"), (TypeError, r"enabled must be a bool .* got str 'false'")),
+    ("compile_loss_algebra", "'true'", _compile("true"), (TypeError, r"enabled must be a bool")),
+    ("compile_loss_algebra", "0", _compile(0), (TypeError, r"enabled must be a bool .* got int 0")),
+    ("compile_loss_algebra", "None", _compile(None), (TypeError, r"enabled must be a bool .* got None")),
+    ("compile_loss_algebra", "mode='bogus'", _compile(mode="bogus"), (ValueError, r"torch.compile refuses \{'mode': 'bogus'\}")),
+    ("compile_loss_algebra", "backend='nope'", _compile(backend="nope"), (ValueError, r"torch.compile refuses \{'backend': 'nope'\}")),
+    ("compile_loss_algebra", "mod='x'", _compile(mod="x"), (ValueError, r"torch.compile refuses \{'mod': 'x'\}")),
+    ("compile_loss_algebra", "dynamic='yes'", _compile(dynamic="yes"), (ValueError, r"torch.compile refuses")),
+    ("compile_loss_algebra", "False with options", _compile(False, mode="max-autotune"), (ValueError, r"options are unused")),
+    # the nn modules' counts and masks
+    ("module counts", "config= with num_items_in_batch=-3", _module(init={"config": LossConfig(policy="ppo_clip")}, num_items_in_batch=-3), (ValueError, r"num_items_in_batch: unused with config=")),
+    ("module counts", "config= with num_items_in_batch=6", _module(init={"config": LossConfig(policy="ppo_clip")}, num_items_in_batch=6), (ValueError, r"num_items_in_batch: unused with config=")),
+    ("module counts", "config= with num_echo_items_in_batch=6", _module(init={"config": LossConfig(policy="ppo_clip")}, num_echo_items_in_batch=6), (ValueError, r"num_echo_items_in_batch: unused with config=")),
+    ("module counts", "observation_mask [B, T+1], token_mean", _module(init={"loss_type": "grpo"}, observation_mask=_OBS), (ValueError, r"observation_mask must be a \[B, T\] = \[2, 3\] mask")),
+    ("module counts", "observation_mask [B, T+1], sequence_mean", _module(init={"loss_type": "grpo", "echo_normalization": "sequence_mean"}, observation_mask=_OBS), (ValueError, r"observation_mask must be a \[B, T\]")),
+    # the policy registry
+    ("register_policy", "overwrite='no'", _register(overwrite="no"), (TypeError, r"overwrite must be a bool")),
+    ("register_policy", "overwrite='false'", _register(overwrite="false"), (TypeError, r"overwrite must be a bool")),
+    ("register_policy", "all_rows='yes'", _register(all_rows="yes"), (TypeError, r"all_rows must be a bool")),
+    ("register_policy", "same name, new function", _register(), (ValueError, r"'table_policy' is already registered")),
+]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    ("surface", "case", "call", "expected"),
+    NEWEST_TABLE,
+    ids=[f"{s}: {c}" for s, c, _, _ in NEWEST_TABLE],
+)
+def test_newest_surfaces_refuse_or_warn(surface, case, call, expected, caplog):
+    from echoloss._logging import reset_warnings
+
+    reset_warnings()  # warn-once memory: this row must see its own warning
+    kind, pattern = expected
+    if kind == "warns":  # echoloss's warn-once goes to its logger
+        with caplog.at_level("WARNING", logger="echoloss"):
+            call()
+        assert re.search(pattern, caplog.text), (surface, case, caplog.text)
+        return
+    with pytest.raises(kind) as err:
+        call()
+    assert re.search(pattern, str(err.value)), (surface, case, str(err.value))
+
+
+def test_an_empty_batch_gives_a_zero_loss_under_every_echo_normaliser():
+    """B = 0 under sequence_mean was refused as non-finite (a divisor of 0 completions)."""
+    for en in ("sequence_mean", "token_mean", "batch_token_mean"):
+        for lt in ("grpo", "dapo", "sapo"):
+            mod = EchoGRPOLoss(beta=0.0, loss_type=lt, echo_normalization=en)
+            logits = torch.zeros(0, 3, 5, requires_grad=True)
+            out = mod(logits, torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 3),
+                      torch.zeros(0), echo_weights=torch.zeros(0, 3))  # fmt: skip
+            assert float(out.loss) == 0.0, (en, lt)
+
+
+def test_the_table_counts_what_the_docs_report():
+    from collections import Counter
+
+    counts = Counter(s for s, _, _, _ in NEWEST_TABLE)
+    assert counts == {
+        "divisors": 16,
+        "sapo temperatures": 12,
+        "compile_loss_algebra": 9,
+        "module counts": 5,
+        "register_policy": 4,
+    }

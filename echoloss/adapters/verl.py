@@ -241,6 +241,14 @@ def echo_agg_loss(
     loss: torch.Tensor = _core_algos().agg_loss(
         loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **info
     )
+    if not bool(torch.isfinite(loss)):  # finite factors whose products or sum overflow
+        k = int(torch.where(mask, w, 0.0).reshape(-1).argmax())
+        raise ValueError(
+            f"echo_weights: the echo term is {float(loss.detach())} with finite inputs: "
+            f"-log_prob · w overflows {str(log_prob.dtype).removeprefix('torch.')} (largest "
+            f"weight {float(w.reshape(-1)[k]):.3g} at flat index {k}, "
+            f"loss_agg_mode={loss_agg_mode!r}); use echo weights of order 1 (λ ≤ 1)"
+        )
     return loss
 
 

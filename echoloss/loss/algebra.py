@@ -25,7 +25,12 @@ import torch
 from echoloss._deferred import host_to_device
 from echoloss.loss.checks import reads_sequences
 from echoloss.loss.config import LossConfig
-from echoloss.loss.diagnosis import check_finite_rows, check_scored_rows, defer_final_loss_check
+from echoloss.loss.diagnosis import (
+    check_finite_rows,
+    check_scored_rows,
+    defer_final_loss_check,
+    not_finite_error,
+)
 from echoloss.loss.inputs import LossInputs
 from echoloss.loss.metrics import loss_metrics
 from echoloss.loss.normalization import (
@@ -49,6 +54,7 @@ from echoloss.loss.policy import (
     PolicySpec,
     RecordRows,
     check_policy_output,
+    is_builtin_policy,
 )
 from echoloss.ops.value_checks import DeferredChecks
 
@@ -130,6 +136,33 @@ def _policy_on_rows(
     return PolicyOutput(loss, flags)
 
 
+def _check_backward(lp_rl: torch.Tensor, rl: torch.Tensor, policy: str) -> None:
+    """Check, when backward reaches them, that the gradients of the RL rows' logprobs are finite.
+
+    A policy function of the caller can have a finite loss and a non-finite derivative (a
+    saturated function of an overflowing ratio: ``0·inf``); the final loss check cannot see it
+    and one optimiser step would make the model NaN. The built-in policies' derivatives are
+    finite wherever their loss is (`is_builtin_policy`) and pay nothing. The check runs in the
+    backward pass: at once on the host path (backward raises), deferred on the device path like
+    the forward's value checks (no host read).
+    """
+    if not lp_rl.requires_grad:
+        return
+    error = not_finite_error(
+        f"the gradient of policy {policy!r} (d loss / d logprob)",
+        "a finite loss whose derivative is not: a saturated function of an overflowing ratio "
+        "gives 0·inf; clamp the ratio (log_ratio_clamp) or write the derivative stably",
+    )
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        checks = DeferredChecks(grad.device)
+        checks.add_rows(grad, rl, "not_finite", lambda v: error(int(v[2]), v[3]) if v[0] else None)
+        checks.submit()
+        return grad
+
+    lp_rl.register_hook(hook)
+
+
 def rl_per_token(
     lp: torch.Tensor,
     ent: torch.Tensor | None,
@@ -155,6 +188,8 @@ def rl_per_token(
     fn = spec.fn if spec.fn is not None else policy_fn
     assert fn is not None  # _check_requirements
     inputs = PolicyInputs(lp_rl, base, adv, seqs.rl_index, seqs.size)
+    if cfg.check_finite and (policy_fn is not None or not is_builtin_policy(cfg.policy)):
+        _check_backward(lp_rl, rl, cfg.policy)
     out = _policy_on_rows(fn, spec, inputs, x, seqs, cfg)
     per_tok = out.loss  # [N]
     if cfg.check_finite:

@@ -143,8 +143,9 @@ class LossConfig(BaseModel):
     dual_clip: float | None = Field(None, gt=1)
     cispo_max: float = Field(5.0, gt=0)
     cispo_min: float | None = Field(None, ge=0)
-    sapo_temperature_pos: float = Field(1.0, gt=0)
-    sapo_temperature_neg: float = Field(1.05, gt=0)
+    # SAPO_TEMPERATURE_RANGE: beyond, 4/τ or τ·(r - 1) leaves float32 (echoloss/_ratios.py)
+    sapo_temperature_pos: float = Field(1.0, ge=1e-6, le=1e6)
+    sapo_temperature_neg: float = Field(1.05, ge=1e-6, le=1e6)
     log_ratio_clamp: float | None = Field(20.0, gt=0)
     mismatch: MismatchMode | None = None
     mismatch_max: float = Field(3.0, gt=0)

@@ -37,7 +37,13 @@ from echoloss.loss.config import LossConfig
 from echoloss.loss.diagnosis import check_entropy
 from echoloss.loss.fused import fused_algebra, fused_algebra_applies, fused_algebra_covers
 from echoloss.loss.inputs import LossInputs
-from echoloss.loss.normalization import ECHO_DIVIDED, NO_DIVISORS, Divisors, Normalizers
+from echoloss.loss.normalization import (
+    ECHO_DIVIDED,
+    NO_DIVISORS,
+    Divisors,
+    Normalizers,
+    checked_divisors,
+)
 from echoloss.loss.policy import PolicyFn, PolicySpec
 from echoloss.ops.selective_logprobs import selective_logprobs
 from echoloss.ops.selective_logprobs.op import (
@@ -131,6 +137,7 @@ def loss_from_logprobs(
         [`LossOutput`][echoloss.loss.LossOutput].
     """
     checks = DeferredChecks(lp.device) if checks is None else checks
+    divisors = checked_divisors(divisors, lp.device, checks)
     if divisors.echo is not None and cfg.echo_normalization not in ECHO_DIVIDED:
         raise ValueError(
             f"divisors.echo: replaces the divisor of echo_normalization {ECHO_DIVIDED}, got "

@@ -42,6 +42,9 @@ _SOURCE_CAUSE = {
     "hidden": "NaN or inf in that row of hidden (or in the LM-head weight), or a logit of "
     "-inf at its label",
     "logprobs": "a NaN or infinite logprob",
+    # EchoFusedLinearGRPOLoss: its own argument names (a NaN bias spoils every row, not _input)
+    "_input": "NaN or inf in that row of _input, or in lin_weight or bias (the LM head: a NaN "
+    "there spoils every row), or a logit of -inf at its label",
 }
 
 
@@ -206,7 +209,9 @@ def _rl_suspects(s: _Suspects) -> list[tuple[float, str]]:
         # The divisor the call used (a device tensor; read on the host only to build this error).
         d = float(given)
         what = f"{cfg.rl_normalization}'s divisor of this call: the batch's RL tokens per process"
-        out.append((1.0 / d, f"the RL divisor {d:g} ({what})"))
+        out.append((_inverse(d), f"the RL divisor {d:g} ({what})"))
+    elif given is not None:  # a host divisor
+        out.append((_inverse(given), f"the RL divisor {given:g} (Divisors.rl of this call)"))
     elif cfg.rl_normalization == "token_sum_constant" and given is None:
         c = cfg.rl_normalization_constant
         assert c is not None  # LossConfig
@@ -214,12 +219,20 @@ def _rl_suspects(s: _Suspects) -> list[tuple[float, str]]:
     return [o for o in out if o[1]]
 
 
+def _inverse(d: float) -> float:
+    """``1/d`` as a suspect's weight; a divisor of 0 (or not finite) is the first suspect."""
+    return 1.0 / d if d != 0 and math.isfinite(d) else math.inf
+
+
 def _echo_suspects(s: _Suspects) -> list[tuple[float, str]]:
     out = [_largest("echo_weights", s.x.echo_weights, s.echo_idx)]
     if isinstance(s.divisors.echo, torch.Tensor):  # read on the host only for this error
         d = float(s.divisors.echo)
         what = f"{s.cfg.echo_normalization}'s divisor of this call: the batch's echo tokens per process"
-        out.append((1.0 / d, f"the echo divisor {d:g} ({what})"))
+        out.append((_inverse(d), f"the echo divisor {d:g} ({what})"))
+    elif s.divisors.echo is not None:
+        d = s.divisors.echo
+        out.append((_inverse(d), f"the echo divisor {d:g} (Divisors.echo of this call)"))
     if s.cfg.echo_normalization == "sequence_mean" and s.cfg.echo_z_epsilon:
         out.append((0.0, f"echo_z_epsilon={s.cfg.echo_z_epsilon:g}"))
     return [o for o in out if o[1]]

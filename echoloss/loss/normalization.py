@@ -15,6 +15,7 @@ gives the true per-token (or per-sequence) mean over the global batch. Recipe, o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, NamedTuple
@@ -373,13 +374,20 @@ class Divisors(NamedTuple):
         echo: the echo term's divisor of ``token_mean`` (echo tokens) and ``sequence_mean``
             (``S_echo``); refused with ``batch_token_mean`` and ``sum``.
 
+        checked: True where the tensors' values are known to be finite and ≥ 1 (the modules'
+            clamped counts, themselves checked): their value check is skipped.
+
+    Each is checked when a loss call reads it (`checked_divisors`): a divisor ≤ 0 would flip
+    its term's sign (gradient ascent) or divide by zero, an infinite one would zero it.
+
     Example:
         >>> Divisors(rl=4.0)
-        Divisors(rl=4.0, echo=None)
+        Divisors(rl=4.0, echo=None, checked=False)
     """
 
     rl: float | torch.Tensor | None = None
     echo: float | torch.Tensor | None = None
+    checked: bool = False
 
 
 #: The loss's own divisors everywhere.
@@ -387,6 +395,82 @@ NO_DIVISORS = Divisors()
 
 #: The echo modes whose divisor `Divisors.echo` replaces.
 ECHO_DIVIDED = ("token_mean", "sequence_mean")
+
+
+def checked_divisors(divisors: Any, device: torch.device, checks: DeferredChecks) -> Divisors:
+    """``divisors`` checked for a loss call on ``device``: a `Divisors` whose entries are None,
+    a finite float > 0 (a Python ``bool`` is refused) or a 0-dim (1-element) float32 tensor on
+    ``device`` whose value is finite and > 0. Types, shapes and devices are checked at once;
+    a tensor's value through ``checks`` (deferred on the device path: no host read, no
+    launch: the value itself is one of the call's check numbers).
+
+    Raises:
+        TypeError: not a `Divisors`, or an entry of the wrong kind (str, list, bool, an
+            integer or fp16 tensor).
+        ValueError: a number ≤ 0 or not finite, a tensor of more than one element or on
+            another device (a meta tensor included).
+
+    Examples:
+        >>> checked_divisors(Divisors(rl=4), torch.device("cpu"), DeferredChecks(torch.device("cpu")))
+        Divisors(rl=4.0, echo=None, checked=False)
+        >>> checked_divisors(Divisors(rl=-4.0), torch.device("cpu"), DeferredChecks(torch.device("cpu")))
+        Traceback (most recent call last):
+        ...
+        ValueError: divisors.rl must be finite and > 0 (the RL term is divided by it: ≤ 0 flips its sign or divides by 0, inf zeroes it), got -4.0; pass the term's count (≥ 1), or None for the loss's own
+    """
+    if not isinstance(divisors, Divisors):
+        raise TypeError(
+            problem("divisors", "a Divisors(rl=..., echo=...)", describe(divisors))
+            + "; build one with echoloss.loss.normalization.Divisors"
+        )
+    out: dict[str, float | torch.Tensor | None] = {}
+    for name, term in (("rl", "RL"), ("echo", "echo")):
+        value = getattr(divisors, name)
+        what = (
+            f"finite and > 0 (the {term} term is divided by it: ≤ 0 flips its sign or divides "
+            "by 0, inf zeroes it)"
+        )
+        fix = "pass the term's count (≥ 1), or None for the loss's own"
+        arg = f"divisors.{name}"
+        if value is None:
+            out[name] = None
+        elif isinstance(value, torch.Tensor):
+            if value.dtype != torch.float32:
+                raise TypeError(
+                    problem(arg, "a float or a 0-dim float32 tensor", describe(value))
+                    + "; pass the count as float32 (fp16 overflows above 65504, and an "
+                    "integer count is cast once by its caller)"
+                )
+            if value.numel() != 1 or value.device != device:
+                raise ValueError(
+                    problem(arg, f"a 0-dim float32 tensor on the loss's device ({device})",
+                            describe(value))
+                    + "; one divisor per term, on the logprobs' device"
+                )  # fmt: skip
+            if not divisors.checked:
+                checks.add([value.reshape(())], _divisor_message(arg, what, fix))
+            out[name] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(problem(arg, what, repr(float(value))) + f"; {fix}")
+            out[name] = float(value)
+        else:
+            raise TypeError(
+                problem(arg, "a float, a 0-dim float32 tensor or None", describe(value))
+                + f"; {fix}"
+            )
+    return Divisors(out["rl"], out["echo"], divisors.checked)
+
+
+def _divisor_message(
+    arg: str, what: str, fix: str
+) -> Callable[[Sequence[float]], Exception | None]:
+    def message(v: Sequence[float]) -> Exception | None:
+        if math.isfinite(v[0]) and v[0] > 0:
+            return None
+        return ValueError(problem(arg, what, repr(float(v[0]))) + f"; {fix}")
+
+    return message
 
 
 def divisor_or_count(

@@ -529,7 +529,13 @@ def register_policy(
         raise ValueError(
             f"reads must name LossConfig policy parameters {POLICY_PARAMETERS}, got {unknown}"
         )
-    for flag, value in (("uses_ratio", uses_ratio), ("needs_sequences", needs_sequences)):
+    flags = (
+        ("uses_ratio", uses_ratio),
+        ("needs_sequences", needs_sequences),
+        ("all_rows", all_rows),
+        ("overwrite", overwrite),
+    )
+    for flag, value in flags:
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {value!r}")
     spec = PolicySpec(
@@ -542,6 +548,18 @@ def register_policy(
         all_rows=bool(all_rows),
     )
     return _REGISTRY.register(name, spec, overwrite=overwrite)
+
+
+def is_builtin_policy(name: str) -> bool:
+    """Whether ``name`` is one of echoloss's own policies, whose derivative is finite wherever
+    its loss is (tested at ratios past the float range); a registered or per-call policy's
+    backward is checked by the loss (`LossConfig.check_finite`).
+
+    Examples:
+        >>> is_builtin_policy("sapo"), is_builtin_policy("custom")
+        (True, True)
+    """
+    return _REGISTRY.is_builtin(name)
 
 
 def list_policies() -> list[str]:

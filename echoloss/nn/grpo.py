@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from echoloss import LossConfig, Normalizers
+from echoloss._logging import warn_once
+from echoloss._ratios import sapo_temperature_problem
 from echoloss._validate import check_count, describe, finite_float, problem
 from echoloss.ops.row_algebra.policies import ROW_POLICIES
 from echoloss.ops.value_checks import DeferredChecks
@@ -399,13 +401,20 @@ def _check_options(args: Any, *, epsilon_low: float, epsilon_high: float) -> Non
         )
     if finite_float("beta", getattr(args, "beta", 0.0)) < 0:
         raise ValueError(problem("beta", "≥ 0 (the KL coefficient)", repr(args.beta)))
-    if getattr(args, "loss_type", None) == "sapo":
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            value = finite_float(name, getattr(args, name))
-            if value <= 0:
-                raise ValueError(
-                    problem(name, "> 0 (SAPO divides by it)", repr(value), f"e.g. {name}=1.0")
-                )
+    for name, default in (("sapo_temperature_pos", 1.0), ("sapo_temperature_neg", 1.05)):
+        if getattr(args, name, None) is None:
+            continue
+        value = finite_float(name, getattr(args, name))  # checked whatever the loss type
+        bad = sapo_temperature_problem(name, value)
+        if bad is not None:
+            raise ValueError(bad)
+        if getattr(args, "loss_type", None) != "sapo" and value != default:
+            warn_once(
+                f"grpo-unused-{name}",
+                f"echoloss: {name}={value:g} is ignored by loss_type="
+                f"{getattr(args, 'loss_type', None)!r} (only 'sapo' reads it); remove it, or "
+                "set loss_type='sapo'",
+            )
     delta = getattr(args, "delta", None)
     if delta is not None:
         finite_float("delta", delta)

@@ -349,13 +349,33 @@ class EchoGRPOLoss(nn.Module):
             if call.observation_mask is None
             else check_mask("observation_mask", call.observation_mask, checks=checks)
         )
+        if given is not None and (given.shape != rl.shape or given.device != rl.device):
+            # checked whatever the normaliser: under token_mean it is unread, and was ignored
+            raise ValueError(
+                problem(
+                    "observation_mask",
+                    f"a [B, T] = {list(rl.shape)} mask on {rl.device} (attention_mask's shape)",
+                    describe(given),
+                )
+            )
         # |O_i| (observation or echo rows) is read by the echo normaliser sequence_mean only:
         # elsewhere the echo rows stand in, unread. The loss counts `observation | echo`
         # itself, so the mask goes as given (no launch).
         reads_observation = self.mapping is None or self.echo_normalization == "sequence_mean"
         obs = echo if given is None or not reads_observation else given
         cfg, norms, divisors = self.config, call.normalizers, Divisors()
-        if self.mapping is not None:
+        if self.mapping is None:
+            for name, value in (
+                ("num_items_in_batch", call.num_items_in_batch),
+                ("num_echo_items_in_batch", call.num_echo_items_in_batch),
+            ):
+                if value is not None:  # ignored before: the terms normalised per call
+                    raise ValueError(
+                        f"{name}: unused with config=LossConfig(...), whose normalisers divide "
+                        f"(got {describe(value)}); pass the batch's counts as "
+                        "normalizers=Normalizers(...), or use the GRPO options (loss_type=...)"
+                    )
+        else:
             if call.normalizers is not None:
                 raise ValueError(
                     "normalizers: the GRPO options fix the normaliser per call (loss_type); "
@@ -365,7 +385,8 @@ class EchoGRPOLoss(nn.Module):
                 self.mapping, rl, b, call.num_items_in_batch, checks
             )
             echo_divisor = self._echo_divisor(echo, b, call.num_echo_items_in_batch, checks)
-            divisors = Divisors(rl=rl_divisor, echo=echo_divisor)
+            # clamped (≥ 1) counts that were checked as they came in: no second value check
+            divisors = Divisors(rl=rl_divisor, echo=echo_divisor, checked=True)
         if cfg.kl_coef > 0 and call.ref_per_token_logps is None:
             raise ValueError(
                 f"ref_per_token_logps: required by beta={cfg.kl_coef} ([B, T] reference-model "
@@ -495,7 +516,7 @@ class EchoGRPOLoss(nn.Module):
         if lt == "bnpo":
             return self.config, None
         cfg, norms = mapping.micro_batch(
-            batch_size=batch_size,
+            batch_size=max(batch_size, 1),  # an empty batch (B = 0): a 0 term, any divisor
             max_completion_length=self.max_completion_length or 0,
             num_items_in_batch=None,
             num_processes=world,
@@ -524,7 +545,8 @@ class EchoGRPOLoss(nn.Module):
         if self.echo_normalization != "token_mean":
             if items is not None:  # given but unused by this normaliser: still a valid count
                 items_on_device("num_echo_items_in_batch", items, None, "echo tokens", checks)
-            return float(batch_size) if self.echo_normalization == "sequence_mean" else None
+            # every completion (B; at least 1: an empty batch's echo term is 0)
+            return float(max(batch_size, 1)) if self.echo_normalization == "sequence_mean" else None
         if items is None and world == 1:
             return None  # this call's echo tokens: the loss counts them (no launch here)
         if items is None:  # the batch's echo tokens over the ranks
@@ -567,8 +589,9 @@ class EchoGRPOLoss(nn.Module):
             observation_mask: ``[B, T]`` tokens counted in ``|O_i|`` (``sequence_mean``).
             inference_logprobs: ``[B, T]`` sampling logprobs, for ``LossConfig.mismatch``.
             num_items_in_batch: RL tokens of the whole batch (``dapo``/``cispo``; None = this
-                call's, summed over ranks).
-            num_echo_items_in_batch: echo tokens of the whole batch (``token_mean``).
+                call's, summed over ranks); refused with ``config=`` (pass ``normalizers``).
+            num_echo_items_in_batch: echo tokens of the whole batch (``token_mean``); refused
+                with ``config=``.
             normalizers: with ``config=`` only, as in [`echoloss.echo_loss`][echoloss.echo_loss].
             env_names: per-sequence env names for ``<name>/<env>`` metrics.
 
@@ -740,7 +763,7 @@ class EchoFusedLinearGRPOLoss(EchoGRPOLoss):
             )  # fmt: skip
         out = self._loss(
             lp.view(b, t), ent.view(b, t), rl, echo, setup, call, checks,
-            source="hidden", label_check=label_check,
+            source="_input", label_check=label_check,
         )  # fmt: skip
         if grads is None:
             return out

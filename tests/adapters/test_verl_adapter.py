@@ -286,3 +286,17 @@ def test_a_batch_without_echo_tokens_gives_zero_even_with_zero_counts_and_nan_ro
     assert float(out.detach()) == 0.0 and out.requires_grad
     (grad,) = torch.autograd.grad(out, log_prob)
     assert bool((grad == 0).all())
+
+
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum"]
+)
+def test_echo_agg_loss_that_overflows_is_refused_naming_the_weights(mode):
+    """Echo weights of 3e38 on 2 tokens (each finite, checked) gave an infinite echo term with
+    no error: -log_prob · w overflows float32."""
+    log_prob = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    weights = torch.tensor([[3e38, 3e38]])
+    with pytest.raises(
+        ValueError, match=r"echo_weights: the echo term is inf .*largest weight 3e\+38"
+    ):
+        adapter.echo_agg_loss(log_prob, weights, loss_agg_mode=mode)

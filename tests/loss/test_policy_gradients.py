@@ -420,3 +420,48 @@ def test_sapo_slope_against_60_digit_arithmetic():
             want = _mp_sapo_slope(r, tau)
             z = abs(tau * (math.exp(r) - 1))
             assert abs(g - want) <= 8 * eps * (1 + abs(r) + z) * want + 1e-300, (tau, r, g, want)
+
+
+def test_a_custom_policy_whose_backward_is_not_finite_is_named_by_check_finite():
+    """A registered or per-call policy with a finite loss and a non-finite derivative (here
+    plain autograd of a saturated gate of an overflowing ratio: 0·inf) is caught in backward,
+    naming the policy and the row; the built-in policies are exempt (their derivatives are
+    finite wherever their loss is, tested above)."""
+    from echoloss.loss.policy import _REGISTRY, PolicyOutput, register_policy
+
+    def naive_gate(inputs, config):
+        r = torch.exp(inputs.logprobs - inputs.old_logprobs)
+        return PolicyOutput(-torch.sigmoid(r - 1) * inputs.advantages, {})
+
+    lp, old = _extreme_case(100.0, torch.float32)
+    kw = dict(
+        rl_mask=torch.ones(2, dtype=torch.bool),
+        advantages=torch.tensor([1.0, -1.0]),
+        old_logprobs=old,
+    )
+    with _REGISTRY.isolated():
+        register_policy("naive_gate", naive_gate, all_rows=True)
+        out = echo_loss_from_logprobs(lp, config=LossConfig(policy="naive_gate"), **kw)
+        assert torch.isfinite(out.loss)
+        with pytest.raises(
+            ValueError, match=r"gradient of policy 'naive_gate' .* at row 0 must be finite"
+        ):
+            out.loss.backward()
+        # per call (policy="custom"), and the opt-out
+        out = echo_loss_from_logprobs(
+            lp, config=LossConfig(policy="custom"), policy_fn=naive_gate, **kw
+        )
+        with pytest.raises(ValueError, match=r"gradient of policy 'custom'"):
+            out.loss.backward()
+        # the device path (CUDA): checked in backward without a host read, raised later
+        from echoloss._deferred import device_code_path, raise_deferred_errors
+
+        with device_code_path():
+            out = echo_loss_from_logprobs(lp, config=LossConfig(policy="naive_gate"), **kw)
+            out.loss.backward()  # no host read here
+        with pytest.raises(ValueError, match=r"gradient of policy 'naive_gate'"):
+            raise_deferred_errors()
+        lp.grad = None
+        quiet = LossConfig(policy="naive_gate", check_finite=False)
+        echo_loss_from_logprobs(lp, config=quiet, **kw).loss.backward()
+        assert torch.isnan(lp.grad[0])  # what the check stops

@@ -80,9 +80,19 @@ def test_on_policy_nan_is_named_by_its_source_not_old_logprobs(module):
         hidden[0, 1, 0] = float("nan")
         head = torch.randn(V, 4)
         call = lambda: EchoFusedLinearGRPOLoss(beta=0.0)(hidden, head, ids, mask, adv)  # noqa: E731
-    with pytest.raises(ValueError, match=rf"^{module} row 1 must be a finite log-probability") as e:
+    named = "logits" if module == "logits" else "_input"  # the fused module's argument
+    with pytest.raises(ValueError, match=rf"^{named} row 1 must be a finite log-probability") as e:
         call()
     assert "old_logprobs" not in str(e.value)
+
+
+def test_nan_in_the_lm_head_bias_is_not_blamed_on_a_hidden_row():
+    """A NaN bias was reported as a bad ``hidden`` row: the message names the head's bias."""
+    _, ids, mask, adv, _ = _batch()
+    head, bias = torch.randn(V, 4), torch.zeros(V)
+    bias[2] = float("nan")
+    with pytest.raises(ValueError, match=r"^_input row 0 must be .* in lin_weight or bias"):
+        EchoFusedLinearGRPOLoss(beta=0.0)(torch.randn(B, T, 4), head, ids, mask, adv, bias=bias)
 
 
 def test_given_old_and_ref_logprobs_are_named_as_passed():

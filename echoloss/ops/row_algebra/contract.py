@@ -6,12 +6,12 @@ Shared by ``op.py``, ``fused.py`` and ``naive.py``; imports neither. The policie
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from echoloss._ratios import sapo_temperature_problem
 from echoloss._validate import describe, problem
 from echoloss.ops.row_algebra.policies import ROW_POLICIES, SFT_CODE
 
@@ -233,9 +233,9 @@ class RowAlgebraParams:
         if not self.echo_z_epsilon >= 0:  # NaN fails too
             raise ValueError(problem("echo_z_epsilon", "≥ 0", repr(self.echo_z_epsilon)))
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):  # NaN fails too
-                raise ValueError(problem(name, "finite and > 0 (sapo divides by it)", repr(value)))
+            bad = sapo_temperature_problem(name, getattr(self, name))  # NaN fails too
+            if bad is not None:
+                raise ValueError(bad)
 
     @property
     def reads_sequences(self) -> bool:

@@ -380,7 +380,9 @@ def _run_one(args: list[str], log: str) -> int:
 
     with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         try:
-            return run(args)
+            # a job runs from scratch: an unfinished one of a resumed experiment replaces
+            # what its killed run left (the trainer refuses a used directory otherwise)
+            return run([*args, "--overwrite"])
         except BaseException:  # the run failed: its log says why, the experiment goes on
             traceback.print_exc()
             return 1
