@@ -160,7 +160,7 @@ def _check_backward(lp_rl: torch.Tensor, rl: torch.Tensor, policy: str) -> None:
         checks.submit()
         return grad
 
-    lp_rl.register_hook(hook)
+    lp_rl.register_hook(hook)  # type: ignore[no-untyped-call]
 
 
 def rl_per_token(
