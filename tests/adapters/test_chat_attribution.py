@@ -446,3 +446,22 @@ def test_steps_apply_the_control_token_policy():
     body = [t for t, i, c in zip(steps[1].prompt_ids, att.message_indices, att.is_content,
                                  strict=True) if c and i == 2]  # fmt: skip
     assert body == b("ab")
+
+
+def test_a_lone_surrogate_in_a_body_is_the_messages_problem_not_the_tokenizers():
+    """Bytes decoded with errors='surrogateescape' leave a lone surrogate: it was reported as a
+    tokenizer that cannot encode the text; it is refused naming the message, field and index."""
+    tok = T.chatml()
+    convo = T.tool_conversation()
+    bad = [*convo[:3], {**convo[3], "content": "ls: caf\udce9"}, *convo[4:]]
+    with pytest.raises(
+        ValueError, match=r"messages\[3\]\.content has a lone surrogate U\+DCE9 at index 7"
+    ):
+        attribute(bad, tok)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]
+    with pytest.raises(
+        ValueError, match=r"messages\[0\]\.content\[0\]\['text'\] has a lone surrogate"
+    ):
+        attribute(parts, tok)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.reasoning_content has a lone surrogate"):
+        attribute([{"role": "assistant", "content": "a", "reasoning_content": "\udfff"}], tok)

@@ -46,6 +46,11 @@ def check_messages(messages: Any, extra_roles: Sequence[str]) -> list[Mapping[st
                         f"messages[{i}].content[{j}] must be a dict with a 'type' (e.g. "
                         f"{{'type': 'text', 'text': ...}}), got {part!r}"
                     )
+        for field in TEXT_FIELDS:
+            _check_text(f"messages[{i}].{field}", m.get(field))
+        if isinstance(content, Sequence) and not isinstance(content, str):
+            for j, part in enumerate(content):
+                _check_text(f"messages[{i}].content[{j}]['text']", part.get("text"))
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"messages[{i}].name must be a str, got {type(name).__name__}")
@@ -62,6 +67,30 @@ def check_messages(messages: Any, extra_roles: Sequence[str]) -> list[Mapping[st
                     )
         out.append(m)
     return out
+
+
+def _check_text(where: str, text: Any) -> None:
+    """A body text that is not valid Unicode (a lone surrogate, e.g. bytes decoded with
+    ``errors='surrogateescape'``) is the message's problem: no tokenizer can encode it, so a
+    later error would blame the tokenizer.
+
+    Examples:
+        >>> _check_text("messages[1].content", "ok")
+        >>> _check_text("messages[1].content", "a\\udce9b")
+        Traceback (most recent call last):
+        ...
+        ValueError: messages[1].content has a lone surrogate U+DCE9 at index 1, which is not valid Unicode text (no tokenizer can encode it); decode the tool's bytes with errors='replace' (or 'backslashreplace') before building the messages
+    """
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{where} has a lone surrogate U+{ord(text[err.start]):04X} at index {err.start}, "
+            "which is not valid Unicode text (no tokenizer can encode it); decode the tool's "
+            "bytes with errors='replace' (or 'backslashreplace') before building the messages"
+        ) from None
 
 
 def call_function(tc: Mapping[str, Any]) -> Mapping[str, Any]:
