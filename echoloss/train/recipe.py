@@ -318,7 +318,7 @@ def setup(
     """Everything before step 1: ranks and seeds, model and optimiser, environment, data
     source, held-out set, checkpoint (on resume), copy-task pre-training, output files. Every
     check of the inputs runs before the first file is written."""
-    claim_output_dir(cfg, resume, rank=int(os.environ.get("RANK", "0")))
+    claim_output_dir(cfg.train, resume, rank=int(os.environ.get("RANK", "0")))
     ranks = start_ranks(cfg.model.device)
     _process_settings(cfg, ranks)
     m = cfg.model

@@ -13,7 +13,7 @@ import torch
 
 import echoloss
 from echoloss.train import checkpoint as ckpt
-from echoloss.train.config import ModelConfig
+from echoloss.train.config import ModelConfig, TrainSection
 from echoloss.train.runtime import Ranks, gather, seed_everything
 
 __all__ = [
@@ -40,9 +40,9 @@ RUN_OUTPUTS = (
 )
 
 
-def claim_output_dir(cfg: TrainConfig, resume: str | Path | None, rank: int) -> None:
-    """Check ``train.output_dir`` before anything is loaded or written; with
-    ``train.overwrite``, remove the earlier run's `RUN_OUTPUTS` (rank 0 only).
+def claim_output_dir(train: TrainSection, resume: str | Path | None, rank: int) -> None:
+    """Check the ``[train]`` section's ``output_dir`` before anything is loaded or written;
+    with ``overwrite``, remove the earlier run's `RUN_OUTPUTS` (rank 0 only).
 
     A fresh run (or one resumed from a checkpoint of another directory) into a directory that
     already holds files would truncate its ``metrics.jsonl``, replace its plots and final model
@@ -54,7 +54,7 @@ def claim_output_dir(cfg: TrainConfig, resume: str | Path | None, rank: int) -> 
     """
     from echoloss.train.config import ConfigError
 
-    out = Path(cfg.train.output_dir)
+    out = Path(train.output_dir)
     flag = f"--output-dir (train.output_dir) {str(out)!r}"
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{flag} is an existing file, not a directory; name a new directory")
@@ -65,7 +65,7 @@ def claim_output_dir(cfg: TrainConfig, resume: str | Path | None, rank: int) -> 
     held = sorted(p.name for p in out.iterdir())
     if not held:
         return
-    if not cfg.train.overwrite:
+    if not train.overwrite:
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
         raise ConfigError(
             f"{flag} is not empty ({shown}): a new run would truncate its metrics and leave its "

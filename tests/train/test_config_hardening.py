@@ -146,14 +146,14 @@ def test_overwrite_removes_the_earlier_runs_outputs_only(tmp_path):
         (out / name).write_text("x\n")
     (out / "my-notes.md").write_text("mine")
     cfg = parse_config({"train": {"output_dir": str(out), "overwrite": True}})
-    claim_output_dir(cfg, None, rank=1)  # other ranks never remove anything
+    claim_output_dir(cfg.train, None, rank=1)  # other ranks never remove anything
     assert (out / "metrics.jsonl").exists()
-    claim_output_dir(cfg, None, rank=0)
+    claim_output_dir(cfg.train, None, rank=0)
     assert sorted(p.name for p in out.iterdir()) == ["my-notes.md"]
     # resuming the directory's own run is never refused; another directory's checkpoint is
     (out / "metrics.jsonl").write_text("x\n")
     plain = parse_config({"train": {"output_dir": str(out)}})
-    claim_output_dir(plain, out, rank=0)
-    claim_output_dir(plain, out / "checkpoints" / "step_000001", rank=0)
+    claim_output_dir(plain.train, out, rank=0)
+    claim_output_dir(plain.train, out / "checkpoints" / "step_000001", rank=0)
     with pytest.raises(ConfigError, match="is not empty"):
-        claim_output_dir(plain, tmp_path / "elsewhere" / "step_000001", rank=0)
+        claim_output_dir(plain.train, tmp_path / "elsewhere" / "step_000001", rank=0)
