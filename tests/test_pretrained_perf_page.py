@@ -1,0 +1,142 @@
+"""docs/pretrained.md's numbers of the update benchmark and of the learning rows, recomputed from
+the committed results (``benchmarks/results/update-step_*.json``, ``cpu-bf16_*.json`` and
+``docs/pretrained/learning/*.json``), character for character."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "pretrained.md"
+LEARNING = ROOT / "docs" / "pretrained" / "learning"
+NAMES = {
+    "logits": "`logits`: every row's logits (the update before this change)",
+    "packed": "`packed`: the LM head on the loss rows only",
+    "shared_prefix": "`shared_prefix`: that, and the shared prompt prefix once",
+    "plain": "plain transformers forward + backward (right-padded batch)",
+}
+
+
+def _page() -> str:
+    return " ".join(PAGE.read_text().split())
+
+
+def _latest(pattern: str) -> dict:
+    files = sorted((ROOT / "benchmarks" / "results").glob(pattern))
+    if not files:
+        pytest.skip(f"no benchmarks/results/{pattern} committed")
+    return json.loads(files[-1].read_text())
+
+
+def update_table(r: dict) -> list[str]:
+    lines = [
+        "| update (steps 4–6: pack, forward, loss, backward, clip, AdamW) | median | "
+        "relative to `logits` | micro-batches |",
+        "|---|---|---|---|",
+    ]
+    for key, name in NAMES.items():
+        med = r["median_s"][key]
+        mbs = r["micro_batches"].get(key, 1)
+        lines.append(f"| {name} | {med:.1f} s | {med / r['median_s']['logits']:.2f} | {mbs} |")
+    return lines
+
+
+def test_the_update_table_is_the_committed_benchmark():
+    r = _latest("update-step_*.json")
+    text = PAGE.read_text()
+    table = "\n".join(update_table(r))
+    assert table in text, f"docs/pretrained.md should contain:\n{table}"
+    g = r["generation_s"]
+    said = (
+        f"{r['prompts']} × {r['group']} rollouts ({r['samples']} samples, {r['tokens']} tokens, "
+        f"{r['rl_tokens']} RL and {r['echo_tokens']} echo tokens), {r['repeats']} repeats, "
+        f"{r['threads']} thread on {r['cpu']} (load average "
+        f"{r['loadavg_before'][0]:.1f} before, {r['loadavg_after'][0]:.1f} after), "
+        f"torch {r['versions']['torch']}, transformers {r['versions']['transformers']}, "
+        f"in {r['compute_dtype']}"
+    )
+    assert said in _page(), f"docs/pretrained.md should say: {said}"
+    gen = (
+        f"generating these rollouts took {g['shared_prompt']:.0f} s with the shared prompt "
+        f"prefilled once and {g['unshared']:.0f} s without"
+    )
+    assert gen in _page(), f"docs/pretrained.md should say: {gen}"
+
+
+def test_the_bf16_sentence_is_the_committed_measurement():
+    r = _latest("cpu-bf16_*.json")
+    m = r["median_s"]
+    said = (
+        f"fp32 {m['fp32']:.1f} s, bf16 autocast on fp32 weights "
+        f"{m['fp32 weights, bf16 autocast']:.1f} s, bf16 weights {m['bf16 weights']:.1f} s "
+        f"({r['rows']} × {r['tokens']} tokens, {r['threads']} threads, {r['cpu']}, "
+        f"load average {r['loadavg_before'][0]:.1f})"
+    )
+    assert said in _page(), f"docs/pretrained.md should say: {said}"
+
+
+def learning_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| set | seed | arm | RL step | questions | success | well-formed calls | result CE | "
+        "error CE | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, r in rows:
+        lines.append(
+            f"| {kind} | {r['seed']} | {r['arm']} | {r['rl_step']} | {r['eval_n']} | "
+            f"{r['eval_success']:.3f} | {r['valid_call_rate']:.3f} | {r['result_ce']:.3f} | "
+            f"{r['error_ce']:.3f} | {r['commit'][:7]} |"
+        )
+    return lines
+
+
+def _learning_rows() -> list[tuple[str, dict]]:
+    out = []
+    for kind, name in (("pilot", "pilot.json"), ("run", "results.json")):
+        path = LEARNING / name
+        if path.is_file():
+            out += [(kind, r) for r in json.loads(path.read_text())]
+    return out
+
+
+def test_the_learning_rows_are_printed_and_no_claim_is_made_early():
+    rows = _learning_rows()
+    text = PAGE.read_text()
+    if not rows:
+        assert "### Learning rows so far\n\nNo rows yet." in text
+        return
+    table = "\n".join(learning_table(rows))
+    assert table in text, f"docs/pretrained.md should contain:\n{table}"
+    for r in (r for _, r in rows):
+        assert set(r) >= {"seed", "rl_step", "arm", "eval_n", "eval_success", "valid_call_rate"}
+        assert r["eval_n"] == 64 and 0 <= r["eval_success"] <= 1
+    finished = _finished_seeds([r for k, r in rows if k == "run"])
+    if min((len(v) for v in finished.values()), default=0) < 3:
+        for claim in ("*learns*:", "gets worse:", "learning is not shown:"):
+            assert claim not in text, "no verdict before 3 seeds reach the last evaluation"
+
+
+def _finished_seeds(rows: list[dict], last: int = 30) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        if r["rl_step"] == last:
+            out.setdefault(r["arm"], []).append(r["seed"])
+    return out
+
+
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """Mean and 95 % t-interval (df = n − 1) of ``values``."""
+    t = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571}[len(values)]
+    mean = statistics.fmean(values)
+    half = t * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def test_t_interval_by_hand():
+    mean, lo, hi = t_interval([0.1, 0.2, 0.3])
+    assert mean == pytest.approx(0.2) and hi - mean == pytest.approx(4.303 * 0.1 / math.sqrt(3))
