@@ -52,6 +52,13 @@ def test_the_update_table_is_the_committed_benchmark():
     table = "\n".join(update_table(r))
     assert table in text, f"docs/pretrained.md should contain:\n{table}"
     g = r["generation_s"]
+    m = r["median_s"]
+    ratio = (
+        f"costs {m['shared_prefix'] / m['logits']:.2f} of the update before this change "
+        f"({m['shared_prefix']:.1f} s against {m['logits']:.1f} s) and "
+        f"{m['shared_prefix'] / m['plain']:.2f} of the plain transformers forward + backward"
+    )
+    assert ratio in _page(), f"docs/pretrained.md should say: {ratio}"
     said = (
         f"{r['prompts']} × {r['group']} rollouts ({r['samples']} samples, {r['tokens']} tokens, "
         f"{r['rl_tokens']} RL and {r['echo_tokens']} echo tokens), {r['repeats']} repeats, "
@@ -62,7 +69,7 @@ def test_the_update_table_is_the_committed_benchmark():
     )
     assert said in _page(), f"docs/pretrained.md should say: {said}"
     gen = (
-        f"generating these rollouts took {g['shared_prompt']:.0f} s with the shared prompt "
+        f"enerating these rollouts took {g['shared_prompt']:.0f} s with the shared prompt "
         f"prefilled once and {g['unshared']:.0f} s without"
     )
     assert gen in _page(), f"docs/pretrained.md should say: {gen}"
