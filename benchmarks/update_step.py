@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             "model.dtype": args.dtype,
             "train.threads": args.threads,
             "train.progress": False,
+            "train.overwrite": True,  # its own scratch directory, rewritten every run
         },
     )
     args.load_before = loadavg()
@@ -226,7 +227,9 @@ def _write(
         "what": "trainer RL update (pack, forward, loss, backward, clip, AdamW) by "
         "model.update_forward, and a plain transformers forward+backward+AdamW, same rollouts",
         "model": cfg.model.path,
-        "compute_dtype": str(run.dtype).removeprefix("torch."),
+        "compute_dtype": str(compute_dtype(cfg.model.dtype, torch.device("cpu"))).removeprefix(
+            "torch."
+        ),
         "prompts": args.prompts,
         "group": args.group,
         "samples": len(samples),

@@ -145,5 +145,5 @@ def t_interval(values: list[float]) -> tuple[float, float, float]:
 
 
 def test_t_interval_by_hand():
-    mean, lo, hi = t_interval([0.1, 0.2, 0.3])
+    mean, _lo, hi = t_interval([0.1, 0.2, 0.3])
     assert mean == pytest.approx(0.2) and hi - mean == pytest.approx(4.303 * 0.1 / math.sqrt(3))
