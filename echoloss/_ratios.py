@@ -17,12 +17,14 @@ This module imports nothing from echoloss: the loss (``loss/policy.py``) and the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 __all__ = [
     "SAPO_TEMPERATURE_RANGE",
+    "exp_may_overflow",
     "exp_ratio",
     "sapo_gate",
     "sapo_gate_slope",
@@ -54,6 +56,17 @@ def sapo_temperature_problem(name: str, value: object) -> str | None:
         f"must stay finite in float32), got {value!r}; the usual values are 1.0 (A > 0) and "
         "1.05 (A ≤ 0)"
     )
+
+
+def exp_may_overflow(clamp: float | None, dtype: torch.dtype) -> bool:
+    """Whether ``exp`` of a log ratio clamped at ``clamp`` (None = not clamped) can leave the
+    range of ``dtype``.
+
+    Examples:
+        >>> exp_may_overflow(20.0, torch.float32), exp_may_overflow(None, torch.float32)
+        (False, True)
+    """
+    return clamp is None or clamp >= math.log(torch.finfo(dtype).max)
 
 
 def sapo_gate_slope(log_ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:

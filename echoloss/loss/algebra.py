@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from echoloss._deferred import host_to_device
+from echoloss._ratios import exp_may_overflow
 from echoloss.loss.checks import reads_sequences
 from echoloss.loss.config import LossConfig
 from echoloss.loss.diagnosis import (
@@ -58,7 +59,14 @@ from echoloss.loss.policy import (
 )
 from echoloss.ops.value_checks import DeferredChecks
 
-__all__ = ["torch_algebra"]
+__all__ = ["MISMATCH_KL_WHY", "torch_algebra"]
+
+#: Why a non-finite mismatch KL is an error (`LossConfig.check_finite`).
+MISMATCH_KL_WHY = (
+    "the inference logprobs differ from the logprobs by more than the float range allows in "
+    "e^x - x - 1 with log_ratio_clamp=None; set log_ratio_clamp (e.g. 20) or check "
+    "inference_logprobs"
+)
 
 
 class _RLRows(NamedTuple):
@@ -247,6 +255,16 @@ def rl_per_token(
     if lq is not None:
         with torch.no_grad():
             means["mismatch_kl"] = k3(lp_rl - lq, clamp)  # [N]
+        if cfg.check_finite and exp_may_overflow(clamp, lp_rl.dtype):
+            # without a clamp, k3 = e^x - x - 1 of x = lp - lq overflows (a metric of inf):
+            # logprobs that far from the sampler's are broken inputs (no launch with a clamp)
+            check_finite_rows(
+                "mismatch_kl (k3 of logprobs - inference_logprobs)",
+                means["mismatch_kl"],
+                rl,
+                MISMATCH_KL_WHY,
+                checks,
+            )
     return _RLRows(per_tok, means, flags)
 
 

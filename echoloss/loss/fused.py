@@ -11,14 +11,16 @@ paths report the same errors. Everything it does not cover runs the PyTorch alge
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from echoloss._logging import warn_once
+from echoloss._ratios import exp_may_overflow
 from echoloss._validate import describe, problem
-from echoloss.loss.algebra import env_of_rows
+from echoloss.loss.algebra import MISMATCH_KL_WHY, env_of_rows
 from echoloss.loss.compiled import compiling
 from echoloss.loss.config import LossConfig
 from echoloss.loss.diagnosis import (
@@ -281,6 +283,20 @@ def _host_or_device(
     return float(divisor), None
 
 
+def _mismatch_kl_message(v: Sequence[float]) -> Exception | None:
+    """The error of a non-finite mismatch-KL mean (the program's stat slot)."""
+    if math.isfinite(v[0]):
+        return None
+    return ValueError(
+        problem(
+            "mismatch_kl (k3 of logprobs - inference_logprobs, mean over the RL rows)",
+            f"finite ({MISMATCH_KL_WHY})",
+            f"{v[0]}",
+            "or set LossConfig(check_finite=False) to skip this check",
+        )
+    )
+
+
 def fused_algebra(
     lp: torch.Tensor,
     ent: torch.Tensor | None,
@@ -359,6 +375,15 @@ def fused_algebra(
         later.append((final_loss_message(x, ent, cfg, divisors), _check_slots("loss")))
     if first or later:  # one block, no launch (two around the normalisers' checks)
         checks.add_packed(out.checks, first + later)
+    if (
+        cfg.check_finite
+        and params.mismatch_metric
+        and exp_may_overflow(cfg.log_ratio_clamp, torch.float32)
+    ):
+        # The program's mismatch-KL mean, read where it wrote it: inf when an RL row's k3
+        # overflowed without a clamp (the PyTorch algebra names the row). Never with a clamp
+        # that keeps exp finite (no block, no copy).
+        checks.add_packed(s, [(_mismatch_kl_message, [STAT_SLOTS.index("mismatch_kl")])])
     # The keys in `loss_metrics`' order: per key (all, then each env) the counts, the echo NLL,
     # the means (mismatch weight, reference KL, mismatch KL, entropy) and the flags (the
     # policy's, then the mismatch correction's); the two terms after the "all" ones.

@@ -465,3 +465,22 @@ def test_a_custom_policy_whose_backward_is_not_finite_is_named_by_check_finite()
         quiet = LossConfig(policy="naive_gate", check_finite=False)
         echo_loss_from_logprobs(lp, config=quiet, **kw).loss.backward()
         assert torch.isnan(lp.grad[0])  # what the check stops
+
+
+def test_a_mismatch_kl_that_overflows_without_a_clamp_is_an_error():
+    """cispo with log_ratio_clamp=None and inference logprobs e^1e4 below the logprobs: the
+    metric mismatch_kl/all was inf with no error (k3 = e^x - x - 1 overflows). With the default
+    clamp it stays finite and nothing is checked (no launch for it). The fused program's case:
+    ``tests/ops/test_fused_algebra.py``."""
+    lp = torch.tensor([-0.5, -1.0], requires_grad=True)
+    kw = dict(
+        rl_mask=torch.ones(2, dtype=torch.bool),
+        advantages=torch.tensor([1.0, -1.0]),
+        inference_logprobs=torch.tensor([-0.5 - 1e4, -1.1]),
+    )
+    with pytest.raises(
+        ValueError, match=r"mismatch_kl \(k3 of logprobs - inference_logprobs\) at row 0"
+    ):
+        echo_loss_from_logprobs(lp, config=LossConfig(policy="cispo", log_ratio_clamp=None), **kw)
+    out = echo_loss_from_logprobs(lp, config=LossConfig(policy="cispo"), **kw)
+    assert torch.isfinite(out.metrics["mismatch_kl/all"])

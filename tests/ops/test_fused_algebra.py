@@ -882,3 +882,29 @@ def test_a_registered_policy_is_told_once_that_it_runs_unfused(caplog, program_c
     assert f"policy {name!r} runs the unfused PyTorch loss algebra" in said[0]
     assert "150-185 kernel launches" in said[0] and "takes 8" in said[0]
     assert "'Make a policy fast'" in said[0]
+
+
+def test_a_mismatch_kl_that_overflows_without_a_clamp_is_an_error_on_the_fused_path():
+    """The program's mismatch-KL mean is inf when an RL row's k3 overflows without a clamp:
+    read where the program wrote it, raised as the PyTorch algebra's error is (its mean, not a
+    row); deferred on the device path."""
+    lp = torch.tensor([-0.5, -1.0], requires_grad=True)
+    kw = dict(
+        rl_mask=torch.ones(2, dtype=torch.bool),
+        advantages=torch.tensor([1.0, -1.0]),
+        inference_logprobs=torch.tensor([-0.5 - 1e4, -1.1]),
+    )
+    unclamped = LossConfig(policy="cispo", log_ratio_clamp=None)
+    fuse_loss_algebra("always")
+    try:
+        match = r"mismatch_kl \(k3 of logprobs - inference_logprobs, mean over the RL rows\)"
+        with pytest.raises(ValueError, match=match):
+            echo_loss_from_logprobs(lp, config=unclamped, **kw)
+        with device_code_path():
+            echo_loss_from_logprobs(lp, config=unclamped, **kw)
+        with pytest.raises(ValueError, match=match):
+            raise_deferred_errors()
+        out = echo_loss_from_logprobs(lp, config=LossConfig(policy="cispo"), **kw)
+        assert torch.isfinite(out.metrics["mismatch_kl/all"])
+    finally:
+        fuse_loss_algebra("auto")

@@ -18,7 +18,6 @@ neutral values (log ratio 0, advantage 0, the padding sequence): their outputs a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -26,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from echoloss._ratios import exp_ratio, sapo_gate
+from echoloss._ratios import exp_may_overflow, exp_ratio, sapo_gate
 
 __all__ = [
     "ROW_POLICIES",
@@ -99,16 +98,11 @@ def _clamped(x: torch.Tensor, clamp: float | None) -> torch.Tensor:
     return x if clamp is None else x.clamp(-clamp, clamp)
 
 
-def _may_overflow(clamp: float | None, dtype: torch.dtype) -> bool:
-    """Whether ``exp`` of a log ratio clamped at ``clamp`` can leave ``dtype``'s range."""
-    return clamp is None or clamp >= math.log(torch.finfo(dtype).max)
-
-
 def _exp(x: torch.Tensor, clamp: float | None) -> torch.Tensor:
     """``exp`` of a log ratio ``x`` clamped at ``clamp``, differentiable. Where it can overflow,
     `exp_ratio`: a flat objective's 0 gradient stays 0 (autograd's ``0·inf`` would be NaN);
     a clamp that keeps ``exp`` finite needs no guard (and no launches for it)."""
-    return exp_ratio(x) if _may_overflow(clamp, x.dtype) else torch.exp(x)
+    return exp_ratio(x) if exp_may_overflow(clamp, x.dtype) else torch.exp(x)
 
 
 def sequence_mean(values: torch.Tensor, index: torch.Tensor, num: int) -> torch.Tensor:
@@ -252,7 +246,7 @@ def _sapo_gated(
     if tau.dtype != x.dtype:  # τ in x's dtype: .to(fp64) of the fp32 τ would keep 1.05's rounding
         pos, neg = (torch.tensor(t, dtype=x.dtype) for t in (a.high, a.low))
         tau = torch.where(adv > 0, pos, neg)
-    if _may_overflow(a.clamp, x.dtype):
+    if exp_may_overflow(a.clamp, x.dtype):
         gate = sapo_gate(x, tau)
     else:  # a clamp keeps r finite: autograd's τ·σ(1 − σ)·r is finite (and costs fewer launches)
         gate = torch.sigmoid(tau * (torch.exp(x) - 1))
