@@ -1,0 +1,283 @@
+"""The world-model stage of the world-model 2×2 (docs/experiment.md, "Does knowing the world
+help?"): a warm-start model continued on nothing but the observation cross-entropy of random
+walks, so that RL starts from a model that knows the world by construction, and its sham twin.
+
+* **world-model**: random walks on the *training* pairs in the seed's world (per world: one
+  fixed permutation of the four directions, `echoloss.train.envs.mirrorgrid.world_permutation`);
+  the loss is the CE of every observation-body token (the tool messages' contents: direction
+  word, template and goal numbers), nothing else.
+* **sham**: the same walks (the same (start, goal) pairs and the same key presses, drawn from the
+  same generator), the same steps, batch and learning-rate schedule, in the **ordinary** world
+  (each key moves its own way), which the warm-start already knows. The sham has everything
+  of the stage but the world's information.
+
+Both are evaluated on the same held-out random walks **in the seed's world** (held-out pairs,
+`echoloss.train.probes_world.world_model_sets`), whose move-word CE has floor 0 given the world.
+
+::
+
+    python -m echo_experiment.world_model WARM_MODEL_DIR OUT_DIR --world 2 --steps 200 --lr 3e-3
+    python -m echo_experiment.world_model WARM_MODEL_DIR OUT_DIR --world 2 --sham ...
+
+writes ``OUT_DIR/final-model`` (a Hugging Face directory, usable as ``model.path``) and
+``OUT_DIR/stage.jsonl`` (one line per evaluation: step, learning rate, training CE, the held-out
+direction-word CEs, supervised tokens so far).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "STARTS",
+    "StageConfig",
+    "lr_at",
+    "observation_batch",
+    "run_stage",
+    "stage_walks",
+]
+
+STARTS = ("world-model", "sham")
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """The stage's schedule: ``steps`` AdamW updates of ``batch`` random walks each, the learning
+    rate ramped linearly from ``peak_lr / warmup_steps`` to ``peak_lr`` over ``warmup_steps`` and
+    then decayed to 0 along a cosine (`lr_at`); an evaluation every ``eval_every`` steps (and at
+    0 and the end) on ``heldout`` held-out walks. AdamW as the trainer's (betas 0.9, 0.95,
+    weight decay 0.01, gradient norm clipped at 1)."""
+
+    steps: int
+    peak_lr: float
+    warmup_steps: int = 10
+    batch: int = 32
+    eval_every: int = 10
+    heldout: int = 64
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"StageConfig.steps must be >= 1 (got {self.steps})")
+        if not (math.isfinite(self.peak_lr) and self.peak_lr > 0):
+            raise ValueError(f"StageConfig.peak_lr must be finite and > 0 (got {self.peak_lr})")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(
+                f"StageConfig.warmup_steps must be in [0, steps) = [0, {self.steps}) "
+                f"(got {self.warmup_steps})"
+            )
+        for name in ("batch", "eval_every", "heldout"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"StageConfig.{name} must be >= 1 (got {getattr(self, name)})")
+
+
+def lr_at(step: int, *, steps: int, peak: float, warmup: int) -> float:
+    """The learning rate of update ``step`` (0-based) of ``steps``: a linear ramp to ``peak``
+    over the first ``warmup`` updates, then a cosine decay, one step of it per update, that
+    would reach 0 one update after the last (so no update is wasted at lr 0).
+
+    Examples:
+        >>> [round(lr_at(k, steps=6, peak=1.0, warmup=2), 4) for k in range(6)]
+        [0.5, 1.0, 0.9045, 0.6545, 0.3455, 0.0955]
+        >>> round(lr_at(0, steps=3, peak=0.1, warmup=0), 4)
+        0.0854
+    """
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup + 1) / (steps - warmup + 1)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def stage_walks(env: Any, *, seed: int, step: int, batch: int, sham: bool) -> list[Any]:
+    """The ``batch`` random walks of update ``step``: pair, walk length and key presses drawn
+    from the generator ``world-model-stage/<seed>/<step>/<i>`` on the env's training pairs (never
+    a held-out one); in the env's world, or (``sham``) the ordinary world. The world-model and
+    sham stages of a seed press the same keys on the same pairs.
+
+    Examples:
+        >>> from echoloss.train.envs import MirrorGrid
+        >>> env = MirrorGrid(level="per-world", world=2, words="compass")
+        >>> wm = stage_walks(env, seed=0, step=0, batch=2, sham=False)
+        >>> sham = stage_walks(env, seed=0, step=0, batch=2, sham=True)
+        >>> keys = lambda w: [m["content"] for m in w if m["role"] == "assistant"]
+        >>> [keys(a) == keys(b) for a, b in zip(wm, sham)]
+        [True, True]
+    """
+    from echoloss.train.envs.mirrorgrid import MirrorTask, world_permutation
+
+    keys = None if sham else world_permutation(env.world)
+    pairs = env.train_pairs()
+    longest = max(env.turn_limit - 1, 1)  # the last turn is left for 'done'
+    walks = []
+    for i in range(batch):
+        rng = random.Random(f"world-model-stage/{seed}/{step}/{i}")
+        start, goal = rng.choice(pairs)
+        task = MirrorTask(start, goal, (False, False), keys)
+        walks.append(env.random_walk(task, rng, turns=rng.randint(min(2, longest), longest)))
+    return walks
+
+
+def observation_batch(walks: list[Any], tok: Any) -> tuple[Any, Any]:
+    """``(input_ids, mask)`` of ``walks``, right-padded to the longest: ``mask[b, t]`` marks
+    the tokens of every tool message's content (the observation bodies, the stage's targets).
+
+    Examples:
+        >>> from echoloss.train.envs import MirrorGrid
+        >>> from echoloss.train.model import build_tokenizer
+        >>> env = MirrorGrid(level="per-world", world=2, words="compass")
+        >>> tok = build_tokenizer(compass=True)
+        >>> walks = stage_walks(env, seed=0, step=0, batch=3, sham=False)
+        >>> x, mask = observation_batch(walks, tok)
+        >>> bodies = ["".join(tok.decode([int(t)]) for t in row[m]) for row, m in zip(x, mask)]
+        >>> bodies[0] == "".join(m["content"] for m in walks[0] if m["role"] == "tool")
+        True
+    """
+    import torch
+
+    from echoloss.train.data import hidden_token_positions
+
+    sets = []
+    for messages in walks:
+        spans = {i: (0, len(m["content"])) for i, m in enumerate(messages) if m["role"] == "tool"}
+        sets.append(hidden_token_positions(messages, tok, spans))
+    width = max(len(ids) for ids, _ in sets)
+    x = torch.full((len(sets), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(sets), width, dtype=torch.bool)
+    for b, (ids, positions) in enumerate(sets):
+        x[b, : len(ids)] = torch.tensor(ids)
+        mask[b, positions] = True
+    return x, mask
+
+
+def _observation_ce(model: Any, x: Any, mask: Any) -> Any:
+    """Mean next-token CE (nats/token, fp32) of the masked tokens of ``x``."""
+    import torch
+
+    logits = model(input_ids=x).logits[:, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, x[:, 1:, None])[..., 0]
+    target = mask[:, 1:]
+    return -(logprobs * target).sum() / target.sum()
+
+
+def run_stage(
+    model_dir: Path,
+    out: Path,
+    *,
+    world: int,
+    sham: bool,
+    cfg: StageConfig,
+    seed: int,
+    words: str = "compass",
+    log: Any = None,
+) -> list[dict[str, Any]]:
+    """Continue the model of ``model_dir`` with the stage (see the module docstring) in world
+    ``world`` (or, ``sham``, the ordinary world), write ``out/final-model`` and
+    ``out/stage.jsonl``; returns the evaluation rows. Deterministic given its arguments (one
+    CPU thread)."""
+    import torch
+
+    from echoloss.train.checkpoint import export_atomically
+    from echoloss.train.envs import MirrorGrid
+    from echoloss.train.model import load_model
+    from echoloss.train.probes_world import world_model_ce, world_model_sets
+
+    torch.manual_seed(seed)
+    model, tok = load_model(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    env = MirrorGrid(level="per-world", world=world, words=words)  # type: ignore[arg-type]
+    heldout = world_model_sets(env, tok, count=cfg.heldout)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.peak_lr, betas=(0.9, 0.95), weight_decay=0.01
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    tokens = 0
+    t0 = time.perf_counter()
+
+    def record(step: int, lr: float | None, train_ce: float | None) -> None:
+        ce = world_model_ce(model, heldout, torch.device("cpu"))
+        row = {
+            "start": "sham" if sham else "world-model",
+            "step": step,
+            "lr": lr,
+            "train_ce": train_ce,
+            "tokens": tokens,
+            "seconds": round(time.perf_counter() - t0, 1),
+            **{k: v for k, v in ce.items() if k.startswith("ce_walks_")},
+        }
+        rows.append(row)
+        if log is not None:
+            log(json.dumps(row))
+
+    record(0, None, None)
+    model.train()
+    for step in range(cfg.steps):
+        lr = lr_at(step, steps=cfg.steps, peak=cfg.peak_lr, warmup=cfg.warmup_steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, mask = observation_batch(
+            stage_walks(env, seed=seed, step=step, batch=cfg.batch, sham=sham), tok
+        )
+        tokens += int(mask.sum())
+        loss = _observation_ce(model, x, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            record(step + 1, lr, float(loss))
+    model.eval()
+
+    def write(d: Path) -> None:
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+
+    (out / "stage.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    export_atomically(out / "final-model", write)  # last: its presence means the stage is done
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The stage from the command line (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model_dir", type=Path, help="the warm-start's final-model directory")
+    p.add_argument("out", type=Path, help="where final-model/ and stage.jsonl go")
+    p.add_argument("--world", type=int, required=True, help="env.world of the seed")
+    p.add_argument("--sham", action="store_true", help="walks in the ordinary world instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--lr", type=float, required=True, help="the peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--eval-every", type=int, default=10)
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    cfg = StageConfig(
+        steps=args.steps,
+        peak_lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        batch=args.batch,
+        eval_every=args.eval_every,
+    )
+    run_stage(
+        args.model_dir,
+        args.out,
+        world=args.world,
+        sham=args.sham,
+        cfg=cfg,
+        seed=args.seed,
+        log=lambda line: print(line, flush=True),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
