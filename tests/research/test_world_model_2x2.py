@@ -1,0 +1,373 @@
+"""The world-model 2×2 (docs/experiment.md): its worlds, its stage and sham, its driver's plan and
+rows, and its pre-registered verdict on synthetic rows with known answers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from echo_experiment import world_model_report as report
+from echo_experiment.stats import paired_ci
+from echo_experiment.world_model import StageConfig, lr_at, observation_batch, stage_walks
+from echo_experiment.world_model_2x2 import Job, arm_row, main, plan, steps_to
+from echoloss.train.envs import MirrorGrid
+from echoloss.train.envs.mirrorgrid import MOVES, world_permutation
+
+KEYS = tuple(MOVES)  # up, down, left, right
+DERANGEMENTS = {p for p in itertools.permutations(KEYS) if all(a != b for a, b in zip(p, KEYS))}
+
+
+# ------------------------------------------------------------------------------------------------
+# The worlds
+
+
+def test_there_are_nine_derangements_of_four_directions() -> None:
+    # why 12 distinct worlds with no direction in place cannot exist (docs/experiment.md)
+    assert len(DERANGEMENTS) == 9
+
+
+def test_every_seed_has_a_world_where_no_key_moves_its_own_way() -> None:
+    perms = [world_permutation(w) for w in report.WORLDS]
+    assert len(perms) == len(report.SEEDS) == 12
+    assert all(p in DERANGEMENTS for p in perms)
+
+
+def test_the_worlds_cover_every_derangement_and_repeat_only_the_pairs_of_swaps() -> None:
+    perms = [world_permutation(w) for w in report.WORLDS]
+    assert set(perms[:9]) == DERANGEMENTS  # seeds 0-8: all nine, each once
+    swaps = {p for p in DERANGEMENTS if all(p[KEYS.index(p[i])] == KEYS[i] for i in range(4))}
+    assert len(swaps) == 3 and set(perms[9:]) == swaps  # seeds 9-11: the three pairs of swaps
+    kinds = [p in swaps for p in perms]
+    assert kinds.count(True) == kinds.count(False) == 6
+
+
+# ------------------------------------------------------------------------------------------------
+# The stage
+
+
+def _moves(walk: list[dict[str, Any]]) -> list[str]:
+    return [m["content"] for m in walk if m["role"] == "assistant"]
+
+
+def _replay(walk: list[dict[str, Any]], keys: tuple[str, ...] | None) -> list[str]:
+    """The observations of ``walk``'s key presses in the world ``keys`` (None: ordinary)."""
+    env = MirrorGrid(words="compass")
+    first = next(m["content"] for m in walk if m["role"] == "user").split()
+    sx, sy = (int(v) for v in first[1].split(","))
+    dx, dy = (int(v) for v in first[3].split(","))
+    from echoloss.train.envs.mirrorgrid import MirrorTask
+
+    episode = env.start(MirrorTask((sx, sy), (sx + dx, sy + dy), (False, False), keys))  # type: ignore[arg-type]
+    return [o for k in _moves(walk) if (o := env.act(episode, k)) is not None]
+
+
+@pytest.mark.parametrize("step", [0, 7])
+def test_sham_presses_the_same_keys_on_the_same_pairs_in_the_ordinary_world(step: int) -> None:
+    env = MirrorGrid(level="per-world", world=report.WORLDS[4], words="compass")
+    wm = stage_walks(env, seed=4, step=step, batch=16, sham=False)
+    sham = stage_walks(env, seed=4, step=step, batch=16, sham=True)
+    train = set(env.train_pairs())
+    for a, b in zip(wm, sham, strict=True):
+        assert a[:2] == b[:2] and _moves(a) == _moves(b)  # same start message, same key presses
+        assert [m["content"] for m in a if m["role"] == "tool"] == _replay(
+            a, world_permutation(env.world)
+        )
+        assert [m["content"] for m in b if m["role"] == "tool"] == _replay(b, None)
+        first = a[1]["content"].split()
+        sx, sy = (int(v) for v in first[1].split(","))
+        dx, dy = (int(v) for v in first[3].split(","))
+        assert ((sx, sy), (sx + dx, sy + dy)) in train  # never a held-out pair
+    # the world differs from the ordinary one somewhere in the batch
+    assert any(_moves(a) and a != b for a, b in zip(wm, sham, strict=True))
+
+
+def test_observation_batch_marks_exactly_the_tool_contents() -> None:
+    from echoloss.train.model import build_tokenizer
+
+    tok = build_tokenizer(compass=True)
+    env = MirrorGrid(level="per-world", world=report.WORLDS[0], words="compass")
+    walks = stage_walks(env, seed=0, step=3, batch=5, sham=False)
+    x, mask = observation_batch(walks, tok)
+    for row, m, walk in zip(x, mask, walks, strict=True):
+        text = "".join(tok.decode([int(t)]) for t in row[m])
+        assert text == "".join(w["content"] for w in walk if w["role"] == "tool")
+
+
+def test_lr_schedule_ramps_to_the_peak_then_decays_without_a_zero_step() -> None:
+    lrs = [lr_at(k, steps=50, peak=3e-3, warmup=10) for k in range(50)]
+    assert lrs[:10] == pytest.approx([3e-3 * (k + 1) / 10 for k in range(10)], rel=1e-12)
+    assert all(a > b for a, b in itertools.pairwise(lrs[9:]))
+    assert lrs[-1] > 0
+    # the cosine's midpoint: half the peak, halfway through the decay's 41 intervals
+    assert lr_at(10 + 20, steps=50, peak=1.0, warmup=10) == pytest.approx(
+        0.5 * (1 + math.cos(math.pi * 21 / 41)), rel=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "bad"),
+    [({"steps": 0, "peak_lr": 1e-3}, "steps"), ({"steps": 5, "peak_lr": 0.0}, "peak_lr"),
+     ({"steps": 5, "peak_lr": math.inf}, "peak_lr"),
+     ({"steps": 5, "peak_lr": 1e-3, "warmup_steps": 5}, "warmup_steps"),
+     ({"steps": 20, "peak_lr": 1e-3, "batch": 0}, "batch")],
+)  # fmt: skip
+def test_stage_config_refuses_bad_values_by_name(kwargs: dict[str, Any], bad: str) -> None:
+    with pytest.raises(ValueError, match=f"StageConfig.{bad} must"):
+        StageConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# The driver
+
+
+def test_plan_runs_seed_by_seed_each_job_after_the_one_it_needs() -> None:
+    jobs = plan(Path("o"), [0, 5])
+    names = [j.name for j in jobs]
+    assert len(jobs) == 2 * (1 + 2 + 2 + 4)
+    assert all(names.index(j.needs) < names.index(j.name) for j in jobs if j.needs)
+    assert all(j.meta["seed"] == 0 for j in jobs[:9])
+    arms = [j for j in jobs if j.meta["kind"] == "arm"]
+    assert {(j.meta["start"], j.meta["arm"], j.meta["alpha"]) for j in arms} == {
+        ("world-model", "grpo", 0.0), ("world-model", "echo", 0.05),
+        ("sham", "grpo", 0.0), ("sham", "echo", 0.05),
+    }  # fmt: skip
+    seed5 = [j for j in arms if j.meta["seed"] == 5]
+    assert all(f"env.world={report.WORLDS[5]}" in j.args for j in seed5)
+    assert all("train.max_steps=100" in j.args and "train.eval_every=20" in j.args for j in seed5)
+    sham = next(j for j in jobs if j.name == "stage-sham-seed5")
+    wm = next(j for j in jobs if j.name == "stage-world-model-seed5")
+    assert sham.args[0] == wm.args[0]  # the same warm-start
+    assert sham.args[2:] == [*wm.args[2:], "--sham"]  # the twin differs in the world only
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_arm_row_reads_its_start_its_evaluations_and_its_stage(tmp_path: Path) -> None:
+    start = {"rl_step": 0, "eval_success_greedy": 0.5, "eval_success_sampled": 0.45,
+             "eval_invalid_rate": 0.01, "ce_walks_move": 0.4}  # fmt: skip
+    _write(tmp_path / "start-world-model-seed3" / "eval.jsonl", [start])
+    evals = [{"rl_step": s, "eval_success_greedy": g, "ce_walks_move": 0.5} for s, g in
+             ((20, 0.7), (40, 0.8), (60, 0.75), (80, 0.9))]  # fmt: skip
+    evals.append({"rl_step": 100, "eval_success_greedy": 0.85, "eval_success_sampled": 0.8,
+                  "eval_invalid_rate": 0.02, "ce_walks_move": 0.6})  # fmt: skip
+    _write(tmp_path / "world-model-echo-seed3" / "eval.jsonl", evals)
+    _write(tmp_path / "stage-world-model-seed3" / "stage.jsonl",
+           [{"step": 0, "tokens": 0}, {"step": 200, "tokens": 123, "ce_walks_move": 0.3}])  # fmt: skip
+    job = Job("world-model-echo-seed3", "train", [], meta={"seed": 3, "start": "world-model",
+              "arm": "echo", "alpha": 0.05, "world": 12})  # fmt: skip
+    row = arm_row(tmp_path, job, {"commit": "abc", "dirty": False})
+    assert (row["eval_success_start"], row["eval_success_end"]) == (0.45, 0.8)
+    assert (row["move_ce_start"], row["move_ce_end"]) == (0.4, 0.6)
+    assert (row["invalid_start"], row["invalid_end"]) == (0.01, 0.02)
+    assert row["steps_to_80"] == 40 and row["rl_steps"] == 100
+    assert (row["stage_steps"], row["stage_tokens"]) == (200, 123)
+    assert (row["commit"], row["dirty"], row["world"]) == ("abc", False, 12)
+    assert [c["rl_step"] for c in row["curve"]] == [0, 20, 40, 60, 80, 100]
+
+
+def test_steps_to_80_and_its_one_censoring_rule() -> None:
+    assert steps_to([{"rl_step": 0, "eval_success_greedy": 0.8}]) == 0
+    assert steps_to([{"rl_step": 20, "eval_success_greedy": 0.79}]) is None
+    assert report.steps_to_80_or_censored({"steps_to_80": None}) == 120
+
+
+def test_resume_refuses_a_run_made_at_another_commit(tmp_path: Path, capsys: Any) -> None:
+    (tmp_path / "run.json").write_text(json.dumps({"commit": "0" * 40, "dirty": False}))
+    assert main(["--output-dir", str(tmp_path), "--resume"]) == 2
+    assert "resume it from a checkout of that commit" in capsys.readouterr().err
+    assert main(["--output-dir", str(tmp_path)]) == 2  # without --resume: never overwritten
+    assert "continue it with --resume" in capsys.readouterr().err
+
+
+def test_bad_seeds_and_jobs_are_refused_by_name(tmp_path: Path, capsys: Any) -> None:
+    assert main(["--output-dir", str(tmp_path), "--seeds", "12"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+    assert main(["--output-dir", str(tmp_path), "--jobs", "0"]) == 2
+    assert "--jobs" in capsys.readouterr().err
+    assert not (tmp_path / "run.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# The verdict, on synthetic rows
+
+
+def _rows(
+    *,
+    p1: float,
+    p2: float,
+    p3: float = 0.0,
+    ce_start: float = 0.3,
+    sham_ce: float = 2.0,
+    echo_ce_end: float = 0.4,
+    grpo_ce_end: float = 0.9,
+    noise: float = 0.01,
+    seeds: tuple[int, ...] = report.SEEDS,
+) -> list[dict[str, Any]]:
+    """A complete run whose contrasts are ``p1``, ``p2``, ``p3`` (plus small paired noise)."""
+    rng = random.Random(0)
+    rows = []
+    for s in seeds:
+        base = 0.4 + 0.02 * s
+        success = {
+            "sham grpo": base,
+            "world-model grpo": base + p1 + rng.uniform(-noise, noise),
+            "sham echo": base + p3 + rng.uniform(-noise, noise),
+        }
+        success["world-model echo"] = success["world-model grpo"] + p2 + rng.uniform(-noise, noise)
+        for c in report.CELLS:
+            start, arm = c.split(" ")
+            wm = start == "world-model"
+            rows.append({
+                "level": "per-world", "start": start, "arm": arm,
+                "alpha": report.ALPHA if arm == "echo" else 0.0, "seed": s,
+                "world": report.WORLDS[s] if s < 12 else 0,
+                "eval_success_start": base, "eval_success_end": success[c],
+                "eval_success_greedy_end": success[c], "move_ce_start": (ce_start if wm else sham_ce)
+                + rng.uniform(-noise, noise),
+                "move_ce_end": (echo_ce_end if arm == "echo" else grpo_ce_end) + rng.uniform(-noise, noise),
+                "steps_to_80": None, "invalid_start": 0.01, "invalid_end": 0.02,
+                "rl_steps": report.RL_STEPS, "commit": "f" * 40, "dirty": False,
+            })  # fmt: skip
+    return rows
+
+
+def test_support_when_every_part_holds() -> None:
+    v = report.verdict(_rows(p1=0.10, p2=0.05))
+    assert v["verdict"] == "support" and v["failed"] == []
+
+
+def test_refutation_when_knowing_the_world_does_not_help() -> None:
+    v = report.verdict(_rows(p1=0.0, p2=0.05))
+    assert v["verdict"] == "refutation" and v["because"].startswith("knowing the world")
+    assert v["failed"] == ["P1 > 0"]
+
+
+def test_refutation_when_echo_keeps_the_world_model_and_that_does_not_pay() -> None:
+    v = report.verdict(_rows(p1=0.10, p2=0.0, grpo_ce_end=1.2))
+    assert v["verdict"] == "refutation" and v["because"].startswith("echo keeps")
+
+
+def test_undecided_names_the_failed_parts() -> None:
+    v = report.verdict(_rows(p1=0.10, p2=0.0, grpo_ce_end=0.6, echo_ce_end=0.5))
+    assert v["verdict"] == "undecided"  # GRPO keeps the CE too: branch (b) does not apply
+    assert v["failed"] == ["P2 > 0"]
+
+
+def test_no_refutation_without_the_manipulation() -> None:
+    v = report.verdict(_rows(p1=0.0, p2=0.0, ce_start=0.9))
+    assert v["verdict"] == "undecided" and "manipulation" in v["failed"]
+    assert v["parts"]["manipulation"] is False
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (lambda rows: rows[:-4], "44 of 48 runs"),
+        (lambda rows: rows[1:], "47 of 48 runs"),
+        (lambda rows: [*rows, rows[0]], "appear more than once"),
+        (lambda rows: [r | {"world": 2} if r["seed"] == 1 else r for r in rows], "ran world 2"),
+        (lambda rows: [r | {"commit": "e" * 40} if r["seed"] == 1 else r for r in rows], "2 code commits"),
+        (lambda rows: [r | {"dirty": True} if r["seed"] == 1 else r for r in rows], "clean tree"),
+        (lambda rows: [r | {"rl_steps": 60} if r["seed"] == 1 else r for r in rows], "60 RL steps"),
+        (lambda rows: [r | {"alpha": 0.01} if r["arm"] == "echo" else r for r in rows], "λ 0.01"),
+        (lambda rows: rows + _rows(p1=0.1, p2=0.05, seeds=(12,)), "seeds [12] are not"),
+    ],
+)  # fmt: skip
+def test_no_verdict_on_any_set_but_the_pre_registered_one(change: Any, why: str) -> None:
+    rows = change(_rows(p1=0.10, p2=0.05))
+    assert report.verdict(rows)["verdict"] is None
+    assert any(why in p for p in report.problems(rows)), report.problems(rows)
+    assert "no verdict until complete" in report.markdown(rows)
+
+
+def test_contrasts_are_the_paired_intervals_of_the_rows() -> None:
+    rows = _rows(p1=0.10, p2=0.05, p3=-0.02, noise=0.03)
+    by = {(r["seed"], report.cell(r)): r for r in rows}
+
+    def diffs(a: str, b: str, key: str = "eval_success_end") -> list[float]:
+        return [by[(s, a)][key] - by[(s, b)][key] for s in report.SEEDS]
+
+    c = report.contrasts(rows)
+    assert c["P1"] == paired_ci(diffs("world-model grpo", "sham grpo"))
+    assert c["P2"] == paired_ci(diffs("world-model echo", "world-model grpo"))
+    assert c["P3"] == paired_ci(diffs("sham echo", "sham grpo"))
+    assert c["ce_echo_vs_grpo"] == paired_ci(
+        diffs("world-model echo", "world-model grpo", "move_ce_end")
+    )
+    # a hand-computed case: P1 = 0.1 exactly on two seeds has a zero-width interval
+    two = [r for r in _rows(p1=0.1, p2=0.0, noise=0.0) if r["seed"] < 2]
+    assert report.contrasts(two)["P1"] == pytest.approx({"mean": 0.1, "lo": 0.1, "hi": 0.1, "n": 2})
+
+
+def test_the_result_block_prints_the_verdict_of_the_complete_rows() -> None:
+    md = report.markdown(_rows(p1=0.0, p2=0.05))
+    assert md.startswith("### Result: complete, 48 of 48 runs")
+    assert "**Verdict by the pre-registered rule: refutation** (knowing the world" in md
+
+
+# ------------------------------------------------------------------------------------------------
+# The page: every number it prints comes from the committed rows or is a setting of the code
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "world-model-2x2.md"
+ROWS = ROOT / "docs" / "experiment" / "world-model-2x2"
+
+
+def test_the_page_prints_the_report_of_the_committed_rows() -> None:
+    """The pilot and result blocks are `update_page` of the committed ``pilot.json`` and
+    ``results.json``: every number in them is recomputed from the rows here."""
+    pilot = json.loads((ROWS / "pilot.json").read_text())
+    rows = json.loads((ROWS / "results.json").read_text())
+    page = PAGE.read_text()
+    assert report.update_page(page, pilot, rows) == page, (
+        "docs/world-model-2x2.md does not print the report of its committed rows; run "
+        "`python examples/research/echo_experiment/run.py world-model-page "
+        "docs/experiment/world-model-2x2`"
+    )
+    done = len(rows)
+    if report.problems(rows):
+        assert f"**In progress: {done} of 48 runs; no verdict until complete.**" in page
+    assert all(r["commit"] and r["dirty"] is False for r in rows)
+
+
+def test_the_pilot_rows_meet_what_the_page_says() -> None:
+    from echo_experiment import world_model_pilot as pilot_mod
+
+    pilot = json.loads((ROWS / "pilot.json").read_text())
+    chosen = next(r for r in pilot if r["kind"] == "choice")["chosen"]
+    stages = [r for r in pilot if r["kind"] == "stage" and r["start"] == "world-model"]
+    assert [s["passes"] for s in stages] == [pilot_mod.passes(s["curve"]) for s in stages]
+    if chosen is not None:
+        starts = {r["start"]: r for r in pilot if r["kind"] == "start" and r["label"] == chosen}
+        assert pilot_mod.met(starts)
+        from echo_experiment.world_model_2x2 import STAGE
+
+        s = next(s for s in stages if s["label"] == chosen)
+        assert (STAGE.steps, STAGE.peak_lr, STAGE.warmup_steps, STAGE.batch) == (
+            s["steps"], s["peak_lr"], s["warmup_steps"], s["batch"])  # fmt: skip
+
+
+def test_the_protocol_prints_the_settings_of_the_code() -> None:
+    from echo_experiment import world_model_pilot as pilot_mod
+
+    page = " ".join(PAGE.read_text().split())  # the words, whatever the line breaks
+    assert ", ".join(map(str, report.WORLDS)) + "." in page
+    assert (
+        f"each {report.RL_STEPS} RL steps" in page and f"every {report.EVAL_EVERY} RL steps" in page
+    )
+    assert f"counted at **{report.CENSORED_AT}**" in page
+    assert f"| world-model | echo | {report.ALPHA:g} " in page
+    assert f"last {pilot_mod.LAST_K} evaluations" in page
+    assert f"at most {round(100 * pilot_mod.MAX_INVALID)} %" in page
+    assert f"within {pilot_mod.SHAM_CE} nats" in page
+    assert f"within {round(100 * pilot_mod.SHAM_SUCCESS)} points" in page
+    assert pilot_mod.CANDIDATES == ((3e-3, 200, 10), (1e-2, 150, 20))  # the page's candidates
