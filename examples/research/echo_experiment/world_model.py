@@ -1,15 +1,19 @@
 """The world-model stage of the world-model 2×2 (docs/experiment.md, "Does knowing the world
 help?"): a warm-start model continued on nothing but the observation cross-entropy of random
-walks, so that RL starts from a model that knows the world by construction, and its sham twin.
+walks, so that RL starts from a model that knows the world by construction, and its sham twins.
+The stages differ only in the world the walks are played in (``walks``):
 
-* **world-model**: random walks on the *training* pairs in the seed's world (per world: one
-  fixed permutation of the four directions, `echoloss.train.envs.mirrorgrid.world_permutation`);
-  the loss is the CE of every observation-body token (the tool messages' contents: direction
-  word, template and goal numbers), nothing else.
-* **sham**: the same walks (the same (start, goal) pairs and the same key presses, drawn from the
-  same generator), the same steps, batch and learning-rate schedule, in the **ordinary** world
-  (each key moves its own way), which the warm-start already knows. The sham has everything
-  of the stage but the world's information.
+* ``"world"`` (the **world-model** start): random walks on the *training* pairs in the seed's
+  world (per world: one fixed permutation of the four directions,
+  `echoloss.train.envs.mirrorgrid.world_permutation`); the loss is the CE of every
+  observation-body token (the tool messages' contents: direction word, template and goal
+  numbers), nothing else.
+* ``"ordinary"`` (a sham): the same walks (the same (start, goal) pairs and the same key presses,
+  drawn from the same generator), the same steps, batch and learning-rate schedule, in the
+  **ordinary** world (each key moves its own way), which the warm-start already knows.
+* ``"shuffled"`` (a sham): the same walks, each in a world of its own, a uniformly random
+  permutation of the four directions (the identity included) drawn per walk from a generator of
+  its own: the same template and goal arithmetic to learn, and no world that persists.
 
 Both are evaluated on the same held-out random walks **in the seed's world** (held-out pairs,
 `echoloss.train.probes_world.world_model_sets`), whose move-word CE has floor 0 given the world.
@@ -17,7 +21,7 @@ Both are evaluated on the same held-out random walks **in the seed's world** (he
 ::
 
     python -m echo_experiment.world_model WARM_MODEL_DIR OUT_DIR --world 2 --steps 200 --lr 3e-3
-    python -m echo_experiment.world_model WARM_MODEL_DIR OUT_DIR --world 2 --sham ...
+    python -m echo_experiment.world_model WARM_MODEL_DIR OUT_DIR --world 2 --walks shuffled ...
 
 writes ``OUT_DIR/final-model`` (a Hugging Face directory, usable as ``model.path``) and
 ``OUT_DIR/stage.jsonl`` (one line per evaluation: step, learning rate, training CE, the held-out
@@ -38,6 +42,7 @@ from typing import Any
 
 __all__ = [
     "STARTS",
+    "WALKS",
     "StageConfig",
     "lr_at",
     "observation_batch",
@@ -46,6 +51,7 @@ __all__ = [
 ]
 
 STARTS = ("world-model", "sham")
+WALKS = ("world", "ordinary", "shuffled")
 
 
 @dataclass(frozen=True)
@@ -95,33 +101,45 @@ def lr_at(step: int, *, steps: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def stage_walks(env: Any, *, seed: int, step: int, batch: int, sham: bool) -> list[Any]:
+def stage_walks(env: Any, *, seed: int, step: int, batch: int, walks: str) -> list[Any]:
     """The ``batch`` random walks of update ``step``: pair, walk length and key presses drawn
     from the generator ``world-model-stage/<seed>/<step>/<i>`` on the env's training pairs (never
-    a held-out one); in the env's world, or (``sham``) the ordinary world. The world-model and
-    sham stages of a seed press the same keys on the same pairs.
+    a held-out one), played in the world ``walks`` names (`WALKS`: the env's world, the
+    ordinary one, or a permutation per walk from the generator
+    ``world-model-stage/shuffled/<seed>/<step>/<i>``). Every kind presses the same keys on the
+    same pairs.
 
     Examples:
         >>> from echoloss.train.envs import MirrorGrid
         >>> env = MirrorGrid(level="per-world", world=2, words="compass")
-        >>> wm = stage_walks(env, seed=0, step=0, batch=2, sham=False)
-        >>> sham = stage_walks(env, seed=0, step=0, batch=2, sham=True)
+        >>> wm = stage_walks(env, seed=0, step=0, batch=2, walks="world")
+        >>> sham = stage_walks(env, seed=0, step=0, batch=2, walks="shuffled")
         >>> keys = lambda w: [m["content"] for m in w if m["role"] == "assistant"]
         >>> [keys(a) == keys(b) for a, b in zip(wm, sham)]
         [True, True]
     """
-    from echoloss.train.envs.mirrorgrid import MirrorTask, world_permutation
+    from echoloss.train.envs.mirrorgrid import MOVES, MirrorTask, world_permutation
 
-    keys = None if sham else world_permutation(env.world)
+    if walks not in WALKS:
+        raise ValueError(f"stage_walks: walks must be one of {WALKS}, got {walks!r}")
     pairs = env.train_pairs()
     longest = max(env.turn_limit - 1, 1)  # the last turn is left for 'done'
-    walks = []
+    out = []
     for i in range(batch):
         rng = random.Random(f"world-model-stage/{seed}/{step}/{i}")
         start, goal = rng.choice(pairs)
-        task = MirrorTask(start, goal, (False, False), keys)
-        walks.append(env.random_walk(task, rng, turns=rng.randint(min(2, longest), longest)))
-    return walks
+        keys: tuple[str, ...] | None = None  # "ordinary"
+        if walks == "world":
+            keys = world_permutation(env.world)
+        elif walks == "shuffled":  # its own generator: the key presses stay those of the others
+            keys = tuple(
+                random.Random(f"world-model-stage/shuffled/{seed}/{step}/{i}").sample(
+                    list(MOVES), 4
+                )
+            )
+        task = MirrorTask(start, goal, (False, False), keys)  # type: ignore[arg-type]
+        out.append(env.random_walk(task, rng, turns=rng.randint(min(2, longest), longest)))
+    return out
 
 
 def observation_batch(walks: list[Any], tok: Any) -> tuple[Any, Any]:
@@ -133,7 +151,7 @@ def observation_batch(walks: list[Any], tok: Any) -> tuple[Any, Any]:
         >>> from echoloss.train.model import build_tokenizer
         >>> env = MirrorGrid(level="per-world", world=2, words="compass")
         >>> tok = build_tokenizer(compass=True)
-        >>> walks = stage_walks(env, seed=0, step=0, batch=3, sham=False)
+        >>> walks = stage_walks(env, seed=0, step=0, batch=3, walks="world")
         >>> x, mask = observation_batch(walks, tok)
         >>> bodies = ["".join(tok.decode([int(t)]) for t in row[m]) for row, m in zip(x, mask)]
         >>> bodies[0] == "".join(m["content"] for m in walks[0] if m["role"] == "tool")
@@ -171,14 +189,14 @@ def run_stage(
     out: Path,
     *,
     world: int,
-    sham: bool,
+    walks: str,
     cfg: StageConfig,
     seed: int,
     words: str = "compass",
     log: Any = None,
 ) -> list[dict[str, Any]]:
     """Continue the model of ``model_dir`` with the stage (see the module docstring) in world
-    ``world`` (or, ``sham``, the ordinary world), write ``out/final-model`` and
+    ``world`` with walks of the kind ``walks`` (`stage_walks`), write ``out/final-model`` and
     ``out/stage.jsonl``; returns the evaluation rows. Deterministic given its arguments (one
     CPU thread)."""
     import torch
@@ -203,7 +221,8 @@ def run_stage(
     def record(step: int, lr: float | None, train_ce: float | None) -> None:
         ce = world_model_ce(model, heldout, torch.device("cpu"))
         row = {
-            "start": "sham" if sham else "world-model",
+            "start": "world-model" if walks == "world" else "sham",
+            "walks": walks,
             "step": step,
             "lr": lr,
             "train_ce": train_ce,
@@ -222,7 +241,7 @@ def run_stage(
         for group in opt.param_groups:
             group["lr"] = lr
         x, mask = observation_batch(
-            stage_walks(env, seed=seed, step=step, batch=cfg.batch, sham=sham), tok
+            stage_walks(env, seed=seed, step=step, batch=cfg.batch, walks=walks), tok
         )
         tokens += int(mask.sum())
         loss = _observation_ce(model, x, mask)
@@ -231,7 +250,7 @@ def run_stage(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            record(step + 1, lr, float(loss))
+            record(step + 1, lr, float(loss.detach()))
     model.eval()
 
     def write(d: Path) -> None:
@@ -249,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model_dir", type=Path, help="the warm-start's final-model directory")
     p.add_argument("out", type=Path, help="where final-model/ and stage.jsonl go")
     p.add_argument("--world", type=int, required=True, help="env.world of the seed")
-    p.add_argument("--sham", action="store_true", help="walks in the ordinary world instead")
+    p.add_argument("--walks", choices=WALKS, default="world",
+                   help="the world the walks are played in: the seed's, the ordinary one "
+                   "(a sham), or one drawn per walk (a sham)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--lr", type=float, required=True, help="the peak learning rate")
@@ -271,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model_dir,
         args.out,
         world=args.world,
-        sham=args.sham,
+        walks=args.walks,
         cfg=cfg,
         seed=args.seed,
         log=lambda line: print(line, flush=True),

@@ -93,7 +93,7 @@ def met(starts: dict[str, dict[str, Any]]) -> bool:
         False
     """
     warm, wm, sham = starts["warm"], starts["world-model"], starts["sham"]
-    return (
+    return bool(
         wm["invalid"] <= MAX_INVALID
         and sham["invalid"] <= MAX_INVALID
         and abs(sham["move_ce"] - warm["move_ce"]) <= SHAM_CE
