@@ -15,7 +15,7 @@ import pytest
 from echo_experiment import world_model_report as report
 from echo_experiment.stats import paired_ci
 from echo_experiment.world_model import StageConfig, lr_at, observation_batch, stage_walks
-from echo_experiment.world_model_2x2 import Job, arm_row, main, plan, steps_to
+from echo_experiment.world_model_2x2 import SHAM_WALKS, Job, arm_row, main, plan, steps_to
 from echoloss.train.envs import MirrorGrid
 from echoloss.train.envs.mirrorgrid import MOVES, world_permutation
 
@@ -70,8 +70,8 @@ def _replay(walk: list[dict[str, Any]], keys: tuple[str, ...] | None) -> list[st
 @pytest.mark.parametrize("step", [0, 7])
 def test_sham_presses_the_same_keys_on_the_same_pairs_in_the_ordinary_world(step: int) -> None:
     env = MirrorGrid(level="per-world", world=report.WORLDS[4], words="compass")
-    wm = stage_walks(env, seed=4, step=step, batch=16, sham=False)
-    sham = stage_walks(env, seed=4, step=step, batch=16, sham=True)
+    wm = stage_walks(env, seed=4, step=step, batch=16, walks="world")
+    sham = stage_walks(env, seed=4, step=step, batch=16, walks="ordinary")
     train = set(env.train_pairs())
     for a, b in zip(wm, sham, strict=True):
         assert a[:2] == b[:2] and _moves(a) == _moves(b)  # same start message, same key presses
@@ -87,12 +87,33 @@ def test_sham_presses_the_same_keys_on_the_same_pairs_in_the_ordinary_world(step
     assert any(_moves(a) and a != b for a, b in zip(wm, sham, strict=True))
 
 
+def _world_of(walk: list[dict[str, Any]]) -> set[tuple[str, ...]]:
+    """The permutations of the four directions under which ``walk``'s observations are right."""
+    return {p for p in itertools.permutations(KEYS)
+            if [m["content"] for m in walk if m["role"] == "tool"] == _replay(walk, p)}  # fmt: skip
+
+
+def test_the_shuffled_sham_plays_each_walk_in_a_world_of_its_own() -> None:
+    env = MirrorGrid(level="per-world", world=report.WORLDS[0], words="compass")
+    wm = stage_walks(env, seed=0, step=2, batch=32, walks="world")
+    shuffled = stage_walks(env, seed=0, step=2, batch=32, walks="shuffled")
+    assert [_moves(a) for a in wm] == [_moves(b) for b in shuffled]  # the same key presses
+    assert [a[:2] for a in wm] == [b[:2] for b in shuffled]  # on the same pairs
+    worlds = [_world_of(w) for w in shuffled]
+    assert all(worlds)  # every walk is consistent with some world ...
+    # ... but no one world explains them all: nothing persists across the walks
+    assert not set.intersection(*worlds)
+    assert all(world_permutation(env.world) in _world_of(w) for w in wm)
+    with pytest.raises(ValueError, match="walks must be one of"):
+        stage_walks(env, seed=0, step=0, batch=1, walks="sham")
+
+
 def test_observation_batch_marks_exactly_the_tool_contents() -> None:
     from echoloss.train.model import build_tokenizer
 
     tok = build_tokenizer(compass=True)
     env = MirrorGrid(level="per-world", world=report.WORLDS[0], words="compass")
-    walks = stage_walks(env, seed=0, step=3, batch=5, sham=False)
+    walks = stage_walks(env, seed=0, step=3, batch=5, walks="world")
     x, mask = observation_batch(walks, tok)
     for row, m, walk in zip(x, mask, walks, strict=True):
         text = "".join(tok.decode([int(t)]) for t in row[m])
@@ -143,7 +164,8 @@ def test_plan_runs_seed_by_seed_each_job_after_the_one_it_needs() -> None:
     sham = next(j for j in jobs if j.name == "stage-sham-seed5")
     wm = next(j for j in jobs if j.name == "stage-world-model-seed5")
     assert sham.args[0] == wm.args[0]  # the same warm-start
-    assert sham.args[2:] == [*wm.args[2:], "--sham"]  # the twin differs in the world only
+    assert wm.args[2:4] == ["--walks", "world"] and sham.args[2:4] == ["--walks", SHAM_WALKS]
+    assert sham.args[4:] == wm.args[4:]  # the twin differs in its walks' worlds only
 
 
 def _write(path: Path, rows: list[dict[str, Any]]) -> None:

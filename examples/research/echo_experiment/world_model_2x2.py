@@ -40,11 +40,13 @@ from echo_experiment.world_model_report import (
     cell,
 )
 
-__all__ = ["STAGE", "arm_row", "code_commit", "main", "plan", "steps_to"]
+__all__ = ["SHAM_WALKS", "STAGE", "arm_row", "code_commit", "main", "plan", "steps_to"]
 
 REPO = Path(__file__).resolve().parents[3]
 #: The stage of both starts (the pilot's choice: docs/experiment.md, "The pilot").
-STAGE = StageConfig(steps=200, peak_lr=3e-3, warmup_steps=10, batch=32, eval_every=20)
+STAGE = StageConfig(steps=150, peak_lr=1e-2, warmup_steps=20, batch=32, eval_every=10)
+#: The sham's walks (`echo_experiment.world_model.WALKS`; the pilot's choice).
+SHAM_WALKS = "shuffled"
 #: Every trainer run of the design: the per-world mirrorgrid with its own direction words.
 ENV_SET = ["env.name=mirrorgrid", "env.words=compass", "env.level=per-world"]
 RUN_SET = ["train.threads=1", "train.progress=false", "train.plots=false"]
@@ -91,12 +93,12 @@ def plan(out: Path, seeds: list[int], stage: StageConfig = STAGE) -> list[Job]:
                         meta={"seed": seed, "kind": "warm"}))  # fmt: skip
         for start in ("world-model", "sham"):
             stage_name = f"stage-{start}-seed{seed}"
-            args = [str(out / warm / "final-model"), str(out / stage_name), "--world", str(world),
+            walks = "world" if start == "world-model" else SHAM_WALKS
+            args = [str(out / warm / "final-model"), str(out / stage_name), "--walks", walks,
+                    "--world", str(world),
                     "--seed", str(seed), "--steps", str(stage.steps), "--lr", str(stage.peak_lr),
                     "--warmup-steps", str(stage.warmup_steps), "--batch", str(stage.batch),
                     "--eval-every", str(stage.eval_every)]  # fmt: skip
-            if start == "sham":
-                args.append("--sham")
             jobs.append(
                 Job(stage_name, "stage", args, needs=warm, meta={"seed": seed, "kind": "stage"})
             )
@@ -176,6 +178,7 @@ def arm_row(out: Path, job: Job, commit: dict[str, Any]) -> dict[str, Any]:
         "alpha": m["alpha"],
         "seed": m["seed"],
         "world": m["world"],
+        "stage_walks": stage[-1].get("walks") if stage else None,
         "eval_success_start": first.get("eval_success_sampled"),
         "eval_success_end": last.get("eval_success_sampled"),
         "eval_success_greedy_start": first.get("eval_success_greedy"),

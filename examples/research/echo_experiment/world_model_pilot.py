@@ -14,12 +14,20 @@ Steps (a step whose ``final-model`` exists is kept, so a cut-off pilot continues
    **passes** when the world-model stage's held-out move-word CE (random walks on held-out pairs
    in the seed's world) is below ``log 2`` at each of its last `LAST_K` evaluations; passing
    candidates are tried with the fewest steps first (a tie: the lower peak learning rate);
-4. for the candidate tried: the sham stage under its schedule, then a held-out evaluation in the
-   seed's world (60 greedy and 960 sampled episodes, the move CE) of the warm-start, the
-   world-model start and the sham start. The pilot **is met** by the first candidate tried whose
-   invalid replies are at most `MAX_INVALID` at both starts and whose sham start stays near the
-   warm-start: its move CE within `SHAM_CE` nats and its sampled success within
-   `SHAM_SUCCESS` of the warm-start's. That candidate is chosen; none: the pilot is not met.
+4. for the candidate tried, and each sham of `SHAMS` in turn: the sham stage under its
+   schedule, then a held-out evaluation in the seed's world (60 greedy and 960 sampled
+   episodes, the move CE) of the warm-start, the world-model start and the sham start. The
+   pilot **is met** by the first candidate and sham whose invalid replies are at most
+   `MAX_INVALID` at both starts and whose sham start stays near the warm-start: its move CE
+   within `SHAM_CE` nats and its sampled success within `SHAM_SUCCESS` of the warm-start's.
+   That pair is chosen; none: the pilot is not met.
+
+The first round had one sham, ``ordinary`` (the walks in the ordinary world), and was stopped
+after its first candidate: that sham's move CE in the seed's world rose far above the
+warm-start's (its curve is in the rows): a start confidently wrong about every key, not one that
+merely does not know the world. ``shuffled`` (each walk in a random world of its own,
+`echo_experiment.world_model.stage_walks`) was added then, after that reading, as the second
+sham; the criteria did not change.
 
 It writes ``--rows`` (``pilot.json``: one row per stage with its evaluation curve, one per
 evaluated start, and the choice), each row with the code commit.
@@ -49,6 +57,8 @@ SHAM_SUCCESS = 0.05
 #: (peak lr, steps, warm-up steps): below the positive control's unstable constant 1e-2, and
 #: above its constant 1e-3 (which crossed log 2 only after 220–240 steps), each decayed to 0.
 CANDIDATES = ((3e-3, 200, 10), (1e-2, 150, 20))
+#: The shams, in the order tried (``ordinary``: the first round's; ``shuffled``: added after it).
+SHAMS = ("ordinary", "shuffled")
 
 
 def _label(lr: float, steps: int) -> str:
@@ -101,11 +111,11 @@ def met(starts: dict[str, dict[str, Any]]) -> bool:
     )
 
 
-def _stage_job(out: Path, warm: Path, name: str, cfg: StageConfig, sham: bool) -> Job:
-    args = [str(warm), str(out / name), "--world", str(WORLDS[SEED]), "--seed", str(SEED),
+def _stage_job(out: Path, warm: Path, name: str, cfg: StageConfig, walks: str) -> Job:
+    args = ["--walks", walks, str(warm), str(out / name), "--world", str(WORLDS[SEED]), "--seed", str(SEED),
             "--steps", str(cfg.steps), "--lr", str(cfg.peak_lr), "--warmup-steps",
             str(cfg.warmup_steps), "--batch", str(cfg.batch), "--eval-every", str(cfg.eval_every)]  # fmt: skip
-    return Job(name, "stage", [*args, *(["--sham"] if sham else [])], meta={"kind": "stage"})
+    return Job(name, "stage", args, meta={"kind": "stage"})
 
 
 def _eval_job(out: Path, name: str, model: Path) -> Job:
@@ -129,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 ["train.max_steps=0", "train.eval_samples=0"]), meta={"kind": "warm"})]  # fmt: skip
     configs = {_label(lr, n): StageConfig(steps=n, peak_lr=lr, warmup_steps=w, eval_every=10)
                for lr, n, w in CANDIDATES}  # fmt: skip
-    jobs += [_stage_job(out, warm, f"wm-{k}", c, sham=False) for k, c in configs.items()]
+    jobs += [_stage_job(out, warm, f"wm-{k}", c, "world") for k, c in configs.items()]
     if run_all(jobs, out, 1, commit):
         return 1
     stages = []
@@ -139,33 +149,37 @@ def main(argv: list[str] | None = None) -> int:
                        "steps": c.steps, "warmup_steps": c.warmup_steps, "batch": c.batch,
                        "passes": passes(curve), "curve": curve})  # fmt: skip
     rows: list[dict[str, Any]] = list(stages)
-    chosen = None
-    for tried in order(stages):
-        c, label = configs[tried["label"]], tried["label"]
-        sham = f"sham-{label}"
-        jobs = [_stage_job(out, warm, sham, c, sham=True),
+    chosen: dict[str, str] | None = None
+    tries = [(t["label"], walks) for t in order(stages) for walks in SHAMS]
+    for label, walks in tries:
+        c = configs[label]
+        sham = f"sham-{walks}-{label}"
+        wm_start, sham_start = f"start-world-model-{label}", f"start-sham-{walks}-{label}"
+        jobs = [_stage_job(out, warm, sham, c, walks),
                 _eval_job(out, "start-warm", warm),
-                _eval_job(out, f"start-world-model-{label}", out / f"wm-{label}" / "final-model"),
-                _eval_job(out, f"start-sham-{label}", out / sham / "final-model")]  # fmt: skip
+                _eval_job(out, wm_start, out / f"wm-{label}" / "final-model"),
+                _eval_job(out, sham_start, out / sham / "final-model")]  # fmt: skip
         if run_all(jobs, out, 1, commit):
             return 1
-        rows.append({"kind": "stage", "start": "sham", "label": label, "peak_lr": c.peak_lr,
-                     "steps": c.steps, "warmup_steps": c.warmup_steps, "batch": c.batch,
-                     "passes": None, "curve": _jsonl(out / sham / "stage.jsonl")})  # fmt: skip
+        rows.append({"kind": "stage", "start": "sham", "walks": walks, "label": label,
+                     "peak_lr": c.peak_lr, "steps": c.steps, "warmup_steps": c.warmup_steps,
+                     "batch": c.batch, "passes": None,
+                     "curve": _jsonl(out / sham / "stage.jsonl")})  # fmt: skip
         starts = {}
-        for start, name in (("warm", "start-warm"), ("world-model", f"start-world-model-{label}"),
-                            ("sham", f"start-sham-{label}")):  # fmt: skip
+        for start, name in (("warm", "start-warm"), ("world-model", wm_start), ("sham", sham_start)):
             e = next(x for x in _jsonl(out / name / "eval.jsonl") if x["rl_step"] == 0)
             starts[start] = {"kind": "start", "start": start, "label": label,
+                             "walks": walks if start == "sham" else None,
                              "eval_success_greedy": e.get("eval_success_greedy"),
                              "eval_success_sampled": e.get("eval_success_sampled"),
                              "invalid": e.get("eval_invalid_rate"),
                              "move_ce": e.get("ce_walks_move"), "wall_ce": e.get("ce_walks_wall")}  # fmt: skip
         rows += starts.values()
         if met(starts):
-            chosen = label
+            chosen = {"label": label, "sham": walks}
             break
-    rows.append({"kind": "choice", "chosen": chosen})
+    rows.append({"kind": "choice", "chosen": None if chosen is None else chosen["label"],
+                 "sham": None if chosen is None else chosen["sham"]})  # fmt: skip
     for r in rows:
         r.update(seed=SEED, world=WORLDS[SEED], **commit)
     args.rows.parent.mkdir(parents=True, exist_ok=True)
