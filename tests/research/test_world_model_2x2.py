@@ -11,16 +11,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from echo_experiment import world_model_report as report
 from echo_experiment.stats import paired_ci
 from echo_experiment.world_model import StageConfig, lr_at, observation_batch, stage_walks
 from echo_experiment.world_model_2x2 import SHAM_WALKS, Job, arm_row, main, plan, steps_to
+
 from echoloss.train.envs import MirrorGrid
 from echoloss.train.envs.mirrorgrid import MOVES, world_permutation
 
 KEYS = tuple(MOVES)  # up, down, left, right
-DERANGEMENTS = {p for p in itertools.permutations(KEYS) if all(a != b for a, b in zip(p, KEYS))}
+DERANGEMENTS = {
+    p for p in itertools.permutations(KEYS) if all(a != b for a, b in zip(p, KEYS, strict=True))
+}
 
 
 # ------------------------------------------------------------------------------------------------

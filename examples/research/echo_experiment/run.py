@@ -10,6 +10,7 @@
     python examples/research/echo_experiment/run.py figures docs/experiment/rl-120
     python examples/research/echo_experiment/run.py world-model-probe --steps 400
     python examples/research/echo_experiment/run.py heldout-ce runs/exp/*/final-model
+    python examples/research/echo_experiment/run.py world-model-2x2 --output-dir runs/wm2x2 --jobs 1
 
 Without a subcommand it runs the experiment (`echo_experiment.experiment`: the arms, paired over
 seeds, each an ``echoloss-train`` run). The subcommands:
@@ -23,6 +24,12 @@ seeds, each an ``echoloss-train`` run). The subcommands:
                     directly (`echo_experiment.world_model_probe`)
 ``heldout-ce``      saved models' direction-word CE on two held-out sets
                     (`echo_experiment.heldout_ce_sets`)
+``world-model-2x2`` the pre-registered world-model 2×2 of docs/world-model-2x2.md
+                    (`echo_experiment.world_model_2x2`; ``--resume`` continues it)
+``world-model-pilot`` its pilot (`echo_experiment.world_model_pilot`)
+``world-model-page`` its rows -> its figures and the generated blocks of docs/world-model-2x2.md
+                    (`echo_experiment.world_model_page`)
+``world-model-stage`` one world-model (or sham) stage (`echo_experiment.world_model`)
 =================== =========================================================================
 
 Needs the trainer: ``pip install -e '.[train]'`` (or ``[dev]``).
@@ -42,6 +49,10 @@ SUBCOMMANDS = {
     "figures": "echo_experiment.redraw_figures",
     "world-model-probe": "echo_experiment.world_model_probe",
     "heldout-ce": "echo_experiment.heldout_ce_sets",
+    "world-model-2x2": "echo_experiment.world_model_2x2",
+    "world-model-pilot": "echo_experiment.world_model_pilot",
+    "world-model-page": "echo_experiment.world_model_page",
+    "world-model-stage": "echo_experiment.world_model",
 }
 
 

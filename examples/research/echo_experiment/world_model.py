@@ -1,13 +1,19 @@
 """The world-model stage of the world-model 2×2 (docs/experiment.md, "Does knowing the world
-help?"): a warm-start model continued on nothing but the observation cross-entropy of random
-walks, so that RL starts from a model that knows the world by construction, and its sham twins.
-The stages differ only in the world the walks are played in (``walks``):
+help?"): a warm-start model continued on the observation cross-entropy of random walks, so
+that RL starts from a model that knows the world by construction, and its sham twins.
+
+Each step's loss is the observation CE of ``batch`` random walks plus, at weight 1 and with
+``demos`` > 0, the CE of the replies (and their end-of-turn tokens) of ``demos`` scripted
+demonstrations that continue the warm-start's own stream (`stage_demos`: the ordinary world,
+20 % random moves), the same for every stage of a seed. The pilot found that the observation
+CE alone takes the policy's reply format with it (every sampled reply invalid after its first
+candidate stage). The stages differ only in the world the walks are played in (``walks``):
 
 * ``"world"`` (the **world-model** start): random walks on the *training* pairs in the seed's
   world (per world: one fixed permutation of the four directions,
   `echoloss.train.envs.mirrorgrid.world_permutation`); the loss is the CE of every
   observation-body token (the tool messages' contents: direction word, template and goal
-  numbers), nothing else.
+  numbers).
 * ``"ordinary"`` (a sham): the same walks (the same (start, goal) pairs and the same key presses,
   drawn from the same generator), the same steps, batch and learning-rate schedule, in the
   **ordinary** world (each key moves its own way), which the warm-start already knows.
@@ -44,9 +50,11 @@ __all__ = [
     "STARTS",
     "WALKS",
     "StageConfig",
+    "action_batch",
     "lr_at",
     "observation_batch",
     "run_stage",
+    "stage_demos",
     "stage_walks",
 ]
 
@@ -56,8 +64,8 @@ WALKS = ("world", "ordinary", "shuffled")
 
 @dataclass(frozen=True)
 class StageConfig:
-    """The stage's schedule: ``steps`` AdamW updates of ``batch`` random walks each, the learning
-    rate ramped linearly from ``peak_lr / warmup_steps`` to ``peak_lr`` over ``warmup_steps`` and
+    """The stage's schedule: ``steps`` AdamW updates of ``batch`` random walks and ``demos``
+    demonstrations each (``demos`` 0: the observation CE alone), the learning rate ramped linearly from ``peak_lr / warmup_steps`` to ``peak_lr`` over ``warmup_steps`` and
     then decayed to 0 along a cosine (`lr_at`); an evaluation every ``eval_every`` steps (and at
     0 and the end) on ``heldout`` held-out walks. AdamW as the trainer's (betas 0.9, 0.95,
     weight decay 0.01, gradient norm clipped at 1)."""
@@ -68,6 +76,7 @@ class StageConfig:
     batch: int = 32
     eval_every: int = 10
     heldout: int = 64
+    demos: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -82,6 +91,8 @@ class StageConfig:
         for name in ("batch", "eval_every", "heldout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"StageConfig.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.demos < 0:
+            raise ValueError(f"StageConfig.demos must be >= 0 (got {self.demos})")
 
 
 def lr_at(step: int, *, steps: int, peak: float, warmup: int) -> float:
@@ -142,9 +153,10 @@ def stage_walks(env: Any, *, seed: int, step: int, batch: int, walks: str) -> li
     return out
 
 
-def observation_batch(walks: list[Any], tok: Any) -> tuple[Any, Any]:
+def observation_batch(walks: list[Any], tok: Any, *, role: str = "tool") -> tuple[Any, Any]:
     """``(input_ids, mask)`` of ``walks``, right-padded to the longest: ``mask[b, t]`` marks
-    the tokens of every tool message's content (the observation bodies, the stage's targets).
+    the tokens of every ``role`` message's content (``tool``: the observation bodies, the
+    stage's targets).
 
     Examples:
         >>> from echoloss.train.envs import MirrorGrid
@@ -163,12 +175,82 @@ def observation_batch(walks: list[Any], tok: Any) -> tuple[Any, Any]:
 
     sets = []
     for messages in walks:
-        spans = {i: (0, len(m["content"])) for i, m in enumerate(messages) if m["role"] == "tool"}
+        spans = {i: (0, len(m["content"])) for i, m in enumerate(messages) if m["role"] == role}
         sets.append(hidden_token_positions(messages, tok, spans))
     width = max(len(ids) for ids, _ in sets)
     x = torch.full((len(sets), width), tok.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(sets), width, dtype=torch.bool)
     for b, (ids, positions) in enumerate(sets):
+        x[b, : len(ids)] = torch.tensor(ids)
+        mask[b, positions] = True
+    return x, mask
+
+
+#: The warm-start's demonstrations (the trainer's default warm-up: 80 steps × 32); the stage's
+#: continue its stream after them.
+WARMUP_DEMOS = 80 * 32
+DEMO_EXPLORE = 0.2  # the default warm-up's share of random moves in a demonstration
+
+
+def stage_demos(env: Any, *, seed: int, step: int, count: int) -> list[Any]:
+    """The ``count`` demonstrations of update ``step``: the warm-start's stream continued
+    (warm-up tasks, in the ordinary world; demonstration ``WARMUP_DEMOS + step·count + i`` with
+    the trainer's generator ``demo/<seed>/<index>``; `DEMO_EXPLORE` random moves), the same for
+    every stage of a seed.
+
+    Examples:
+        >>> from echoloss.train.envs import MirrorGrid
+        >>> env = MirrorGrid(level="per-world", world=2, words="compass")
+        >>> d = stage_demos(env, seed=0, step=0, count=2)
+        >>> [m["role"] for m in d[0][:3]], d[0][-1]["content"]
+        (['system', 'user', 'assistant'], 'done')
+    """
+    import dataclasses
+
+    demo_env = dataclasses.replace(env, demo_explore=DEMO_EXPLORE)
+    out = []
+    for i in range(count):
+        index = WARMUP_DEMOS + step * count + i
+        task = demo_env.warmup_task(seed=seed, index=index)
+        out.append(demo_env.demonstration(task, random.Random(f"demo/{seed}/{index}")))
+    return out
+
+
+def action_batch(demos: list[Any], tok: Any) -> tuple[Any, Any]:
+    """``(input_ids, mask)`` of ``demos``, right-padded: ``mask`` marks every assistant reply's
+    tokens and the end-of-turn token closing each (what the policy generates).
+
+    Examples:
+        >>> from echoloss.train.envs import MirrorGrid
+        >>> from echoloss.train.model import build_tokenizer
+        >>> tok = build_tokenizer(compass=True)
+        >>> demos = stage_demos(MirrorGrid(words="compass"), seed=0, step=0, count=1)
+        >>> _, replies = observation_batch(demos, tok, role="assistant")
+        >>> _, mask = action_batch(demos, tok)
+        >>> turns = sum(m["role"] == "assistant" for m in demos[0])
+        >>> int(mask.sum()) == int(replies.sum()) + turns
+        True
+    """
+    import torch
+
+    from echoloss.adapters.chat._attribute import attribute
+
+    rows = []
+    for messages in demos:
+        ids, a = attribute(messages, tok)
+        positions = []
+        for pos, (msg, content) in enumerate(zip(a.message_indices, a.is_content, strict=True)):
+            if not content or msg is None or msg < 0 or messages[msg]["role"] != "assistant":
+                continue
+            positions.append(pos)
+            nxt = pos + 1
+            if nxt < len(ids) and a.message_indices[nxt] == msg and not a.is_content[nxt]:
+                positions.append(nxt)  # the end-of-turn token closing the reply
+        rows.append((ids, positions))
+    width = max(len(ids) for ids, _ in rows)
+    x = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, (ids, positions) in enumerate(rows):
         x[b, : len(ids)] = torch.tensor(ids)
         mask[b, positions] = True
     return x, mask
@@ -218,7 +300,9 @@ def run_stage(
     tokens = 0
     t0 = time.perf_counter()
 
-    def record(step: int, lr: float | None, train_ce: float | None) -> None:
+    def record(
+        step: int, lr: float | None, train_ce: float | None, action_ce: float | None
+    ) -> None:
         ce = world_model_ce(model, heldout, torch.device("cpu"))
         row = {
             "start": "world-model" if walks == "world" else "sham",
@@ -226,6 +310,7 @@ def run_stage(
             "step": step,
             "lr": lr,
             "train_ce": train_ce,
+            "action_ce": action_ce,
             "tokens": tokens,
             "seconds": round(time.perf_counter() - t0, 1),
             **{k: v for k, v in ce.items() if k.startswith("ce_walks_")},
@@ -234,7 +319,7 @@ def run_stage(
         if log is not None:
             log(json.dumps(row))
 
-    record(0, None, None)
+    record(0, None, None, None)
     model.train()
     for step in range(cfg.steps):
         lr = lr_at(step, steps=cfg.steps, peak=cfg.peak_lr, warmup=cfg.warmup_steps)
@@ -245,12 +330,17 @@ def run_stage(
         )
         tokens += int(mask.sum())
         loss = _observation_ce(model, x, mask)
+        action = None
+        if cfg.demos:  # the replies of the warm-start's demonstrations, continued
+            xa, ma = action_batch(stage_demos(env, seed=seed, step=step, count=cfg.demos), tok)
+            action = _observation_ce(model, xa, ma)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if action is None else loss + action).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            record(step + 1, lr, float(loss.detach()))
+            record(step + 1, lr, float(loss.detach()),
+                   None if action is None else float(action.detach()))  # fmt: skip
     model.eval()
 
     def write(d: Path) -> None:
@@ -277,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--demos", type=int, default=0,
+                   help="demonstrations per step whose replies are trained too (0: none)")  # fmt: skip
     args = p.parse_args(argv)
     import torch
 
@@ -287,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup_steps=args.warmup_steps,
         batch=args.batch,
         eval_every=args.eval_every,
+        demos=args.demos,
     )
     run_stage(
         args.model_dir,

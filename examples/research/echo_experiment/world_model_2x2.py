@@ -8,7 +8,8 @@
     python examples/research/echo_experiment/run.py world-model-2x2 --output-dir runs/wm2x2 --resume
 
 Jobs run seed by seed (`plan`), ``--jobs`` at a time in worker processes (one CPU thread each).
-A finished arm's row goes to ``results.jsonl`` at once and to ``<arm>/row.json``. ``--resume``
+A finished arm's row goes to ``results.jsonl`` at once and to ``<arm>/row.json``; every job
+leaves ``<job>.log`` and ``<job>.commit.json`` (the code commit it ran) beside its directory. ``--resume``
 continues a cut-off run in the same ``--output-dir``: a job whose ``final-model`` exists is kept
 (an arm's row is read back from its ``row.json``), an RL arm cut off after a checkpoint continues
 from it (``echoloss-train --resume``), anything else runs again from its start. The code commit
@@ -40,7 +41,16 @@ from echo_experiment.world_model_report import (
     cell,
 )
 
-__all__ = ["SHAM_WALKS", "STAGE", "arm_row", "code_commit", "main", "plan", "steps_to"]
+__all__ = [
+    "SHAM_WALKS",
+    "STAGE",
+    "arm_row",
+    "code_commit",
+    "job_commit",
+    "main",
+    "plan",
+    "steps_to",
+]
 
 REPO = Path(__file__).resolve().parents[3]
 #: The stage of both starts (the pilot's choice: docs/experiment.md, "The pilot").
@@ -135,6 +145,16 @@ def code_commit(repo: Path = REPO) -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
     return {"commit": sha, "dirty": bool(status.strip())}
+
+
+def job_commit(out: Path, name: str) -> dict[str, Any]:
+    """The code commit job ``name`` of ``out`` ran (``<name>.commit.json``); ``{"commit": None,
+    "dirty": None}`` when it left none."""
+    path = out / f"{name}.commit.json"
+    if not path.is_file():
+        return {"commit": None, "dirty": None}
+    got: dict[str, Any] = json.loads(path.read_text())
+    return {"commit": got.get("commit"), "dirty": got.get("dirty")}
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -263,6 +283,7 @@ def _work(
         if job.kind == "train" and (out / job.name / "checkpoints" / "latest").exists():
             args.append("--resume")  # cut off after a checkpoint: continue from it
         print(f"start {job.name}", flush=True)
+        (out / f"{job.name}.commit.json").write_text(json.dumps(commit))  # the code it ran
         t = time.perf_counter()
         code = pool.submit(_run_one, job.kind, args, str(out / f"{job.name}.log")).result()
         job.wall = time.perf_counter() - t

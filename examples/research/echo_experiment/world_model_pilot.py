@@ -30,7 +30,8 @@ merely does not know the world. ``shuffled`` (each walk in a random world of its
 sham; the criteria did not change.
 
 It writes ``--rows`` (``pilot.json``: one row per stage with its evaluation curve, one per
-evaluated start, and the choice), each row with the code commit.
+evaluated start, and the choice), each row with the code commit its job ran
+(``<job>.commit.json``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from echo_experiment.world_model import StageConfig
-from echo_experiment.world_model_2x2 import Job, _jsonl, _train, code_commit, run_all
+from echo_experiment.world_model_2x2 import Job, _jsonl, _train, code_commit, job_commit, run_all
 from echo_experiment.world_model_report import WORLDS
 
 __all__ = ["CANDIDATES", "main", "met", "order", "passes"]
@@ -147,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         curve = _jsonl(out / f"wm-{k}" / "stage.jsonl")
         stages.append({"kind": "stage", "start": "world-model", "label": k, "peak_lr": c.peak_lr,
                        "steps": c.steps, "warmup_steps": c.warmup_steps, "batch": c.batch,
-                       "passes": passes(curve), "curve": curve})  # fmt: skip
+                       "passes": passes(curve), "curve": curve,
+                     **job_commit(out, f"wm-{k}")})  # fmt: skip
     rows: list[dict[str, Any]] = list(stages)
     chosen: dict[str, str] | None = None
     tries = [(t["label"], walks) for t in order(stages) for walks in SHAMS]
@@ -164,24 +166,30 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"kind": "stage", "start": "sham", "walks": walks, "label": label,
                      "peak_lr": c.peak_lr, "steps": c.steps, "warmup_steps": c.warmup_steps,
                      "batch": c.batch, "passes": None,
-                     "curve": _jsonl(out / sham / "stage.jsonl")})  # fmt: skip
+                     "curve": _jsonl(out / sham / "stage.jsonl"), **job_commit(out, sham)})  # fmt: skip
         starts = {}
-        for start, name in (("warm", "start-warm"), ("world-model", wm_start), ("sham", sham_start)):
+        for start, name in (
+            ("warm", "start-warm"),
+            ("world-model", wm_start),
+            ("sham", sham_start),
+        ):
             e = next(x for x in _jsonl(out / name / "eval.jsonl") if x["rl_step"] == 0)
             starts[start] = {"kind": "start", "start": start, "label": label,
                              "walks": walks if start == "sham" else None,
                              "eval_success_greedy": e.get("eval_success_greedy"),
                              "eval_success_sampled": e.get("eval_success_sampled"),
                              "invalid": e.get("eval_invalid_rate"),
-                             "move_ce": e.get("ce_walks_move"), "wall_ce": e.get("ce_walks_wall")}  # fmt: skip
+                             "move_ce": e.get("ce_walks_move"), "wall_ce": e.get("ce_walks_wall"),
+                             **job_commit(out, name)}  # fmt: skip
         rows += starts.values()
         if met(starts):
             chosen = {"label": label, "sham": walks}
             break
     rows.append({"kind": "choice", "chosen": None if chosen is None else chosen["label"],
                  "sham": None if chosen is None else chosen["sham"]})  # fmt: skip
+    rows[-1].update(commit)  # the choice: made by this code
     for r in rows:
-        r.update(seed=SEED, world=WORLDS[SEED], **commit)
+        r.update(seed=SEED, world=WORLDS[SEED])
     args.rows.parent.mkdir(parents=True, exist_ok=True)
     args.rows.write_text(json.dumps(rows, indent=1))
     print(f"pilot: chosen {rows[-1]['chosen']}; rows in {args.rows}")
