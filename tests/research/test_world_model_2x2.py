@@ -138,7 +138,8 @@ def test_lr_schedule_ramps_to_the_peak_then_decays_without_a_zero_step() -> None
     [({"steps": 0, "peak_lr": 1e-3}, "steps"), ({"steps": 5, "peak_lr": 0.0}, "peak_lr"),
      ({"steps": 5, "peak_lr": math.inf}, "peak_lr"),
      ({"steps": 5, "peak_lr": 1e-3, "warmup_steps": 5}, "warmup_steps"),
-     ({"steps": 20, "peak_lr": 1e-3, "batch": 0}, "batch")],
+     ({"steps": 20, "peak_lr": 1e-3, "batch": 0}, "batch"),
+     ({"steps": 20, "peak_lr": 1e-3, "demos": -1}, "demos")],
 )  # fmt: skip
 def test_stage_config_refuses_bad_values_by_name(kwargs: dict[str, Any], bad: str) -> None:
     with pytest.raises(ValueError, match=f"StageConfig.{bad} must"):
@@ -365,19 +366,26 @@ def test_the_page_prints_the_report_of_the_committed_rows() -> None:
 
 def test_the_pilot_rows_meet_what_the_page_says() -> None:
     from echo_experiment import world_model_pilot as pilot_mod
+    from echo_experiment.world_model_2x2 import STAGE
 
     pilot = json.loads((ROWS / "pilot.json").read_text())
-    chosen = next(r for r in pilot if r["kind"] == "choice")["chosen"]
-    stages = [r for r in pilot if r["kind"] == "stage" and r["start"] == "world-model"]
-    assert [s["passes"] for s in stages] == [pilot_mod.passes(s["curve"]) for s in stages]
-    if chosen is not None:
-        starts = {r["start"]: r for r in pilot if r["kind"] == "start" and r["label"] == chosen}
-        assert pilot_mod.met(starts)
-        from echo_experiment.world_model_2x2 import STAGE
-
-        s = next(s for s in stages if s["label"] == chosen)
-        assert (STAGE.steps, STAGE.peak_lr, STAGE.warmup_steps, STAGE.batch) == (
-            s["steps"], s["peak_lr"], s["warmup_steps"], s["batch"])  # fmt: skip
+    choice = next(r for r in pilot if r["kind"] == "choice")
+    stages = [r for r in pilot if r["kind"] == "stage"]
+    assert [(r["label"], r["walks"]) for r in stages] == [s[:2] for s in pilot_mod.STAGES]
+    wm = [s for s in stages if s["walks"] == "world"]
+    assert [s["passes"] for s in wm] == [pilot_mod.passes(s["curve"]) for s in wm]
+    assert all(r["commit"] and r["dirty"] is False for r in pilot if r["kind"] != "choice")
+    tried = [r for r in pilot if r["kind"] == "start"]
+    if choice["chosen"] is not None:
+        starts = {r["start"]: r for r in tried if r["label"] == choice["chosen"]}
+        assert pilot_mod.met(starts) and starts["sham"]["walks"] == choice["sham"] == SHAM_WALKS
+        s = next(s for s in wm if s["label"] == choice["chosen"])
+        assert (STAGE.steps, STAGE.peak_lr, STAGE.warmup_steps, STAGE.batch, STAGE.demos) == (
+            s["steps"], s["peak_lr"], s["warmup_steps"], s["batch"], s["demos"])  # fmt: skip
+        # every try before the chosen one failed by the criteria
+        for label, _ in pilot_mod.TRIES[: [t[0] for t in pilot_mod.TRIES].index(choice["chosen"])]:
+            before = {r["start"]: r for r in tried if r["label"] == label}
+            assert not before or not pilot_mod.met(before)
 
 
 def test_the_protocol_prints_the_settings_of_the_code() -> None:
@@ -394,4 +402,31 @@ def test_the_protocol_prints_the_settings_of_the_code() -> None:
     assert f"at most {round(100 * pilot_mod.MAX_INVALID)} %" in page
     assert f"within {pilot_mod.SHAM_CE} nats" in page
     assert f"within {round(100 * pilot_mod.SHAM_SUCCESS)} points" in page
-    assert pilot_mod.CANDIDATES == ((3e-3, 200, 10), (1e-2, 150, 20))  # the page's candidates
+    from echo_experiment.world_model_2x2 import STAGE
+
+    assert (
+        f"peak lr {STAGE.peak_lr:g} over {STAGE.steps} steps ({STAGE.warmup_steps} warm-up)" in page
+    )
+    assert (
+        f"{STAGE.batch} random walks" in page and f"{STAGE.demos} demonstrations per step" in page
+    )
+
+
+def test_resume_keeps_every_finished_job_and_reads_its_row_back(
+    tmp_path: Path, capsys: Any
+) -> None:
+    from echo_experiment.world_model_2x2 import code_commit
+
+    jobs = plan(tmp_path, [0])
+    for j in jobs:  # a run cut off after every job of seed 0 finished
+        (tmp_path / j.name / "final-model").mkdir(parents=True)
+        (tmp_path / j.name / "final-model" / "config.json").write_text("{}")
+        if j.meta["kind"] == "arm":
+            row = {"seed": 0, "start": j.meta["start"], "arm": j.meta["arm"]}
+            (tmp_path / j.name / "row.json").write_text(json.dumps(row))
+    (tmp_path / "run.json").write_text(json.dumps({**code_commit(), "seeds": [0]}))
+    assert main(["--output-dir", str(tmp_path), "--seeds", "0", "--resume"]) == 0
+    assert "4 of 4 arms finished" in capsys.readouterr().out
+    kept = json.loads((tmp_path / "results.json").read_text())
+    assert [report.cell(r) for r in kept] == list(report.CELLS)
+    assert not list(tmp_path.glob("*.log"))  # nothing ran again

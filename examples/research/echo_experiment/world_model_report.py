@@ -386,22 +386,22 @@ def pilot_markdown(pilot: list[dict[str, Any]]) -> str:
 
     Examples:
         >>> pilot_markdown([{"kind": "choice", "chosen": None}]).splitlines()[0]
-        '**Chosen stage: none; the pilot is not met.**'
+        '**Chosen: none; the pilot is not met.**'
     """
     choice = next(r for r in pilot if r["kind"] == "choice")
-    chosen = choice["chosen"]
-    head = (f"**Chosen stage: {chosen}; the pilot is met.**" if chosen
-            else "**Chosen stage: none; the pilot is not met.**")  # fmt: skip
-    lines = [head]
+    head = (f"**Chosen: the stage {choice['chosen']} with the {choice['sham']} sham; the pilot "
+            "is met.**" if choice["chosen"] else "**Chosen: none; the pilot is not met.**")  # fmt: skip
+    lines = [head, ""]
     for s in (r for r in pilot if r["kind"] == "stage"):
         curve = ", ".join(f"{e['step']}: {_f(e['ce_walks_move'])}" for e in s["curve"])
         passed = "" if s["passes"] is None else ("; passes" if s["passes"] else "; fails")
-        lines += [
-            "",
-            f"* {s['start']} stage {s['label']} (peak lr {s['peak_lr']:g}, {s['steps']} steps, "
-            f"{s['warmup_steps']} warm-up, {s['curve'][-1]['tokens']} supervised tokens, "
-            f"{s['curve'][-1]['seconds']:.0f} s){passed}. Held-out move CE by stage step: {curve}.",
-        ]
+        last = s["curve"][-1]
+        lines.append(
+            f"* stage {s['label']}, {s['walks']} walks (peak lr {s['peak_lr']:g}, {s['steps']} "
+            f"steps, {s['warmup_steps']} warm-up, {s['demos']} demonstrations per step; "
+            f"{last['tokens']} observation tokens, {last['seconds']:.0f} s){passed}. Held-out "
+            f"move CE by stage step: {curve}."
+        )
     starts = [r for r in pilot if r["kind"] == "start"]
     if starts:
         lines += [
@@ -411,8 +411,9 @@ def pilot_markdown(pilot: list[dict[str, Any]]) -> str:
             "|---|---|---|---|---|---|---|",
         ]
         for r in starts:
+            name = r["start"] if r["start"] != "sham" else f"sham ({r['walks']} walks)"
             lines.append(
-                f"| {r['label']} | {r['start']} | {_f(r['eval_success_sampled'])} | "
+                f"| {r['label']} | {name} | {_f(r['eval_success_sampled'])} | "
                 f"{_f(r['eval_success_greedy'])} | {_f(r['invalid'])} | {_f(r['move_ce'])} | "
                 f"{_f(r['wall_ce'])} |"
             )
