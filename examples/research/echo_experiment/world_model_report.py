@@ -167,6 +167,11 @@ def _above(d: dict[str, float], key: str, bar: float) -> bool | None:
     return None if d.get("n", 0) < 2 or math.isnan(d[key]) else d[key] > bar
 
 
+def _not(part: bool | None) -> bool | None:
+    """``not part``, None staying None."""
+    return None if part is None else not part
+
+
 def _all(*parts: bool | None) -> bool | None:
     """All of ``parts`` (None when one is unknown and none is false)."""
     if any(p is False for p in parts):
@@ -197,8 +202,7 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "echo's end CE below GRPO's": _below(c["ce_echo_vs_grpo"], "hi", 0.0),
         "P2 > 0": _above(c["P2"], "lo", 0.0),
         "P1 < +3 points": _below(c["P1"], "hi", GAIN),
-        "GRPO's end CE at or above log 2": _above(wm_grpo_end, "mean", LOG2)
-        or (wm_grpo_end.get("n", 0) > 1 and wm_grpo_end["mean"] == LOG2),
+        "GRPO's end CE at or above log 2": _not(_below(wm_grpo_end, "mean", LOG2)),
         "P2 < +3 points": _below(c["P2"], "hi", GAIN),
     }
     support = ("manipulation", "P1 > 0", "echo's end CE below log 2", "echo's end CE below GRPO's",
@@ -359,6 +363,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         ]
     yes = {True: "yes", False: "no", None: "– (fewer than two paired seeds)"}
     parts = [f"| {name} | {yes[ok]} |" for name, ok in v["parts"].items()]
+    walls = sorted(r["wall_s"] for r in rows if r.get("wall_s") is not None)
+    timing = (
+        f"Wall time of the {len(walls)} RL runs timed here (`wall_s`: 100 RL steps and their "
+        f"evaluations, one CPU thread each on the shared machine): {walls[0]:.0f}–"
+        f"{walls[-1]:.0f} s, mean {sum(walls) / len(walls):.0f} s."
+        if walls
+        else "No RL run has finished yet, so none is timed."
+    )
     return "\n".join([
         *head,
         "",
@@ -377,6 +389,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         *parts,
         "",
         f"Verdict: **{v['verdict'] or 'none (in progress)'}**.",
+        "",
+        timing,
     ]) + "\n"  # fmt: skip
 
 
