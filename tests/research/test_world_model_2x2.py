@@ -430,3 +430,19 @@ def test_resume_keeps_every_finished_job_and_reads_its_row_back(
     kept = json.loads((tmp_path / "results.json").read_text())
     assert [report.cell(r) for r in kept] == list(report.CELLS)
     assert not list(tmp_path.glob("*.log"))  # nothing ran again
+
+
+def test_the_pilot_prose_is_its_rows() -> None:
+    """The page's account of round 1, checked against the pilot's rows."""
+    from echo_experiment import world_model_pilot as pilot_mod
+
+    pilot = json.loads((ROWS / "pilot.json").read_text())
+    starts = [r for r in pilot if r["kind"] == "start"]
+    first = pilot_mod.TRIES[0][0]
+    wm = next(r for r in starts if r["label"] == first and r["start"] == "world-model")
+    assert wm["invalid"] == 1.0  # "answered with invalid replies only"
+    assert {r["start"] for r in starts if r["label"] == first} == {"world-model"}  # tried no further
+    ordinary = next(r for r in pilot if r["kind"] == "stage" and r["walks"] == "ordinary")
+    warm_ce = ordinary["curve"][0]["ce_walks_move"]
+    assert ordinary["curve"][-1]["ce_walks_move"] > warm_ce + 4 * pilot_mod.SHAM_CE  # "far above"
+    assert not [r for r in starts if r.get("walks") == "shuffled" and r["label"] == first]

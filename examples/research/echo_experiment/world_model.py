@@ -53,6 +53,7 @@ __all__ = [
     "action_batch",
     "lr_at",
     "observation_batch",
+    "reply_kl",
     "run_stage",
     "stage_demos",
     "stage_walks",
@@ -77,6 +78,7 @@ class StageConfig:
     eval_every: int = 10
     heldout: int = 64
     demos: int = 0
+    keep_policy: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -256,6 +258,41 @@ def action_batch(demos: list[Any], tok: Any) -> tuple[Any, Any]:
     return x, mask
 
 
+def _masked_ce(logits: Any, x: Any, mask: Any) -> Any:
+    """Mean next-token CE (nats/token) of the masked tokens of ``x`` from ``logits`` (the
+    predictions of positions 1 on, ``[B, T-1, V]`` fp32)."""
+    import torch
+
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, x[:, 1:, None])[..., 0]
+    target = mask[:, 1:]
+    return -(logprobs * target).sum() / target.sum()
+
+
+def reply_kl(held: Any, logits: Any, mask: Any) -> Any:
+    """Mean over the masked tokens (the replies, `action_batch`) of ``KL(p_held ‖ p)``, the
+    next-token distributions of the starting model (``held``) and the model (``logits``), both
+    ``[B, T-1, V]`` fp32 predictions of positions 1 on: 0 while the model replies as it started.
+
+    Examples:
+        >>> import torch
+        >>> a = torch.tensor([[[0.0, 1.0], [2.0, 0.0]]])
+        >>> m = torch.tensor([[False, True, True]])
+        >>> float(reply_kl(a, a, m))
+        0.0
+        >>> p, q = torch.softmax(a[0, 0], -1), torch.softmax(a[0, 1], -1)
+        >>> kl = float((p * (p.log() - q.log())).sum()) / 2  # one of the two positions differs
+        >>> b = torch.tensor([[[2.0, 0.0], [2.0, 0.0]]])
+        >>> abs(float(reply_kl(a, b, m)) - kl) < 1e-6
+        True
+    """
+    import torch
+
+    target = mask[:, 1:]
+    p_log = torch.log_softmax(held, dim=-1)
+    kl = (p_log.exp() * (p_log - torch.log_softmax(logits, dim=-1))).sum(-1)
+    return (kl * target).sum() / target.sum()
+
+
 def _observation_ce(model: Any, x: Any, mask: Any) -> Any:
     """Mean next-token CE (nats/token, fp32) of the masked tokens of ``x``."""
     import torch
@@ -290,6 +327,10 @@ def run_stage(
 
     torch.manual_seed(seed)
     model, tok = load_model(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    teacher = None
+    if cfg.keep_policy:  # a frozen copy of the starting model
+        teacher = load_model(model_dir, dtype=torch.float32, attn_implementation="sdpa")[0].eval()
+        teacher.requires_grad_(False)
     env = MirrorGrid(level="per-world", world=world, words=words)  # type: ignore[arg-type]
     heldout = world_model_sets(env, tok, count=cfg.heldout)
     opt = torch.optim.AdamW(
@@ -325,15 +366,20 @@ def run_stage(
         lr = lr_at(step, steps=cfg.steps, peak=cfg.peak_lr, warmup=cfg.warmup_steps)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, mask = observation_batch(
-            stage_walks(env, seed=seed, step=step, batch=cfg.batch, walks=walks), tok
-        )
+        walks_now = stage_walks(env, seed=seed, step=step, batch=cfg.batch, walks=walks)
+        x, mask = observation_batch(walks_now, tok)
         tokens += int(mask.sum())
-        loss = _observation_ce(model, x, mask)
+        logits = model(input_ids=x).logits[:, :-1].float()
+        loss = _masked_ce(logits, x, mask)
         action = None
         if cfg.demos:  # the replies of the warm-start's demonstrations, continued
             xa, ma = action_batch(stage_demos(env, seed=seed, step=step, count=cfg.demos), tok)
             action = _observation_ce(model, xa, ma)
+        if teacher is not None:  # the starting model's replies, kept where the walks ask for one
+            replies = action_batch(walks_now, tok)[1]
+            with torch.no_grad():
+                held = teacher(input_ids=x).logits[:, :-1].float()
+            action = reply_kl(held, logits, replies)
         opt.zero_grad(set_to_none=True)
         (loss if action is None else loss + action).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -367,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--keep-policy", action="store_true",
+                   help="add KL(starting model ‖ model) on the walks' replies")  # fmt: skip
     p.add_argument("--demos", type=int, default=0,
                    help="demonstrations per step whose replies are trained too (0: none)")  # fmt: skip
     args = p.parse_args(argv)
@@ -380,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch,
         eval_every=args.eval_every,
         demos=args.demos,
+        keep_policy=args.keep_policy,
     )
     run_stage(
         args.model_dir,
