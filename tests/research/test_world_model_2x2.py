@@ -380,8 +380,9 @@ def test_the_pilot_rows_meet_what_the_page_says() -> None:
         starts = {r["start"]: r for r in tried if r["label"] == choice["chosen"]}
         assert pilot_mod.met(starts) and starts["sham"]["walks"] == choice["sham"] == SHAM_WALKS
         s = next(s for s in wm if s["label"] == choice["chosen"])
-        assert (STAGE.steps, STAGE.peak_lr, STAGE.warmup_steps, STAGE.batch, STAGE.demos) == (
-            s["steps"], s["peak_lr"], s["warmup_steps"], s["batch"], s["demos"])  # fmt: skip
+        got = (STAGE.steps, STAGE.peak_lr, STAGE.warmup_steps, STAGE.batch, STAGE.demos)
+        assert (*got, STAGE.keep_policy) == (
+            s["steps"], s["peak_lr"], s["warmup_steps"], s["batch"], s["demos"], s["keep_policy"])  # fmt: skip
         # every try before the chosen one failed by the criteria
         for label, _ in pilot_mod.TRIES[: [t[0] for t in pilot_mod.TRIES].index(choice["chosen"])]:
             before = {r["start"]: r for r in tried if r["label"] == label}
@@ -407,9 +408,7 @@ def test_the_protocol_prints_the_settings_of_the_code() -> None:
     assert (
         f"peak lr {STAGE.peak_lr:g} over {STAGE.steps} steps ({STAGE.warmup_steps} warm-up)" in page
     )
-    assert (
-        f"{STAGE.batch} random walks" in page and f"{STAGE.demos} demonstrations per step" in page
-    )
+    assert f"{STAGE.batch} random walks" in page and STAGE.demos == 0 and STAGE.keep_policy
 
 
 def test_resume_keeps_every_finished_job_and_reads_its_row_back(
@@ -441,7 +440,9 @@ def test_the_pilot_prose_is_its_rows() -> None:
     first = pilot_mod.TRIES[0][0]
     wm = next(r for r in starts if r["label"] == first and r["start"] == "world-model")
     assert wm["invalid"] == 1.0  # "answered with invalid replies only"
-    assert {r["start"] for r in starts if r["label"] == first} == {"world-model"}  # tried no further
+    assert {r["start"] for r in starts if r["label"] == first} == {
+        "world-model"
+    }  # tried no further
     ordinary = next(r for r in pilot if r["kind"] == "stage" and r["walks"] == "ordinary")
     warm_ce = ordinary["curve"][0]["ce_walks_move"]
     assert ordinary["curve"][-1]["ce_walks_move"] > warm_ce + 4 * pilot_mod.SHAM_CE  # "far above"

@@ -54,7 +54,9 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parents[3]
 #: The stage of both starts (the pilot's choice: docs/experiment.md, "The pilot").
-STAGE = StageConfig(steps=150, peak_lr=1e-2, warmup_steps=20, batch=32, eval_every=10, demos=16)
+STAGE = StageConfig(
+    steps=150, peak_lr=1e-2, warmup_steps=20, batch=32, eval_every=10, keep_policy=True
+)
 #: The sham's walks (`echo_experiment.world_model.WALKS`; the pilot's choice).
 SHAM_WALKS = "shuffled"
 #: Every trainer run of the design: the per-world mirrorgrid with its own direction words.
@@ -108,7 +110,8 @@ def plan(out: Path, seeds: list[int], stage: StageConfig = STAGE) -> list[Job]:
                     "--world", str(world),
                     "--seed", str(seed), "--steps", str(stage.steps), "--lr", str(stage.peak_lr),
                     "--warmup-steps", str(stage.warmup_steps), "--batch", str(stage.batch),
-                    "--eval-every", str(stage.eval_every), "--demos", str(stage.demos)]  # fmt: skip
+                    "--eval-every", str(stage.eval_every), "--demos", str(stage.demos),
+                    *(["--keep-policy"] if stage.keep_policy else [])]  # fmt: skip
             jobs.append(
                 Job(stage_name, "stage", args, needs=warm, meta={"seed": seed, "kind": "stage"})
             )

@@ -31,7 +31,12 @@ replies only, so the try failed, and the round was stopped there (its sham start
 was cut off; a shuffled sham without demonstrations had been started beside it and is kept as
 a stage row, never evaluated). Round 2 added the replies of the warm-start's demonstrations to
 the stage (``demos`` 16 per step) and, since the ordinary sham's move CE in the seed's world had
-risen far above the warm-start's during its stage, the ``shuffled`` sham: the second try.
+risen far above the warm-start's during its stage, the ``shuffled`` sham: the second try. Its
+replies stayed valid, but its sham start's sampled success fell far below the warm-start's
+(the demonstrations, of the ordinary world, sharpened the policy), so it failed. Round 3
+replaced the demonstrations by ``keep_policy``: the KL of the starting model's replies on the
+walks themselves, so that the stage adds the world's observations and leaves the policy as it
+was: the third try.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from typing import Any
 from echo_experiment.world_model_2x2 import Job, _jsonl, _train, code_commit, job_commit, run_all
 from echo_experiment.world_model_report import WORLDS
 
-__all__ = ["STAGES", "TRIES", "main", "met", "passes"]
+__all__ = ["KEEP_POLICY", "STAGES", "TRIES", "main", "met", "passes"]
 
 SEED = 0
 LOG2 = math.log(2)
@@ -65,9 +70,17 @@ STAGES: tuple[tuple[str, str, float, int, int, int], ...] = (
     ("lr0.01-150", "shuffled", 1e-2, 150, 20, 0),
     ("lr0.01-150-d16", "world", 1e-2, 150, 20, 16),
     ("lr0.01-150-d16", "shuffled", 1e-2, 150, 20, 16),
+    ("lr0.01-150-kl", "world", 1e-2, 150, 20, 0),
+    ("lr0.01-150-kl", "shuffled", 1e-2, 150, 20, 0),
 )
+#: The stages that keep the starting model's replies (``--keep-policy``): round 3's.
+KEEP_POLICY = frozenset({"lr0.01-150-kl"})
 #: The tries, in order: (the world-model stage's label, the sham's walks).
-TRIES = (("lr0.01-150", "ordinary"), ("lr0.01-150-d16", "shuffled"))
+TRIES = (
+    ("lr0.01-150", "ordinary"),
+    ("lr0.01-150-d16", "shuffled"),
+    ("lr0.01-150-kl", "shuffled"),
+)
 
 
 def stage_dir(label: str, walks: str) -> str:
@@ -120,6 +133,8 @@ def _stage_job(out: Path, warm: Path, stage: tuple[str, str, float, int, int, in
             "--world", str(WORLDS[SEED]), "--seed", str(SEED), "--steps", str(steps),
             "--lr", str(lr), "--warmup-steps", str(warmup), "--batch", "32",
             "--eval-every", "10", "--demos", str(demos)]  # fmt: skip
+    if label in KEEP_POLICY:
+        args.append("--keep-policy")
     return Job(stage_dir(label, walks), "stage", args, meta={"kind": "stage"})
 
 
@@ -161,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"kind": "stage", "start": "world-model" if walks == "world" else "sham",
                      "walks": walks, "label": label, "peak_lr": lr, "steps": steps,
                      "warmup_steps": warmup, "demos": demos, "batch": 32,
+                     "keep_policy": label in KEEP_POLICY,
                      "passes": passes(curve) if walks == "world" else None, "curve": curve,
                      **job_commit(out, name)})  # fmt: skip
     passing = {r["label"] for r in rows if r["passes"]}
