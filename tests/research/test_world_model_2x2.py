@@ -122,6 +122,22 @@ def test_observation_batch_marks_exactly_the_tool_contents() -> None:
         assert text == "".join(w["content"] for w in walk if w["role"] == "tool")
 
 
+def test_reply_kl_is_the_mean_kl_of_the_masked_positions_in_fp64() -> None:
+    import torch
+    from echo_experiment.world_model import reply_kl
+
+    g = torch.Generator().manual_seed(0)
+    held, logits = (torch.randn(3, 5, 7, generator=g, dtype=torch.float64) * 4 for _ in range(2))
+    mask = torch.rand(3, 6, generator=g) < 0.5
+    mask[0, 1] = True
+    p, q = torch.softmax(held, -1), torch.softmax(logits, -1)
+    kl = (p * (p.log() - q.log())).sum(-1)  # [3, 5], position t predicts token t + 1
+    want = kl[mask[:, 1:]].mean()
+    assert float(reply_kl(held, logits, mask)) == pytest.approx(float(want), rel=1e-12)
+    assert float(reply_kl(held, held, mask)) == pytest.approx(0.0, abs=1e-12)
+    assert float(reply_kl(held, logits, mask)) > 0
+
+
 def test_lr_schedule_ramps_to_the_peak_then_decays_without_a_zero_step() -> None:
     lrs = [lr_at(k, steps=50, peak=3e-3, warmup=10) for k in range(50)]
     assert lrs[:10] == pytest.approx([3e-3 * (k + 1) / 10 for k in range(10)], rel=1e-12)
