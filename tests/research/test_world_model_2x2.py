@@ -368,8 +368,10 @@ def test_the_page_prints_the_report_of_the_committed_rows() -> None:
     ``results.json``: every number in them is recomputed from the rows here."""
     pilot = json.loads((ROWS / "pilot.json").read_text())
     rows = json.loads((ROWS / "results.json").read_text())
+    progress_file = ROWS / "progress.json"
+    progress = json.loads(progress_file.read_text()) if progress_file.is_file() else None
     page = PAGE.read_text()
-    assert report.update_page(page, pilot, rows) == page, (
+    assert report.update_page(page, pilot, rows, progress) == page, (
         "docs/world-model-2x2.md does not print the report of its committed rows; run "
         "`python examples/research/echo_experiment/run.py world-model-page "
         "docs/experiment/world-model-2x2`"
@@ -463,3 +465,16 @@ def test_the_pilot_prose_is_its_rows() -> None:
     warm_ce = ordinary["curve"][0]["ce_walks_move"]
     assert ordinary["curve"][-1]["ce_walks_move"] > warm_ce + 4 * pilot_mod.SHAM_CE  # "far above"
     assert not [r for r in starts if r.get("walks") == "shuffled" and r["label"] == first]
+
+
+def test_progress_names_jobs_done_and_their_wall_times_by_kind() -> None:
+    progress = [
+        {"job": "warm-seed0", "state": "done", "seconds": 301.0},
+        {"job": "stage-world-model-seed0", "state": "done", "seconds": 700.4},
+        {"job": "stage-sham-seed0", "state": "done", "seconds": 689.6},
+        {"job": "start-world-model-seed0", "state": "failed", "seconds": 12.0},
+    ]
+    assert report.progress_markdown(progress) == (
+        "Jobs finished: 3 of 108 (warm-start 301 s, stages 690–700 s). "
+        "Jobs failed: start-world-model-seed0."
+    )

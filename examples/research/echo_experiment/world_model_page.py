@@ -6,8 +6,10 @@
     python examples/research/echo_experiment/run.py world-model-page docs/experiment/world-model-2x2
 
 Reads the rows of ``RUN_DIR`` (``results.jsonl`` of a run in progress, the last row of each
-start × arm × seed winning, or a committed ``results.json``) and the pilot's rows
-(``docs/experiment/world-model-2x2/pilot.json``); writes ``results.json`` and the figures
+start × arm × seed winning, or a committed ``results.json``), the pilot's rows
+(``docs/experiment/world-model-2x2/pilot.json``) and, with ``--log DRIVER_LOG`` (the run's
+output: its ``done <job> (<s>s)`` lines), how far the run is, kept as ``progress.json`` (a
+committed one is read when no log is given); writes ``results.json`` and the figures
 (``contrasts.png``, ``world_model.png``, ``pilot.png``) into ``docs/experiment/world-model-2x2/``
 and the two generated blocks of ``docs/world-model-2x2.md``; nothing else of the page changes.
 Run from the repository root.
@@ -23,7 +25,7 @@ from typing import Any
 
 from echo_experiment import world_model_report as report
 
-__all__ = ["main", "read_rows"]
+__all__ = ["main", "read_progress", "read_rows"]
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -43,11 +45,33 @@ def read_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [keyed[k] for k in sorted(keyed, key=lambda k: (k[0], report.CELLS.index(k[1])))]
 
 
+def read_progress(log: Path) -> list[dict[str, Any]]:
+    """The finished jobs of a driver log, in order: ``{"job", "state", "seconds"}`` from each
+    ``done <job> (<s>s)`` or ``failed <job> (<s>s)`` line.
+
+    Examples:
+        >>> import tempfile
+        >>> f = Path(tempfile.mkdtemp()) / "log"
+        >>> _ = f.write_text("start warm-seed0\\ndone warm-seed0 (312s)\\nrow: ...\\n")
+        >>> read_progress(f)
+        [{'job': 'warm-seed0', 'state': 'done', 'seconds': 312.0}]
+    """
+    import re
+
+    out = []
+    for line in log.read_text().splitlines():
+        m = re.fullmatch(r"(done|failed) (\S+) \((\d+)s\)", line.strip())
+        if m:
+            out.append({"job": m[2], "state": m[1], "seconds": float(m[3])})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write the rows, figures and page blocks (see the module docstring)."""
     p = argparse.ArgumentParser(prog="run.py world-model-page", description=__doc__.split("::")[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--docs", type=Path, default=ROOT / "docs", help="the docs folder to write")
+    p.add_argument("--log", type=Path, help="the run's driver log: how far the run is")
     args = p.parse_args(argv)
     rows = read_rows(args.run_dir)
     target = args.docs / "experiment" / "world-model-2x2"
@@ -58,7 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     report.world_model_figure(rows, target / "world_model.png")
     report.pilot_figure(pilot, target / "pilot.png")
     page = args.docs / "world-model-2x2.md"
-    page.write_text(report.update_page(page.read_text(), pilot, rows))
+    progress = None
+    if args.log is not None:
+        progress = read_progress(args.log)
+        (target / "progress.json").write_text(json.dumps(progress, indent=1) + "\n")
+    elif (target / "progress.json").is_file():
+        progress = json.loads((target / "progress.json").read_text())
+    page.write_text(report.update_page(page.read_text(), pilot, rows, progress))
     v = report.verdict(rows)
     print(f"wrote {target}/ and the blocks of {page}: {len(rows)} of "
           f"{len(report.SEEDS) * len(report.CELLS)} runs; verdict {v['verdict']}")  # fmt: skip

@@ -44,7 +44,9 @@ __all__ = [
     "WORLDS",
     "cell",
     "contrasts",
+    "job_kind",
     "problems",
+    "progress_markdown",
     "steps_to_80_or_censored",
     "verdict",
 ]
@@ -446,11 +448,63 @@ def _splice(page: str, markers: tuple[str, str], text: str) -> str:
     return f"{head}{begin}\n{text.strip()}\n{end}{rest.split(end, 1)[1]}"
 
 
-def update_page(page: str, pilot: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+#: The jobs of the complete run: per seed a warm-start, two stages, two start evaluations and
+#: four RL runs (`echo_experiment.world_model_2x2.plan`).
+JOBS_PER_SEED = {"warm": 1, "stage": 2, "start": 2, "arm": 4}
+_KIND_NAMES = {"warm": "warm-start", "stage": "stage", "start": "start evaluation",
+               "arm": "RL run"}  # fmt: skip
+
+
+def job_kind(name: str) -> str:
+    """The kind of a job by its name (`plan`'s names).
+
+    Examples:
+        >>> [job_kind(n) for n in ("warm-seed0", "stage-sham-seed0", "start-sham-seed0",
+        ...                        "world-model-echo-seed3")]
+        ['warm', 'stage', 'start', 'arm']
+    """
+    for kind in ("warm", "stage", "start"):
+        if name.startswith(f"{kind}-"):
+            return kind
+    return "arm"
+
+
+def progress_markdown(progress: list[dict[str, Any]]) -> str:
+    """How far the run is, a pure function of its finished jobs (``progress.json``: ``job``,
+    ``state``, ``seconds``, from the driver's log): jobs done of all, and the wall time of each
+    kind of job done so far.
+
+    Examples:
+        >>> progress_markdown([{"job": "warm-seed0", "state": "done", "seconds": 300}])
+        'Jobs finished: 1 of 108 (warm-start 300 s). Jobs failed: none.'
+    """
+    total = len(SEEDS) * sum(JOBS_PER_SEED.values())
+    done = [p for p in progress if p["state"] == "done"]
+    failed = [p["job"] for p in progress if p["state"] != "done"]
+    times = []
+    for kind, name in _KIND_NAMES.items():
+        secs = [p["seconds"] for p in done if job_kind(p["job"]) == kind]
+        if len(secs) == 1:
+            times.append(f"{name} {secs[0]:.0f} s")
+        elif secs:
+            times.append(f"{name}s {min(secs):.0f}–{max(secs):.0f} s")
+    timing = f" ({', '.join(times)})" if times else ""
+    return (f"Jobs finished: {len(done)} of {total}{timing}. "
+            f"Jobs failed: {', '.join(failed) or 'none'}.")  # fmt: skip
+
+
+def update_page(
+    page: str,
+    pilot: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    progress: list[dict[str, Any]] | None = None,
+) -> str:
     """``page`` with its pilot and result blocks (`PILOT_MARKERS`, `RESULT_MARKERS`) replaced by
-    `pilot_markdown` and `markdown`; everything else unchanged."""
+    `pilot_markdown` and `markdown` (followed by `progress_markdown` when ``progress`` is
+    given); everything else unchanged."""
     page = _splice(page, PILOT_MARKERS, pilot_markdown(pilot))
-    return _splice(page, RESULT_MARKERS, markdown(rows))
+    extra = "" if progress is None else "\n" + progress_markdown(progress) + "\n"
+    return _splice(page, RESULT_MARKERS, markdown(rows) + extra)
 
 
 # ------------------------------------------------------------------------------------------------
