@@ -33,6 +33,7 @@ FIELDS = {
     "eval_valid_call_rate": "valid_call_rate",
     "heldout_result_ce": "result_ce",
     "heldout_error_ce": "error_ce",
+    "eval_time": "eval_time",  # seconds: how long the evaluation took (for sizing)
 }
 
 

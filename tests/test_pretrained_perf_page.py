@@ -122,6 +122,16 @@ def test_the_learning_rows_are_printed_and_no_claim_is_made_early():
     for r in (r for _, r in rows):
         assert set(r) >= {"seed", "rl_step", "arm", "eval_n", "eval_success", "valid_call_rate"}
         assert r["eval_n"] == 64 and 0 <= r["eval_success"] <= 1
+    pilot = [r for k, r in rows if k == "pilot"]
+    start = next(r for r in pilot if r["rl_step"] == 0)
+    said = (
+        f"solved {round(start['eval_success'] * start['eval_n'])} of {start['eval_n']} held-out "
+        f"questions greedily ({start['eval_success']:.3f}), {start['valid_call_rate']:.3f} of "
+        f"its episodes called the calculator with no invalid reply, and the held-out CE was "
+        f"{start['result_ce']:.3f} nats per result token and {start['error_ce']:.3f} per error "
+        f"token; this evaluation alone took {start['eval_time']:.0f} s"
+    )
+    assert said in _page(), f"docs/pretrained.md should say: {said}"
     finished = _finished_seeds([r for k, r in rows if k == "run"])
     if min((len(v) for v in finished.values()), default=0) < 3:
         for claim in ("*learns*:", "gets worse:", "learning is not shown:"):
