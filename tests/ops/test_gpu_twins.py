@@ -32,6 +32,7 @@ import test_row_algebra as rows_tests
 from _row_algebra_cases import Case
 
 from echoloss.loss import LossConfig, LossInputs
+from echoloss.ops.row_algebra.contract import SEQUENCE_RATIO_POLICIES
 
 # The interpreted kernels meet -inf and 0/0 on masked lanes (numpy warns; the compiled ones do not).
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -122,7 +123,7 @@ def test_row_program_reads_bt_views_in_place(device, layout, variant, on, ran):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["gspo", "sapo_sequence", "cispo_sequence"])
+@pytest.mark.parametrize("variant", SEQUENCE_RATIO_POLICIES)
 def test_in_order_ids_without_a_sort(device, variant, on, monkeypatch):
     """Ids that never decrease (runs of 1 to 80 rows), promised in order: no sort runs and the
     result is the gold's."""

@@ -11,6 +11,8 @@ import pytest
 from _fused_cases import HAS_TRITON
 from test_fused_compile import _PTR_DIV16, _resources, needs_nvidia_backend
 
+from echoloss.ops.row_algebra.policies import ROW_POLICIES
+
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 if HAS_TRITON:
@@ -180,8 +182,9 @@ def _consts(policy, on, base=1, rl_div_mode=0, echo_mode=0, echo_div_mode=None):
 @needs_nvidia_backend
 @pytest.mark.parametrize("arch", [80, 90])
 def test_every_policy_compiles(arch):
-    assert sorted(fused._POLICY_CODE.values()) == list(range(9))
-    for policy, on in itertools.product(range(9), [False, True]):
+    codes = sorted(fused._POLICY_CODE.values())  # every declared policy and sft
+    assert codes == list(range(len(codes)))
+    for policy, on in itertools.product(codes, [False, True]):
         assert _compile(_consts(policy, on), arch).asm.get("cubin")
 
 
@@ -229,7 +232,11 @@ def test_sequence_groups_program_compiles_without_spills(arch, tmp_path):
 
 
 @needs_nvidia_backend
-@pytest.mark.parametrize("policy", [1, 8], ids=["ppo_clip", "sapo_sequence"])
+@pytest.mark.parametrize(
+    "policy",
+    [ROW_POLICIES[p].code for p in ("ppo_clip", "sapo_sequence")],
+    ids=["ppo_clip", "sapo_sequence"],
+)
 @pytest.mark.parametrize("arch", [80, 90])
 def test_no_local_memory_spills(arch, policy, tmp_path):
     usage = _resources(_compile(_consts(policy, True), arch).asm["cubin"], tmp_path)

@@ -499,23 +499,32 @@ RowCoefficients = Callable[
 ]
 
 
+class _Prepared(NamedTuple):
+    """A call's rows as the chunks read them (`_prepare`): flat int64 labels, the rows to
+    compute (None: every row in order, each chunk a slice), ``1/T`` (a float or ``[N]`` in the
+    compute dtype) and on the device path the ``[N]`` bool mask."""
+
+    labels: torch.Tensor
+    rows: torch.Tensor | None
+    inv_t: float | torch.Tensor
+    mask: torch.Tensor | None
+
+
 def _chunk_gradients(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    labels: torch.Tensor,
-    rows: torch.Tensor | None,
-    inv_t: float | torch.Tensor,
+    prepared: _Prepared,
     need_entropy: bool,
     chunk_size: int,
     impl: ModuleType,
-    mask: torch.Tensor | None,
     coefficients: RowCoefficients,
     need: tuple[bool, bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One pass over the chunks: logits, phase 1, the rows' coefficients, phase 2 in place
     over the logits, ``d hidden`` rows and the ``d weight`` accumulation (as
-    ``_LinearLogprobsFn.backward``, with coefficients known at once). ``rows`` None: every
-    row in order, each chunk a slice."""
+    ``_LinearLogprobsFn.backward``, with coefficients known at once). ``prepared.rows``
+    None: every row in order, each chunk a slice."""
+    labels, rows, inv_t, mask = prepared
     v = weight.shape[0]
     cdtype = reference.compute_dtype(hidden.dtype)
     dev = hidden.device
@@ -606,31 +615,29 @@ def linear_logprobs_with_gradients(
     1 then rounds it a second time, as it does ``d hidden`` (at most one more unit in the last
     place of the weight's dtype).
     """
-    flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
+    prepared = _prepare(hidden, weight, labels, temperature, mask)
     cs = chunk_size
     if cs is None:
         cs = auto_linear_chunk_size(
-            weight, rows=_num_rows(rows, hidden), grad_weight=weight.requires_grad
+            weight, rows=_num_rows(prepared.rows, hidden), grad_weight=weight.requires_grad
         )
-    prepared = (flat_labels, rows, inv_t, flat_mask)
     return _gradients_in_forward(hidden, weight, prepared, need_entropy, cs, backend, coefficients)
 
 
 def _gradients_in_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    prepared: tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor, torch.Tensor | None],
+    prepared: _Prepared,
     need_entropy: bool,
     chunk_size: int,
     backend: str,
     coefficients: RowCoefficients,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`_chunk_gradients` without autograd recording, on `_prepare`'s outputs."""
-    labels, rows, inv_t, mask = prepared
     with torch.no_grad():
         return _chunk_gradients(
-            hidden, weight, labels, rows, inv_t, need_entropy, chunk_size,
-            resolve_backend(backend, hidden.device), mask,
+            hidden, weight, prepared, need_entropy, chunk_size,
+            resolve_backend(backend, hidden.device),
             _no_grad_coefficients(coefficients), (hidden.requires_grad, weight.requires_grad),
         )  # fmt: skip
 
@@ -710,10 +717,10 @@ def linear_logprobs_for_loss(
     `selective_logprobs_checked_by_caller` for logits); rows outside ``mask`` read 0 and get
     no gradient.
     """
-    flat_labels, rows, inv_t, flat_mask = _prepare(
+    prepared = _prepare(
         hidden, weight, labels, temperature, mask, checked_by_caller=labels_checked_by_caller
     )
-    n = _num_rows(rows, hidden)
+    n = _num_rows(prepared.rows, hidden)
     if early is not None:
         if tuple(early.logits.shape) != (n, weight.shape[0]):
             raise ValueError(
@@ -729,14 +736,11 @@ def linear_logprobs_for_loss(
     recorded = _gradient_recorded(hidden, weight)
     if coefficients is not None and recorded and n > cs:
         lp, ent, grad_h, grad_w = _gradients_in_forward(
-            hidden, weight, (flat_labels, rows, inv_t, flat_mask), need_entropy, cs, backend,
-            coefficients(),
-        )  # fmt: skip
+            hidden, weight, prepared, need_entropy, cs, backend, coefficients()
+        )
         return lp, ent, [grad_h, grad_w]
-    lp, ent = _apply(
-        hidden, weight, flat_labels, rows, inv_t, need_entropy, cs, backend, flat_mask,
-        None if early is None else early.logits,
-    )  # fmt: skip
+    logits = None if early is None else early.logits
+    lp, ent = _apply(hidden, weight, prepared, need_entropy, cs, backend, logits)
     return lp, ent, None
 
 
@@ -924,10 +928,10 @@ def _prepare(
     mask: torch.Tensor | None,
     *,
     checked_by_caller: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, float | torch.Tensor, torch.Tensor | None]:
-    """Flat int64 labels, the rows to compute (None: every row in order), ``1/T`` (float or
-    ``[N]`` compute dtype), and on the device path the ``[N]`` bool mask (the rows are then
-    every row).
+) -> _Prepared:
+    """The call's `_Prepared` rows: flat int64 labels, the rows to compute (None: every row in
+    order), ``1/T`` (float or ``[N]`` compute dtype), and on the device path the ``[N]`` bool
+    mask (the rows are then every row).
 
     ``checked_by_caller``: the caller checks the participating labels' range and the
     temperatures' values itself (a loss entry point: its fused row algebra checks the labels
@@ -967,21 +971,21 @@ def _prepare(
         inv_t = temp.reshape(-1).to(reference.compute_dtype(hidden.dtype)).reciprocal()
     else:
         inv_t = 1.0 / temp
-    return labels, rows, inv_t, flat_mask
+    return _Prepared(labels, rows, inv_t, flat_mask)
 
 
 def _apply(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    labels: torch.Tensor,
-    rows: torch.Tensor | None,
-    inv_t: float | torch.Tensor,
+    prepared: _Prepared,
     need_entropy: bool,
     chunk_size: int | None,
     backend: str,
-    mask: torch.Tensor | None,
     logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recorded op (`_LinearLogprobsFn`) on `_prepare`'s rows; ``logits``: the one
+    chunk's, issued early (`start_logits`)."""
+    labels, rows, inv_t, mask = prepared
     impl = resolve_backend(backend, hidden.device)
     cs = chunk_size
     if cs is None:
@@ -1008,10 +1012,8 @@ def linear_logprobs_rows(
     ``hidden``/``weight`` already checked (`check_linear_inputs`); ``labels`` and
     ``temperature`` are checked here. Rows outside ``mask`` read 0 and get no gradient.
     """
-    flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
-    return _apply(
-        hidden, weight, flat_labels, rows, inv_t, need_entropy, chunk_size, backend, flat_mask
-    )
+    prepared = _prepare(hidden, weight, labels, temperature, mask)
+    return _apply(hidden, weight, prepared, need_entropy, chunk_size, backend)
 
 
 @compiler_disable
@@ -1075,10 +1077,8 @@ def linear_selective_logprobs(
         mask = check_per_token("mask", mask, hidden.shape[:1], hidden.device, "bool")
     check_bool("return_entropy", return_entropy)
     chunk_size = check_chunk_size(chunk_size)
-    flat_labels, rows, inv_t, flat_mask = _prepare(hidden, weight, labels, temperature, mask)
-    lp, ent = _apply(
-        hidden, weight, flat_labels, rows, inv_t, return_entropy, chunk_size, backend, flat_mask
-    )
+    prepared = _prepare(hidden, weight, labels, temperature, mask)
+    lp, ent = _apply(hidden, weight, prepared, return_entropy, chunk_size, backend)
     if return_entropy:
         return lp, ent
     return lp

@@ -680,7 +680,8 @@ def _row_algebra_kernel(
                 )
                 q = tl.where(s != s, s, q)  # a NaN ratio: a NaN gradient, as autograd's
                 d = tl.where(q == 0, 0.0, -q * s * gx / cnt_g)  # no 0·inf past the float range
-            else:  # reinforce
+            else:  # reinforce; a code of ROW_POLICIES without its branch above fails to compile
+                tl.static_assert(POLICY == 3, "a policy of ROW_POLICIES has no branch here")
                 pol = -(adv * lp_rl)
                 d = -adv
             pol = tl.where(rl, pol, 0.0)
