@@ -104,8 +104,10 @@ def run_one(args: argparse.Namespace, seed: int, arm: str, code: str) -> None:
         "train.progress": False,
         **ARMS[arm],
     }
-    cfg = load_config(args.config, overrides)
     resume = out if (out / "checkpoints" / "latest").exists() else None  # its last checkpoint
+    if resume is None and out.exists():  # stopped before its first checkpoint: start it again
+        overrides["train.overwrite"] = True
+    cfg = load_config(args.config, overrides)
 
     def log(line: str) -> None:
         print(f"{arm} seed {seed}: {line}", flush=True)

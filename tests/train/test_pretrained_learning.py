@@ -186,3 +186,41 @@ def test_the_learning_configs_heldout_sizes_read_as_they_are():
         assert cfg.data.heldout_size == conversations and len(env.eval_tasks()) == questions
     text = (REPO / "configs" / "pretrained.toml").read_text()
     assert "heldout_size = 4                 # held-out conversations" in text
+
+
+def test_the_learning_runner_appends_each_evaluation_once(tmp_path):
+    """``scripts/pretrained_learning.py`` turns a run's ``eval.jsonl`` into result rows, adds
+    only the evaluations it does not have, and keeps the rows sorted."""
+    import importlib.util
+
+    from _train_helpers import REPO
+
+    spec = importlib.util.spec_from_file_location(
+        "pretrained_learning", REPO / "scripts" / "pretrained_learning.py"
+    )
+    assert spec is not None and spec.loader is not None
+    pl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pl)
+    run = tmp_path / "run"
+    run.mkdir()
+    evals = [
+        {"rl_step": 0, "eval_n": 64.0, "eval_success_greedy": 0.5, "eval_valid_call_rate": 0.75,
+         "heldout_result_ce": 2.5, "heldout_error_ce": 2.25, "eval_time": 10.0},
+        {"rl_step": 5, "eval_n": 64.0, "eval_success_greedy": 0.625, "eval_valid_call_rate": 0.875,
+         "heldout_result_ce": 2.0, "heldout_error_ce": 1.5, "eval_time": 11.0},
+    ]  # fmt: skip
+    (run / "eval.jsonl").write_text(json.dumps(evals[0]) + "\n")
+    results = tmp_path / "results.json"
+    pl.sync(results, run, 1, "echo", "abc")
+    (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    pl.sync(results, run, 1, "echo", "def")
+    pl.sync(results, run, 1, "echo", "def")
+    rows = json.loads(results.read_text())
+    assert rows == [
+        {"seed": 1, "rl_step": 0, "arm": "echo", "eval_n": 64, "eval_success": 0.5,
+         "valid_call_rate": 0.75, "result_ce": 2.5, "error_ce": 2.25, "eval_time": 10.0,
+         "commit": "abc"},
+        {"seed": 1, "rl_step": 5, "arm": "echo", "eval_n": 64, "eval_success": 0.625,
+         "valid_call_rate": 0.875, "result_ce": 2.0, "error_ce": 1.5, "eval_time": 11.0,
+         "commit": "def"},
+    ]  # fmt: skip
