@@ -862,8 +862,23 @@ def test_one_chunk_weight_gradient_is_the_logits_paths(backend, forward_gradient
     _logits_loss(batch, h16.clone().requires_grad_(), wr, cfg, backend).loss.backward()
     one, chunked = grads[n], grads[5]
     assert one[1] == [torch.bfloat16] and set(chunked[1]) == {torch.float32}
-    assert one[0].dtype == torch.bfloat16 and torch.equal(one[0], wr.grad)
+    assert one[0].dtype == torch.bfloat16
+    _assert_one_gemm_apart(one[0], wr.grad, rows=n)
     torch.testing.assert_close(chunked[0].float(), wr.grad.float(), atol=2e-2, rtol=2.0**-6)
+
+
+def _assert_one_gemm_apart(got: torch.Tensor, want: torch.Tensor, *, rows: int) -> None:
+    """``got`` and ``want`` are the same bf16 GEMM (fp32 accumulation, rounded once): bit for bit
+    equal, except where the CPU's bf16 GEMM picks its kernel, and so its fp32 summation order, by
+    the operands' strides (oneDNN with AMX does: measured 2 of 36,744 entries 1.5e-8 apart,
+    where entries reach 1.1; on the AVX2-only CPU of earlier runs they were bit for bit equal).
+    Such entries may differ by the summation error of ``rows`` fp32 terms of the gradient's
+    scale, and at most 0.1 % of entries may differ at all."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    differ = got.view(torch.int16) != want.view(torch.int16)
+    assert int(differ.sum()) <= max(1, got.numel() // 1000), f"{int(differ.sum())} entries differ"
+    bound = rows * 2.0**-24 * float(want.float().abs().max()) + 2.0**-8 * want.float().abs()
+    assert ((got.float() - want.float()).abs() <= bound).all()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
