@@ -85,6 +85,15 @@ def test_the_bf16_sentence_is_the_committed_measurement():
         f"load average {r['loadavg_before'][0]:.1f})"
     )
     assert said in _page(), f"docs/pretrained.md should say: {said}"
+    sec = r["seconds"]
+    spread = (
+        ", ".join(
+            f"{min(sec[k]):.0f}–{max(sec[k]):.0f} s"
+            for k in ("fp32", "fp32 weights, bf16 autocast")
+        )
+        + f" and {min(sec['bf16 weights']):.0f}–{max(sec['bf16 weights']):.0f} s"
+    )
+    assert f"spread over {spread}" in _page()
 
 
 def learning_table(rows: list[dict]) -> list[str]:
