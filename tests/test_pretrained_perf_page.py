@@ -141,6 +141,21 @@ def test_the_learning_rows_are_printed_and_no_claim_is_made_early():
         f"token; this evaluation alone took {start['eval_time']:.0f} s"
     )
     assert said in _page(), f"docs/pretrained.md should say: {said}"
+    metrics = LEARNING / "pilot-metrics.jsonl"
+    if metrics.is_file():
+        first = json.loads(metrics.read_text().splitlines()[0])
+        from echoloss.train.config import load_config
+
+        groups = load_config(ROOT / "configs" / "pretrained-learn.toml").data.prompts_per_step
+        mixed = round((1 - first["zero_variance_groups"]) * groups)
+        said = (
+            f"{mixed} of {groups} groups had mixed rewards (mean reward {first['reward']:.3f}); "
+            f"its {round(first['rollouts'])} rollouts ({first['tokens']} tokens) took "
+            f"{first['gen_time']:.0f} s to generate and "
+            f"{first['step_time'] - first['gen_time']:.0f} s to train (`update_forward`: "
+            f"`{first['update_forward']}`)"
+        )
+        assert said in _page(), f"docs/pretrained.md should say: {said}"
     finished = _finished_seeds([r for k, r in rows if k == "run"])
     if min((len(v) for v in finished.values()), default=0) < 3:
         for claim in ("*learns*:", "gets worse:", "learning is not shown:"):
