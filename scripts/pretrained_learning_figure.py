@@ -1,0 +1,58 @@
+"""The learning curve's figure from its committed rows: held-out greedy success and well-formed
+call rate against the RL step, one line per seed and arm (the pilot's rows dashed).
+
+    python scripts/pretrained_learning_figure.py  # -> docs/pretrained/learning/curve.png
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LEARNING = ROOT / "docs" / "pretrained" / "learning"
+
+
+def main() -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = []
+    for kind, name in (("pilot", "pilot.json"), ("run", "results.json")):
+        path = LEARNING / name
+        if path.is_file():
+            sets.append((kind, json.loads(path.read_text())))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharex=True)
+    for ax, key, title in (
+        (axes[0], "eval_success", "held-out greedy success"),
+        (axes[1], "valid_call_rate", "well-formed-call rate"),
+    ):
+        for kind, rows in sets:
+            for seed, arm in sorted({(r["seed"], r["arm"]) for r in rows}):
+                pts = sorted(
+                    (r["rl_step"], r[key]) for r in rows if (r["seed"], r["arm"]) == (seed, arm)
+                )
+                ax.plot(
+                    [p[0] for p in pts], [p[1] for p in pts], "o--" if kind == "pilot" else "o-",
+                    label=f"{kind}: {arm}, seed {seed}",
+                )  # fmt: skip
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.set_ylim(0, 1)
+        ax.set_xlim(-1, 31)  # the protocol's 30 RL steps
+    axes[0].set_ylabel("share of the 64 held-out questions")
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(
+        "SmolLM2-135M-Instruct, configs/pretrained-learn.toml (pilot: no claim)", fontsize=9
+    )
+    fig.tight_layout()
+    out = LEARNING / "curve.png"
+    fig.savefig(out, dpi=110)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
