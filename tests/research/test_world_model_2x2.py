@@ -478,3 +478,23 @@ def test_progress_names_jobs_done_and_their_wall_times_by_kind() -> None:
         "Jobs finished: 3 of 108 (warm-start 301 s, stages 690–700 s). "
         "Jobs failed: start-world-model-seed0."
     )
+
+
+def test_the_page_reads_a_run_in_progress(tmp_path: Path) -> None:
+    from echo_experiment.world_model_page import read_progress, read_rows
+
+    with pytest.raises(SystemExit, match=r"neither results\.jsonl nor results\.json"):
+        read_rows(tmp_path)
+    (tmp_path / "run.json").write_text("{}")
+    assert read_rows(tmp_path) == []  # started, no RL run finished
+    rows = [{"seed": 1, "start": "sham", "arm": "echo", "v": 1},
+            {"seed": 0, "start": "sham", "arm": "grpo", "v": 2},
+            {"seed": 1, "start": "sham", "arm": "echo", "v": 3}]  # fmt: skip
+    _write(tmp_path / "results.jsonl", rows)
+    assert [r["v"] for r in read_rows(tmp_path)] == [2, 3]  # by seed; a later line wins
+    log = tmp_path / "driver.log"
+    log.write_text("start warm-seed0\ndone warm-seed0 (197s)\nfailed stage-sham-seed0 (3s)\n")
+    assert read_progress(log) == [
+        {"job": "warm-seed0", "state": "done", "seconds": 197.0},
+        {"job": "stage-sham-seed0", "state": "failed", "seconds": 3.0},
+    ]

@@ -32,12 +32,14 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def read_rows(run_dir: Path) -> list[dict[str, Any]]:
     """The rows of ``run_dir``, one per start × arm × seed (a later line replaces an earlier
-    one), ordered by seed and cell."""
+    one), ordered by seed and cell; none for a run in progress without a finished RL run."""
     if (run_dir / "results.jsonl").is_file():
         lines = (run_dir / "results.jsonl").read_text().splitlines()
         rows = [json.loads(x) for x in lines if x.strip()]
     elif (run_dir / "results.json").is_file():
         rows = json.loads((run_dir / "results.json").read_text())
+    elif (run_dir / "run.json").is_file():  # a run in progress, no RL run finished yet
+        rows = []
     else:
         raise SystemExit(f"world-model-page: {str(run_dir)!r} has neither results.jsonl nor "
                          "results.json; pass the --output-dir of run.py world-model-2x2")  # fmt: skip
