@@ -285,6 +285,18 @@ def _complete_seeds(rows: list[dict[str, Any]]) -> list[int]:
     return sorted(s for s, cells in have.items() if cells == set(CELLS))
 
 
+def _seed_list(seeds: list[int]) -> str:
+    """``"seeds 0, 1 (2)"``, ``"seed 0 (1)"`` or ``"no seed yet"``.
+
+    Examples:
+        >>> _seed_list([0]), _seed_list([0, 3]), _seed_list([])
+        ('seed 0 (1)', 'seeds 0, 3 (2)', 'no seed yet')
+    """
+    if not seeds:
+        return "no seed yet"
+    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} ({len(seeds)})"
+
+
 def _cell_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| start, arm | runs | sampled success: start → end | greedy success: end "
@@ -351,8 +363,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             "",
             f"**In progress: {done} of {total} runs; no verdict until complete.** The rule "
             "gives no verdict on these rows: " + "; ".join(issues) + ". The numbers below are "
-            f"what the finished runs measured (contrasts over the {len(seeds)} seeds with all "
-            "four runs), not a result.",
+            f"what the finished runs measured (contrasts over {_seed_list(seeds)}), not a "
+            "result.",
         ]
     else:
         head = [
@@ -382,7 +394,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "",
         *_cell_lines(rows),
         "",
-        f"Contrasts over the paired seeds with all four runs ({', '.join(map(str, seeds)) or 'none'}):",
+        f"Contrasts over the paired seeds with all four runs: {_seed_list(seeds)}.",
         "",
         *_contrast_lines(c),
         "",
