@@ -498,3 +498,26 @@ def test_the_page_reads_a_run_in_progress(tmp_path: Path) -> None:
         {"job": "warm-seed0", "state": "done", "seconds": 197.0},
         {"job": "stage-sham-seed0", "state": "failed", "seconds": 3.0},
     ]
+
+
+def test_a_job_cut_off_before_its_first_checkpoint_runs_again_over_its_partial_output(
+    tmp_path: Path,
+) -> None:
+    """A cut-off RL arm continues from its checkpoint; one cut off before its first checkpoint
+    (metrics only) reruns with ``--overwrite`` (without it the trainer refuses the used directory
+    and the job fails on every ``--resume``); a stage job reruns as planned."""
+    from echo_experiment.world_model_2x2 import job_arguments
+
+    by = {j.name: j for j in plan(tmp_path, [1])}
+    arm = by["world-model-grpo-seed1"]
+    assert job_arguments(tmp_path, arm) == arm.args  # never started
+    (tmp_path / arm.name).mkdir()
+    assert job_arguments(tmp_path, arm) == arm.args  # an empty directory is not a used one
+    (tmp_path / arm.name / "metrics.jsonl").write_text("{}\n")
+    assert job_arguments(tmp_path, arm) == [*arm.args, "--overwrite"]
+    (tmp_path / arm.name / "checkpoints" / "latest").mkdir(parents=True)
+    assert job_arguments(tmp_path, arm) == [*arm.args, "--resume"]
+    stage = by["stage-sham-seed1"]
+    (tmp_path / stage.name).mkdir()
+    (tmp_path / stage.name / "log.jsonl").write_text("{}\n")
+    assert job_arguments(tmp_path, stage) == stage.args

@@ -278,13 +278,27 @@ def _finish(out: Path, job: Job, commit: dict[str, Any]) -> None:
           f"move CE {row['move_ce_start']} -> {row['move_ce_end']}, {job.wall:.0f}s", flush=True)  # fmt: skip
 
 
+def job_arguments(out: Path, job: Job) -> list[str]:
+    """``job``'s arguments for this attempt: a training job cut off after a checkpoint continues
+    from it (``--resume``); one cut off before its first checkpoint left metrics but nothing to
+    continue from, so it runs again from its start over them (``--overwrite``: the trainer
+    refuses a used output directory otherwise, and the job would fail on every resume)."""
+    args = list(job.args)
+    run_dir = out / job.name
+    if job.kind != "train" or not run_dir.is_dir():
+        return args
+    if (run_dir / "checkpoints" / "latest").exists():
+        return [*args, "--resume"]
+    if any(run_dir.iterdir()):
+        return [*args, "--overwrite"]
+    return args
+
+
 def _work(
     jobs: list[Job], out: Path, pool: Any, lock: threading.Condition, commit: dict[str, Any]
 ) -> None:
     while (job := _next(jobs, lock)) is not None:
-        args = list(job.args)
-        if job.kind == "train" and (out / job.name / "checkpoints" / "latest").exists():
-            args.append("--resume")  # cut off after a checkpoint: continue from it
+        args = job_arguments(out, job)
         print(f"start {job.name}", flush=True)
         (out / f"{job.name}.commit.json").write_text(json.dumps(commit))  # the code it ran
         t = time.perf_counter()
