@@ -104,7 +104,7 @@ def _gate(out: dict[str, dict[str, float]], adv_abs: float) -> list[str]:
     is a near-cancelling sum of advantages times ratios near 1, so only an absolute tolerance
     on the advantages' scale means anything). Empty when all agree."""
     problems = []
-    for forward in FORWARDS[1:]:
+    for forward in [f for f in FORWARDS[1:] if f in out and "logits" in out]:
         for key, want in out["logits"].items():
             got = out[forward][key]
             tol = {"abs_tol": 1e-2 * adv_abs} if key == "loss_rl" else {"rel_tol": 2e-2}
@@ -141,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="fastest", help="model.dtype")
     ap.add_argument("--out", default=None, help="result file (default: benchmarks/results/...)")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        choices=[*FORWARDS, "plain"],
+        default=[*FORWARDS, "plain"],
+        help="what to time (default: all); a larger step may time only the old and new forward",
+    )
     args = ap.parse_args(argv)
 
     from benchmarks.harness import loadavg
@@ -183,17 +190,18 @@ def main(argv: list[str] | None = None) -> int:
         if forced:  # every group tied: a step without RL gradient would be timed as a skip
             advantages = [(-1.0) ** i for i in range(len(advantages))]
         samples = build_samples(run, rollouts, advantages, phase, run.warm_steps)
-        times: dict[str, list[float]] = {k: [] for k in (*FORWARDS, "plain")}
+        times: dict[str, list[float]] = {k: [] for k in args.variants}
         batches: dict[str, int] = {}
         values: dict[str, dict[str, float]] = {}
         adv_abs = sum(abs(a) for a in advantages if a is not None) / len(advantages)
         for _ in range(args.repeats):
-            for forward in FORWARDS:
+            for forward in [f for f in FORWARDS if f in args.variants]:
                 seconds, (trained, grad_norm, n) = _trainer_step(run, samples, phase, forward)
                 times[forward].append(seconds)
                 batches[forward] = n
                 values.setdefault(forward, _gate_values(trained, grad_norm))
-            times["plain"].append(_plain_step(run, samples))
+            if "plain" in args.variants:
+                times["plain"].append(_plain_step(run, samples))
             # written after every repeat: a slow machine still leaves the repeats it finished
             _write(args, cfg, samples, rollouts, forced, batches, times, gen, values, adv_abs)
     problems = _gate(values, adv_abs)
@@ -239,10 +247,12 @@ def _write(
         "rewards": [r.reward for r in rollouts],
         "advantages_forced": forced,
         "micro_batches": batches,
-        "repeats": len(times["plain"]),
+        "repeats": min(len(v) for v in times.values()),
         "seconds": times,
         "median_s": median,
-        "ratio_to_logits": {k: v / median["logits"] for k, v in median.items()},
+        "ratio_to_logits": (
+            {k: v / median["logits"] for k, v in median.items()} if "logits" in median else {}
+        ),
         "generation_s": {"shared_prompt": gen[True], "unshared": gen[False]},
         "gate": values,
         "gate_problems": _gate(values, adv_abs),

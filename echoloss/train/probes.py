@@ -48,6 +48,7 @@ __all__ = [
     "evaluate",
     "heldout_hidden_ce",
     "heldout_observation_ce",
+    "heldout_observation_ces",
     "heldout_set",
 ]
 
@@ -169,6 +170,97 @@ def heldout_observation_ce(model: Any, batches: list[echoloss.PackedBatch], attn
     return nll / max(count, 1)
 
 
+def _echo_rows(batch: echoloss.PackedBatch) -> torch.Tensor:
+    """``[L]`` bool: the rows of ``batch`` whose next token is an echoed observation token."""
+    return echoloss.next_token_targets(batch).echo_weights > 0
+
+
+def _shared_prefix_length(batches: Sequence[echoloss.PackedBatch], pad_id: int) -> list[int]:
+    """The tokens every sequence of every batch starts with, ending before the first echo row of
+    any (so that no scored row lies in it), or ``[]`` when shorter than `MIN_SHARED_PREFIX`."""
+    from echoloss.train.forward import MIN_SHARED_PREFIX, common_prefix_length
+
+    seqs: list[list[int]] = []
+    cap = None
+    for b in batches:
+        ids, cu, rows = b.input_ids.tolist(), b.cu_seqlens.tolist(), _echo_rows(b)
+        for k, s in enumerate(b.sample_indices):
+            if s < 0:
+                continue  # a padding segment
+            seqs.append(ids[cu[k] : cu[k + 1]])
+            scored = rows[cu[k] : cu[k + 1]].nonzero()
+            first = int(scored[0, 0]) if len(scored) else cu[k + 1] - cu[k] - 1
+            cap = first if cap is None else min(cap, first)
+    if not seqs or cap is None:
+        return []
+    n = min(cap, min(len(x) for x in seqs) - 1)
+    for x in seqs[1:]:
+        n = min(n, common_prefix_length(seqs[0], x))
+    return seqs[0][:n] if n >= MIN_SHARED_PREFIX else []
+
+
+@torch.no_grad()
+def heldout_observation_ces(
+    model: Any, sets: dict[str, list[echoloss.PackedBatch]], *, pad_id: int
+) -> dict[str, float]:
+    """Mean cross-entropy (nats/token) of each named set's echoed tokens: the value of
+    `heldout_observation_ce` for every set, computed for a fraction of its cost.
+
+    The sets are the held-out conversations packed with different echo rows (all observations,
+    each observation kind): a batch whose token ids another set already holds is run once. The
+    decoder runs the prompt prefix every conversation shares once (keys and values reused, as
+    `echoloss.train.forward.SharedPrefixForward` does in the update), then each conversation's
+    continuation; the LM head runs only on the rows some set scores, and the log-sum-exp in fp32.
+
+    Args:
+        model: a Hugging Face causal LM.
+        sets: name -> packed batches (``echo_weights > 0`` on the scored tokens).
+        pad_id: the token id written on continuation padding.
+
+    Returns:
+        name -> mean NLL of its scored tokens (NaN for a set that scores none).
+
+    Examples:
+        >>> # heldout_observation_ces(model, {"result": r, "error": e}, pad_id=tok.pad_token_id)
+        >>> # {'result': 2.69, 'error': 2.49}
+    """
+    from echoloss.train.forward import SharedPrefixForward, lm_head_weight
+
+    was = model.training
+    model.eval()
+    every = [b for batches in sets.values() for b in batches]
+    prefix = _shared_prefix_length(every, pad_id)
+    shared = SharedPrefixForward(model, [prefix], pad_id)
+    weight = lm_head_weight(model)
+    nll = dict.fromkeys(sets, 0.0)
+    count = dict.fromkeys(sets, 0)
+    distinct: list[tuple[echoloss.PackedBatch, dict[str, torch.Tensor]]] = []  # and set masks
+    for name, batches in sets.items():
+        for b in batches:
+            for seen, masks in distinct:
+                if torch.equal(seen.input_ids, b.input_ids):
+                    masks[name] = _echo_rows(b)
+                    break
+            else:
+                distinct.append((b, {name: _echo_rows(b)}))
+    for b, masks in distinct:
+        union = torch.stack(list(masks.values())).any(0)
+        rows = union.nonzero().flatten()
+        if not len(rows):
+            continue
+        hidden = shared.hidden(b, 0)[rows]
+        logits = (hidden.to(weight.dtype) @ weight.T).float()  # [n, V]
+        labels = echoloss.next_token_targets(b).labels[rows]
+        token_nll = logits.logsumexp(-1) - logits.gather(-1, labels[:, None])[:, 0]
+        for name, mask in masks.items():
+            picked = mask[rows]
+            nll[name] += float(token_nll[picked].double().sum())
+            count[name] += int(picked.sum())
+    shared.done.clear()
+    model.train(was)
+    return {name: nll[name] / count[name] if count[name] else math.nan for name in sets}
+
+
 @torch.no_grad()
 def heldout_hidden_ce(model: Any, sets: list[tuple[list[int], list[int]]], device: Any) -> float:
     """Mean cross-entropy (nats/token) of the *hidden-dependent* observation tokens of the
@@ -217,12 +309,15 @@ def evaluate(
     data: DataConfig,
     train: TrainSection,
     attn_implementation: str,
+    forward: str = "logits",
 ) -> dict[str, float]:
     """Held-out success on the env's fixed evaluation tasks (`eval_subset` of them with
     ``train.eval_episodes``; one greedy episode each at ``data``'s sampling settings, plus
     ``train.eval_samples`` sampled ones when ``full``: at the RL start and end) and the held-out
-    observation CEs with their floors (the model's forward with ``model.attn_implementation``).
-    Keys absent when they do not apply."""
+    observation CEs with their floors (the model's forward with ``model.attn_implementation``;
+    with the update's ``forward`` ``"shared_prefix"`` through `heldout_observation_ces`, the
+    shared prompt once and the LM head on the scored rows only, else the full logits of each
+    set). Keys absent when they do not apply."""
     out: dict[str, float] = {}
     tasks = eval_subset(env.eval_tasks(), train.eval_episodes)
     if tasks and data.source != "jsonl":
@@ -244,12 +339,15 @@ def evaluate(
             out.update(eval_success_sampled=r.success_sampled, eval_invalid_rate=r.invalid_rate)
             if isinstance(env, ImaginedObservations):  # an optional capability of the env
                 out["eval_imagined_rate"] = r.imagined_rate
-    attn = attn_implementation
+    sets = {f"heldout_{kind}_ce": batches for kind, batches in heldout.kinds.items()}
     if heldout.batches:
-        out["heldout_obs_ce"] = heldout_observation_ce(model, heldout.batches, attn)
+        sets["heldout_obs_ce"] = heldout.batches
         out["obs_ce_floor"] = heldout.floor
-    for kind, batches in heldout.kinds.items():
-        out[f"heldout_{kind}_ce"] = heldout_observation_ce(model, batches, attn)
+    if sets and forward == "shared_prefix":
+        out.update(heldout_observation_ces(model, sets, pad_id=tok.pad_token_id))
+    else:  # FSDP, flash attention or a token export: the forward every model has
+        for name, batches in sets.items():
+            out[name] = heldout_observation_ce(model, batches, attn_implementation)
     if heldout.hidden:
         out["heldout_hidden_ce"] = heldout_hidden_ce(model, heldout.hidden, device)
         out["hidden_ce_floor"] = heldout.hidden_floor

@@ -901,6 +901,7 @@ def _record_evaluation(run: Run, step_no: int, rl_step: int, full: bool) -> dict
                 data=c.data,
                 train=c.train,
                 attn_implementation=c.model.attn_implementation,
+                forward=run.forward,
             )
     f = run.outputs.evals
     if ev and f is not None:

@@ -224,3 +224,66 @@ def test_the_learning_runner_appends_each_evaluation_once(tmp_path):
          "valid_call_rate": 0.875, "result_ce": 2.0, "error_ce": 1.5, "eval_time": 11.0,
          "commit": "def"},
     ]  # fmt: skip
+
+
+def _tiny_lm(tok, *, seed: int = 0):
+    import torch
+
+    from echoloss.train.model import build_tiny_model
+
+    torch.manual_seed(seed)
+    return build_tiny_model(arch="llama", vocab_size=len(tok), hidden_size=48, num_layers=2,
+                            num_heads=4, num_kv_heads=2, intermediate_size=96,
+                            max_position_embeddings=4096, seed=seed)  # fmt: skip
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [16384, 2048])  # one batch; one per conversation
+def test_heldout_ces_with_the_prompt_once_equal_the_full_logits_per_set(micro_batch_tokens):
+    """The cheap held-out CE (shared prompt once, LM head on scored rows, one forward for the
+    sets that pack the same conversations) equals the full-logits CE of every set in fp32."""
+    from echoloss.train.probes import (
+        _kind_batches,
+        _shared_prefix_length,
+        heldout_observation_ce,
+        heldout_observation_ces,
+    )
+
+    env, tok = Calculator(), build_tokenizer()
+    sets = _kind_batches(env, tok, count=6, micro_batch_tokens=micro_batch_tokens)
+    every = [b for batches in sets.values() for b in batches]
+    prefix = _shared_prefix_length(every, tok.pad_token_id)
+    assert len(prefix) > 100  # the system prompt and worked examples: run once
+    model = _tiny_lm(tok)
+    fast = heldout_observation_ces(model, sets, pad_id=tok.pad_token_id)
+    for name, batches in sets.items():
+        full = heldout_observation_ce(model, batches, "sdpa")
+        assert fast[name] == pytest.approx(full, rel=2e-6), name  # fp32 sums of ~1e3 terms
+    assert model.training  # left as it was
+
+
+def test_heldout_ces_without_a_shared_prompt_and_with_a_set_that_scores_nothing():
+    """A conversation that shares no prefix with the others runs whole (prefix ``[]``); a set
+    without a scored token is NaN, not 0."""
+    import torch
+
+    from echoloss.train.probes import _shared_prefix_length, heldout_observation_ce
+    from echoloss.train.probes import heldout_observation_ces as ces
+
+    tok = build_tokenizer()
+    model = _tiny_lm(tok, seed=1)
+
+    def sample(prompt: list[int], echo: bool) -> echoloss.Sample:
+        body = [7, 8, 9, 10]
+        return echoloss.Sample(prompt_ids=prompt, completion_ids=body,
+                               completion_mask=[False] * 4, completion_logprobs=[0.0] * 4,
+                               echo_weights=[None] * len(prompt) + [None, 1.0, 1.0, None] if echo else None,
+                               advantage=0.0)  # fmt: skip
+
+    prompts = [list(range(20, 60)), [*range(20, 58), 5, 6], list(range(90, 99))]
+    scored = echoloss.pack([sample(p, True) for p in prompts], max_tokens=256)
+    silent = echoloss.pack([sample(p, False) for p in prompts], max_tokens=256)
+    assert _shared_prefix_length(scored, tok.pad_token_id) == []
+    with torch.no_grad():
+        got = ces(model, {"scored": scored, "silent": silent}, pad_id=tok.pad_token_id)
+    assert got["scored"] == pytest.approx(heldout_observation_ce(model, scored, "sdpa"), rel=1e-6)
+    assert math.isnan(got["silent"])
