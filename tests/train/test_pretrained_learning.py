@@ -287,3 +287,25 @@ def test_heldout_ces_without_a_shared_prompt_and_with_a_set_that_scores_nothing(
         got = ces(model, {"scored": scored, "silent": silent}, pad_id=tok.pad_token_id)
     assert got["scored"] == pytest.approx(heldout_observation_ce(model, scored, "sdpa"), rel=1e-6)
     assert math.isnan(got["silent"])
+
+
+def test_evaluate_reports_the_same_heldout_ces_through_either_forward():
+    """`evaluate` takes the cheap CEs under the shared-prefix update forward and the full
+    logits under any other (FSDP, flash attention, a token export): the same numbers in fp32."""
+    import torch
+
+    from echoloss.train.probes import evaluate, heldout_set
+
+    env, tok = Calculator(), build_tokenizer()
+    cfg = parse_config({"env": {"name": "calculator"},
+                        "data": {"heldout_size": 3, "max_tokens": 4096},
+                        "train": {"eval_episodes": 0}})  # fmt: skip
+    held = heldout_set(env, tok, torch.device("cpu"), data=cfg.data, micro_batch_tokens=4096)
+    model = _tiny_lm(tok, seed=2)
+    got = {
+        forward: evaluate(model, tok, env, held, torch.device("cpu"), False, data=cfg.data,
+                          train=cfg.train, attn_implementation="sdpa", forward=forward)
+        for forward in ("shared_prefix", "logits")
+    }  # fmt: skip
+    assert {"heldout_error_ce", "heldout_result_ce", "heldout_obs_ce"} <= set(got["logits"])
+    assert got["shared_prefix"] == pytest.approx(got["logits"], rel=2e-6)
