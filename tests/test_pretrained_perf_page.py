@@ -26,11 +26,14 @@ def _page() -> str:
     return " ".join(PAGE.read_text().split())
 
 
-def _latest(pattern: str) -> dict:
+def _latest(pattern: str, **where: object) -> dict:
+    """The newest committed result matching ``pattern`` whose fields equal ``where``."""
     files = sorted((ROOT / "benchmarks" / "results").glob(pattern))
-    if not files:
-        pytest.skip(f"no benchmarks/results/{pattern} committed")
-    return json.loads(files[-1].read_text())
+    found = [r for r in map(lambda f: json.loads(f.read_text()), files)
+             if all(r.get(k) == v for k, v in where.items())]  # fmt: skip
+    if not found:
+        pytest.skip(f"no benchmarks/results/{pattern} with {where} committed")
+    return found[-1]
 
 
 def update_table(r: dict) -> list[str]:
@@ -40,6 +43,8 @@ def update_table(r: dict) -> list[str]:
         "|---|---|---|---|",
     ]
     for key, name in NAMES.items():
+        if key not in r["median_s"]:
+            continue  # not timed (--variants)
         med = r["median_s"][key]
         mbs = r["micro_batches"].get(key, 1)
         lines.append(f"| {name} | {med:.1f} s | {med / r['median_s']['logits']:.2f} | {mbs} |")
@@ -47,7 +52,7 @@ def update_table(r: dict) -> list[str]:
 
 
 def test_the_update_table_is_the_committed_benchmark():
-    r = _latest("update-step_*.json")
+    r = _latest("update-step_*.json", prompts=2, group=4)  # the shipped config's step
     text = PAGE.read_text()
     table = "\n".join(update_table(r))
     assert table in text, f"docs/pretrained.md should contain:\n{table}"
@@ -73,6 +78,25 @@ def test_the_update_table_is_the_committed_benchmark():
         f"prefilled once and {g['unshared']:.0f} s without"
     )
     assert gen in _page(), f"docs/pretrained.md should say: {gen}"
+
+
+def test_the_learning_configs_step_is_the_committed_benchmark():
+    """The done-when of the learning config: its step's update at most 1/3 of the old one."""
+    r = _latest("update-step_*.json", prompts=4, group=8)
+    table = "\n".join(update_table(r))
+    assert table in PAGE.read_text(), f"docs/pretrained.md should contain:\n{table}"
+    m, g = r["median_s"], r["generation_s"]
+    assert m["shared_prefix"] / m["logits"] <= 1 / 3 and not r["gate_problems"]
+    said = (
+        f"({r['samples']} samples, {r['tokens']} tokens, {r['rl_tokens']} RL and "
+        f"{r['echo_tokens']} echo tokens), {r['repeats']} repeat, {r['threads']} thread "
+        f"(load average {r['loadavg_before'][0]:.1f} before, {r['loadavg_after'][0]:.1f} after): "
+        f"the update costs {m['shared_prefix'] / m['logits']:.2f} of the update before this change "
+        f"({m['shared_prefix']:.1f} s against {m['logits']:.1f} s). Generating these rollouts "
+        f"took {g['shared_prompt']:.0f} s with the shared prompt prefilled once and "
+        f"{g['unshared']:.0f} s without"
+    )
+    assert said in _page(), f"docs/pretrained.md should say: {said}"
 
 
 def test_the_bf16_sentence_is_the_committed_measurement():
