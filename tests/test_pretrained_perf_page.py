@@ -205,3 +205,53 @@ def t_interval(values: list[float]) -> tuple[float, float, float]:
 def test_t_interval_by_hand():
     mean, _lo, hi = t_interval([0.1, 0.2, 0.3])
     assert mean == pytest.approx(0.2) and hi - mean == pytest.approx(4.303 * 0.1 / math.sqrt(3))
+
+
+def test_the_evaluation_costs_are_the_committed_benchmark():
+    r = _latest("eval-cost_*.json")
+    h, g, roll = r["heldout_ce"], r["greedy_eval"], r["rollouts"]
+    med, val = h["median_s"], h["values"]
+    first, second = g["generate_calls"][:2]
+    said = (
+        f"load average {r['loadavg_before'][0]:.1f} before, {r['loadavg_after'][0]:.1f} after). "
+        f"The held-out CEs of {h['conversations']} conversations ({h['tokens_per_set']} tokens, "
+        f"both kinds) took {med['shared_prompt']:.1f} s with the shared prompt once"
+    )
+    assert said in _page(), f"docs/pretrained.md should say: {said}"
+    assert f"against {med['full_logits']:.1f} s with every row's logits" in _page()
+    old, new = val["full_logits"], val["shared_prompt"]
+    assert f"(result {old['result']:.3f}, error {old['error']:.3f})" in _page()
+    assert f"(result {new['result']:.3f}, error {new['error']:.3f})" in _page()
+    said = (
+        f"The greedy evaluation of the {g['questions']} questions took {g['seconds']:.1f} s "
+        f"({round(g['success'] * g['questions'])} of {g['questions']} solved, as the pilot's row): "
+        f"its first turn, {first['rows']} rows with the {first['shared_prefix']}-token shared "
+        f"prompt prefilled once and up to {first['new_tokens_max']} new tokens, "
+        f"{first['seconds']:.1f} s; its second, {second['seconds']:.1f} s. One RL step's "
+        f"{roll['rollouts']} rollouts took {roll['seconds']:.1f} s"
+    )
+    assert said in _page(), f"docs/pretrained.md should say: {said}"
+    pilot = json.loads((LEARNING / "pilot.json").read_text())[0]
+    assert math.isclose(old["result"], pilot["result_ce"], rel_tol=1e-12)  # "to the last digit"
+    assert math.isclose(old["error"], pilot["error_ce"], rel_tol=1e-12)
+    assert g["success"] == pilot["eval_success"]
+
+
+def test_the_estimate_of_a_run_is_the_measured_parts():
+    """The status paragraph's cost of one run: 30 RL steps (generation, from the eval-cost and
+    the learning config's update-step benchmark, and the update) and 7 evaluations."""
+    ev = _latest("eval-cost_*.json")
+    step = _latest("update-step_*.json", prompts=4, group=8)
+    evaluation = ev["greedy_eval"]["seconds"] + ev["heldout_ce"]["median_s"]["shared_prompt"]
+    gens = sorted([ev["rollouts"]["seconds"], step["generation_s"]["shared_prompt"]])
+    update = step["median_s"]["shared_prefix"]
+    hours = [(30 * (g + update) + 7 * evaluation) / 3600 for g in gens]
+    said = (
+        f"measures](#what-an-evaluation-costs-now) {evaluation:.0f} s at a load average near 3; "
+        f"from the parts measured there and in [the learning config's "
+        f"step](#a-step-that-pays-for-what-it-trains) (generation {gens[0]:.0f}–{gens[1]:.0f} s, "
+        f"update {update:.0f} s), one run of 30 RL steps and 7 evaluations is estimated at "
+        f"{hours[0]:.1f}–{hours[1]:.1f} hours of one core at that load, the six runs at "
+        f"{6 * hours[0]:.0f}–{6 * hours[1]:.0f} core-hours"
+    )
+    assert said in _page(), f"docs/pretrained.md should say: {said}"
