@@ -521,3 +521,14 @@ def test_a_job_cut_off_before_its_first_checkpoint_runs_again_over_its_partial_o
     (tmp_path / stage.name).mkdir()
     (tmp_path / stage.name / "log.jsonl").write_text("{}\n")
     assert job_arguments(tmp_path, stage) == stage.args
+
+
+def test_in_progress_the_rule_table_uses_the_seeds_of_the_contrasts() -> None:
+    """With one seed complete and others partly, the parts shown are those of the complete
+    seeds (one: no part decided), not of whichever cells two seeds happen to share."""
+    whole = _rows(p1=0.2, p2=0.1, seeds=(0, 1, 2))
+    rows = [r for r in whole if r["seed"] == 0 or r["arm"] == "grpo"]  # seeds 1, 2: GRPO only
+    assert report.verdict(rows)["parts"]["P1 > 0"] is not None  # three seeds pair P1
+    text = report.markdown(rows)
+    assert "Contrasts over the paired seeds with all four runs: seed 0 (1)." in text
+    assert "| P1 > 0 | – (fewer than two paired seeds) |" in text

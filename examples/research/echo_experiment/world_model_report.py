@@ -376,7 +376,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             + ".",
         ]
     yes = {True: "yes", False: "no", None: "– (fewer than two paired seeds)"}
-    parts = [f"| {name} | {yes[ok]} |" for name, ok in v["parts"].items()]
+    # In progress, each part on the same complete seeds as the contrasts above it (the rule's own
+    # parts pair whatever cells two seeds share); complete, the rule's parts as they decided.
+    shown = verdict(paired)["parts"] if v["verdict"] is None else v["parts"]
+    parts = [f"| {name} | {yes[ok]} |" for name, ok in shown.items()]
     walls = sorted(r["wall_s"] for r in rows if r.get("wall_s") is not None)
     timing = (
         f"Wall time of the {len(walls)} RL runs timed here (`wall_s`: 100 RL steps and their "
