@@ -309,3 +309,25 @@ def test_evaluate_reports_the_same_heldout_ces_through_either_forward():
     }  # fmt: skip
     assert {"heldout_error_ce", "heldout_result_ce", "heldout_obs_ce"} <= set(got["logits"])
     assert got["shared_prefix"] == pytest.approx(got["logits"], rel=2e-6)
+
+
+def test_a_calculator_run_logs_both_heldout_ces_at_every_evaluation(tmp_path):
+    """End to end on the tiny model (one process, sdpa: the update forward resolves to
+    ``shared_prefix``): the trainer's evaluations at the start and after the RL step log finite
+    result and error CEs."""
+    from echoloss.train.recipe import train
+
+    cfg = parse_config({
+        "env": {"name": "calculator"},
+        "data": {"prompts_per_step": 1, "group_size": 2, "max_new_tokens": 4,
+                 "heldout_size": 2, "max_tokens": 4096},
+        "warmup": {"steps": 0},
+        "optim": {"micro_batch_tokens": 4096},
+        "train": {"max_steps": 1, "eval_at_start": True, "eval_episodes": 1, "eval_samples": 0,
+                  "output_dir": str(tmp_path / "run"), "plots": False, "progress": False},
+    })  # fmt: skip
+    train(cfg, resume=None, log=lambda line: None)
+    evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["rl_step"] for e in evals] == [0, 1]
+    for e in evals:
+        assert 0 < e["heldout_result_ce"] < 50 and 0 < e["heldout_error_ce"] < 50, e
