@@ -3,13 +3,16 @@ seeds, ``configs/pretrained-learn.toml``, one run at a time, resumable.
 
     python scripts/pretrained_learning.py [--seeds 0 1 2] [--arms grpo echo] [--steps 30]
         [--results docs/pretrained/learning/results.json] [--out runs/pretrained-learning]
+        [--jobs 1]
 
 Each (seed, arm) trains in ``OUT/<arm>-seed<seed>`` (``grpo``: ``echo.alpha = 0``; ``echo``: the
 config's λ). After every step, the run's new evaluations (``eval.jsonl``: greedy success on the
 held-out questions, well-formed-call rate, held-out result CE and error CE) become rows of
 ``--results``, one per (seed, arm, RL step), rewritten atomically, each with the code commit.
 Run it again to go on: a finished run is skipped, an interrupted one resumes from its last
-checkpoint (every evaluation), and rows already there are kept. The protocol, and what counts
+checkpoint (every evaluation), and rows already there are kept. ``--jobs N`` trains N runs at
+once, each in its own process on the config's one thread (N = the machine's cores); the rows
+file is updated under a lock (``<results>.lock``), so no run's rows overwrite another's. The protocol, and what counts
 as learning, is ``docs/pretrained.md``'s; run it from a frozen worktree
 (``git worktree add --detach DIR COMMIT``) so that the code under a running experiment does not
 change.
@@ -18,9 +21,13 @@ change.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +85,27 @@ def eval_rows(run_dir: Path, seed: int, arm: str, code: str) -> list[dict[str, A
     return rows
 
 
+@contextlib.contextmanager
+def locked(results: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``<results>.lock`` (runs in other processes wait for it)."""
+    results.parent.mkdir(parents=True, exist_ok=True)
+    with open(results.with_suffix(".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def sync(results: Path, run_dir: Path, seed: int, arm: str, code: str) -> None:
-    """Add the run's evaluations not yet in ``results``."""
-    rows = read_rows(results)
-    have = {(r["seed"], r["arm"], r["rl_step"]) for r in rows}
-    new = [r for r in eval_rows(run_dir, seed, arm, code) if (seed, arm, r["rl_step"]) not in have]
-    if new:
-        write_rows(results, rows + new)
+    """Add the run's evaluations not yet in ``results`` (read and rewritten under the lock)."""
+    with locked(results):
+        rows = read_rows(results)
+        have = {(r["seed"], r["arm"], r["rl_step"]) for r in rows}
+        new = [r for r in eval_rows(run_dir, seed, arm, code)
+               if (seed, arm, r["rl_step"]) not in have]  # fmt: skip
+        if new:
+            write_rows(results, rows + new)
 
 
 def run_one(args: argparse.Namespace, seed: int, arm: str, code: str) -> None:
@@ -125,11 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--results", default=str(ROOT / "docs/pretrained/learning/results.json"))
     ap.add_argument("--out", default=str(ROOT / "runs" / "pretrained-learning"))
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, one process each")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1 (got {args.jobs})")
     code = commit()
-    for seed in args.seeds:
-        for arm in args.arms:
+    runs = [(seed, arm) for seed in args.seeds for arm in args.arms]
+    if args.jobs == 1:
+        for seed, arm in runs:
             run_one(args, seed, arm, code)
+        return 0
+    with ProcessPoolExecutor(max_workers=min(args.jobs, len(runs))) as pool:
+        for done in [pool.submit(run_one, args, seed, arm, code) for seed, arm in runs]:
+            done.result()  # a failed run raises here, after the others have finished
     return 0
 
 

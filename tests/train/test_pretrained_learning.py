@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -331,3 +333,54 @@ def test_a_calculator_run_logs_both_heldout_ces_at_every_evaluation(tmp_path):
     assert [e["rl_step"] for e in evals] == [0, 1]
     for e in evals:
         assert 0 < e["heldout_result_ce"] < 50 and 0 < e["heldout_error_ce"] < 50, e
+
+
+def _sync_in_process(script: str, results: str, run: str, seed: int, ready: Any) -> None:
+    """One process adding one run's evaluations (what a ``--jobs`` worker does); ``ready`` is
+    set just before it syncs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrained_learning", script)
+    assert spec is not None and spec.loader is not None
+    pl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pl)
+    ready.set()
+    pl.sync(Path(results), Path(run), seed, "grpo", "abc")
+
+
+def test_a_parallel_run_waits_for_the_rows_lock_and_loses_no_row(tmp_path):
+    """While one process holds ``<results>.lock``, another run's sync waits (no read-modify-write
+    can interleave); released, it adds its rows beside the ones already there."""
+    import importlib.util
+    import multiprocessing
+
+    from _train_helpers import REPO
+
+    script = REPO / "scripts" / "pretrained_learning.py"
+    spec = importlib.util.spec_from_file_location("pretrained_learning", script)
+    assert spec is not None and spec.loader is not None
+    pl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pl)
+    results = tmp_path / "results.json"
+    for seed in (0, 1):
+        run = tmp_path / f"run{seed}"
+        run.mkdir()
+        evals = [{"rl_step": k, "eval_n": 64.0, "eval_success_greedy": 0.5} for k in (0, 5)]
+        (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    other = ctx.Process(
+        target=_sync_in_process,
+        args=(str(script), str(results), str(tmp_path / "run1"), 1, ready),
+    )
+    with pl.locked(results):
+        other.start()
+        assert ready.wait(timeout=120)  # the other process is at its sync
+        other.join(timeout=2)  # a sync without the lock takes milliseconds
+        assert other.is_alive() and not results.exists()  # it waits for the lock
+        rows = pl.read_rows(results)
+        pl.write_rows(results, rows + pl.eval_rows(tmp_path / "run0", 0, "grpo", "abc"))
+    other.join(timeout=60)
+    assert other.exitcode == 0
+    rows = json.loads(results.read_text())
+    assert sorted((r["seed"], r["rl_step"]) for r in rows) == [(0, 0), (0, 5), (1, 0), (1, 5)]
