@@ -175,7 +175,7 @@ def _echo_rows(batch: echoloss.PackedBatch) -> torch.Tensor:
     return echoloss.next_token_targets(batch).echo_weights > 0
 
 
-def _shared_prefix_length(batches: Sequence[echoloss.PackedBatch], pad_id: int) -> list[int]:
+def _shared_prefix(batches: Sequence[echoloss.PackedBatch]) -> list[int]:
     """The tokens every sequence of every batch starts with, ending before the first echo row of
     any (so that no scored row lies in it), or ``[]`` when shorter than `MIN_SHARED_PREFIX`."""
     from echoloss.train.forward import MIN_SHARED_PREFIX, common_prefix_length
@@ -241,9 +241,9 @@ def heldout_observation_ces(
     was = model.training
     model.eval()
     every = [b for batches in sets.values() for b in batches]
-    prefix = _shared_prefix_length(every, pad_id)
+    prefix = _shared_prefix(every)
     shared = SharedPrefixForward(model, [prefix], pad_id)
-    weight = lm_head_weight(model)
+    head = lm_head_weight(model).float()  # once: a copy only when the weights are not fp32
     nll = dict.fromkeys(sets, 0.0)
     count = dict.fromkeys(sets, 0)
     distinct: list[tuple[echoloss.PackedBatch, dict[str, torch.Tensor]]] = []  # and set masks
@@ -262,14 +262,13 @@ def heldout_observation_ces(
             continue
         hidden = shared.hidden(b, 0)[rows]
         with torch.autocast(hidden.device.type, enabled=False):  # few rows: fp32 is cheap
-            logits = hidden.float() @ weight.float().T  # [n, V]
+            logits = hidden.float() @ head.T  # [n, V]
         labels = echoloss.next_token_targets(b).labels[rows]
         token_nll = logits.logsumexp(-1) - logits.gather(-1, labels[:, None])[:, 0]
         for name, mask in masks.items():
             picked = mask[rows]
             nll[name] += float(token_nll[picked].double().sum())
             count[name] += int(picked.sum())
-    shared.done.clear()
     model.train(was)
     return {name: nll[name] / count[name] if count[name] else math.nan for name in sets}
 

@@ -245,7 +245,7 @@ def test_heldout_ces_with_the_prompt_once_equal_the_full_logits_per_set(micro_ba
     sets that pack the same conversations) equals the full-logits CE of every set in fp32."""
     from echoloss.train.probes import (
         _kind_batches,
-        _shared_prefix_length,
+        _shared_prefix,
         heldout_observation_ce,
         heldout_observation_ces,
     )
@@ -253,7 +253,7 @@ def test_heldout_ces_with_the_prompt_once_equal_the_full_logits_per_set(micro_ba
     env, tok = Calculator(), build_tokenizer()
     sets = _kind_batches(env, tok, count=6, micro_batch_tokens=micro_batch_tokens)
     every = [b for batches in sets.values() for b in batches]
-    prefix = _shared_prefix_length(every, tok.pad_token_id)
+    prefix = _shared_prefix(every)
     assert len(prefix) > 100  # the system prompt and worked examples: run once
     model = _tiny_lm(tok)
     fast = heldout_observation_ces(model, sets, pad_id=tok.pad_token_id)
@@ -268,7 +268,7 @@ def test_heldout_ces_without_a_shared_prompt_and_with_a_set_that_scores_nothing(
     without a scored token is NaN, not 0."""
     import torch
 
-    from echoloss.train.probes import _shared_prefix_length, heldout_observation_ce
+    from echoloss.train.probes import _shared_prefix, heldout_observation_ce
     from echoloss.train.probes import heldout_observation_ces as ces
 
     tok = build_tokenizer()
@@ -284,7 +284,7 @@ def test_heldout_ces_without_a_shared_prompt_and_with_a_set_that_scores_nothing(
     prompts = [list(range(20, 60)), [*range(20, 58), 5, 6], list(range(90, 99))]
     scored = echoloss.pack([sample(p, True) for p in prompts], max_tokens=256)
     silent = echoloss.pack([sample(p, False) for p in prompts], max_tokens=256)
-    assert _shared_prefix_length(scored, tok.pad_token_id) == []
+    assert _shared_prefix(scored) == []
     with torch.no_grad():
         got = ces(model, {"scored": scored, "silent": silent}, pad_id=tok.pad_token_id)
     assert got["scored"] == pytest.approx(heldout_observation_ce(model, scored, "sdpa"), rel=1e-6)
