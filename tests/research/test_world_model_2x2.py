@@ -478,6 +478,11 @@ def test_progress_names_jobs_done_and_their_wall_times_by_kind() -> None:
         "Jobs finished: 3 of 108 (warm-start 301 s, stages 690–700 s). "
         "Jobs failed: start-world-model-seed0."
     )
+    rerun = [*progress, {"job": "start-world-model-seed0", "state": "done", "seconds": 40.0}]
+    assert report.progress_markdown(rerun) == (
+        "Jobs finished: 4 of 108 (warm-start 301 s, stages 690–700 s, start evaluation 40 s). "
+        "Jobs failed: none. Failed once, then finished when run again: start-world-model-seed0."
+    )
 
 
 def test_the_page_reads_a_run_in_progress(tmp_path: Path) -> None:

@@ -495,7 +495,11 @@ def progress_markdown(progress: list[dict[str, Any]]) -> str:
     """
     total = len(SEEDS) * sum(JOBS_PER_SEED.values())
     done = [p for p in progress if p["state"] == "done"]
+    finished = {p["job"] for p in done}
     failed = [p["job"] for p in progress if p["state"] != "done"]
+    # a job that failed and then finished on a resume is not a failed job: say both
+    rerun = [job for job in failed if job in finished]
+    failed = [job for job in failed if job not in finished]
     times = []
     for kind, name in _KIND_NAMES.items():
         secs = [p["seconds"] for p in done if job_kind(p["job"]) == kind]
@@ -504,8 +508,9 @@ def progress_markdown(progress: list[dict[str, Any]]) -> str:
         elif secs:
             times.append(f"{name}s {min(secs):.0f}–{max(secs):.0f} s")
     timing = f" ({', '.join(times)})" if times else ""
+    again = f" Failed once, then finished when run again: {', '.join(rerun)}." if rerun else ""
     return (f"Jobs finished: {len(done)} of {total}{timing}. "
-            f"Jobs failed: {', '.join(failed) or 'none'}.")  # fmt: skip
+            f"Jobs failed: {', '.join(failed) or 'none'}.{again}")  # fmt: skip
 
 
 def update_page(
