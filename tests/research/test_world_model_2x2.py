@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -537,3 +538,148 @@ def test_in_progress_the_rule_table_uses_the_seeds_of_the_contrasts() -> None:
     text = report.markdown(rows)
     assert "Contrasts over the paired seeds with all four runs: seed 0 (1)." in text
     assert "| P1 > 0 | – (fewer than two paired seeds) |" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# The committed run: the reading of it, and the rule recomputed without the report module
+
+
+def _section(page: str, title: str) -> str:
+    start = page.index(f"## {title}\n")
+    end = page.find("\n## ", start + 1)
+    return page[start : end if end != -1 else len(page)]
+
+
+def _committed() -> dict[tuple[int, str, str], dict[str, Any]]:
+    rows = json.loads((ROWS / "results.json").read_text())
+    return {(r["seed"], r["start"], r["arm"]): r for r in rows}
+
+
+def _pm(d: dict[str, float], digits: int = 1) -> str:
+    return f"{d['mean']:+.{digits}f} [{d['lo']:+.{digits}f}, {d['hi']:+.{digits}f}]".replace(
+        "-", "−"
+    )
+
+
+def test_the_reading_of_the_run_is_its_rows() -> None:
+    """Every number of "What the run shows, and what it does not", from the committed rows."""
+    page_path = Path(__file__).resolve().parents[2] / "docs" / "world-model-2x2.md"
+    text = " ".join(
+        _section(page_path.read_text(), "What the run shows, and what it does not").split()
+    )
+    rows = _committed()
+    seeds = sorted({s for s, _, _ in rows})
+    start = {s: rows[(s, "world-model", "grpo")]["move_ce_start"] for s in seeds}
+    met = [s for s in seeds if start[s] < math.log(2)]
+    missed = [s for s in seeds if s not in met]
+    assert met == [0, 1, 2, 3, 4, 9, 10] and missed == [5, 6, 7, 8, 11]
+    assert f"at {len(met)} of the {len(seeds)} seeds (seeds 0, 1, 2, 3, 4, 9, 10: " in text
+    assert f"{min(start[s] for s in met):.3f}–{max(start[s] for s in met):.3f} nats)" in text
+    assert f"not at the other {len(missed)} (seeds 5, 6, 7, 8, 11: " in text
+    assert f"{min(start[s] for s in missed):.3f}–{max(start[s] for s in missed):.3f})" in text
+    wm_start = paired_ci([start[s] for s in seeds])
+    assert f"mean was {wm_start['mean']:.3f} [{wm_start['lo']:.3f}, {wm_start['hi']:.3f}]" in text
+    # the kinds of world: a pair of swaps maps each key's image back to the key
+    perms = {s: world_permutation(rows[(s, "world-model", "grpo")]["world"]) for s in seeds}
+    swaps = [
+        s for s in seeds if all(perms[s][KEYS.index(perms[s][i])] == KEYS[i] for i in range(4))
+    ]
+    cycles = [s for s in seeds if s not in swaps]
+    assert (len(cycles), len(swaps)) == (6, 6)
+    in_cycles, in_swaps = len(set(met) & set(cycles)), len(set(met) & set(swaps))
+    assert f"it reached it at {in_cycles} of the 6 seeds whose world is a 4-cycle" in text
+    assert f"and at {in_swaps} of the 6 whose world is a pair of swaps" in text
+    for a, b in ((5, 9), (6, 10), (7, 11)):
+        world = rows[(a, "world-model", "grpo")]["world"]
+        assert world == rows[(b, "world-model", "grpo")]["world"]
+        assert f"world {world}: seed {a} {start[a]:.3f}, seed {b} {start[b]:.3f}" in text
+
+    def end(start_: str, arm: str, s: int) -> float:
+        return rows[(s, start_, arm)]["move_ce_end"]
+
+    gap = paired_ci([end("world-model", "echo", s) - end("world-model", "grpo", s) for s in seeds])
+    assert f"by {-gap['mean']:.3f} [{-gap['hi']:.3f}, {-gap['lo']:.3f}] nats" in text
+    grpo_end = paired_ci([end("world-model", "grpo", s) for s in seeds])
+    echo_end = paired_ci([end("world-model", "echo", s) for s in seeds])
+    assert f"GRPO's rose from {wm_start['mean']:.3f} to {grpo_end['mean']:.3f}" in text
+    assert f"echo's from {wm_start['mean']:.3f} to {echo_end['mean']:.3f}" in text
+    assert f"(upper bound {echo_end['hi']:.3f})" in text
+
+    def points(a: tuple[str, str], b: tuple[str, str], on: list[int]) -> dict[str, float]:
+        key = "eval_success_end"
+        return paired_ci([100 * (rows[(s, *a)][key] - rows[(s, *b)][key]) for s in on])
+
+    wm_grpo, wm_echo, sham_grpo = ("world-model", "grpo"), ("world-model", "echo"), ("sham", "grpo")
+    p1, p2 = points(wm_grpo, sham_grpo, seeds), points(wm_echo, wm_grpo, seeds)
+    assert f"P1 = {_pm(p1)} points" in text and f"P2 = {_pm(p2)} points" in text
+    assert f"a harm and a gain of {min(-p1['lo'], p1['hi']):.0f} points" in text
+    p1_met, p2_met = points(wm_grpo, sham_grpo, met), points(wm_echo, wm_grpo, met)
+    assert f"On the {len(met)} seeds whose start met the bar, P1 = {_pm(p1_met)} points" in text
+    assert f"P2 = {_pm(p2_met)}: no sharper" in text
+    # the seeds a ±3-point interval would need at P1's spread
+    sd = statistics.stdev(
+        [100 * (rows[(s, *wm_grpo)]["eval_success_end"] - rows[(s, *sham_grpo)]["eval_success_end"])
+         for s in seeds]
+    )  # fmt: skip
+    assert f"standard deviation of {sd:.1f} points" in text
+    need = next(n for n in range(2, 1000) if report_t975(n - 1) * sd / math.sqrt(n) <= 3)
+    assert f"about {need} paired seeds" in text
+
+
+def report_t975(df: int) -> float:
+    from echo_experiment.stats import _t975
+
+    return _t975(df)
+
+
+#: two-sided 95 % Student t quantiles (standard tables), for the recomputation below
+T975 = {6: 2.446912, 11: 2.200985}
+
+
+def test_the_verdict_recomputed_from_the_rows_without_the_report_module() -> None:
+    """The written rule applied to the committed rows by code of its own (no `report`, no
+    `paired_ci`): the same intervals and the same verdict as the page."""
+    rows = _committed()
+    seeds = list(range(12))
+    assert len(rows) == 48 and {r["commit"] for r in rows.values()} == {
+        rows[(0, "sham", "grpo")]["commit"]
+    }
+    assert not any(r["dirty"] for r in rows.values())
+
+    def ci(x: list[float]) -> tuple[float, float, float]:
+        m = sum(x) / len(x)
+        h = T975[len(x) - 1] * statistics.stdev(x) / math.sqrt(len(x))
+        return m, m - h, m + h
+
+    def col(start: str, arm: str, key: str) -> list[float]:
+        return [rows[(s, start, arm)][key] for s in seeds]
+
+    def diff(a: list[float], b: list[float], scale: float = 1.0) -> list[float]:
+        return [scale * (x - y) for x, y in zip(a, b, strict=True)]
+
+    end = "eval_success_end"
+    p1 = ci(diff(col("world-model", "grpo", end), col("sham", "grpo", end), 100))
+    p2 = ci(diff(col("world-model", "echo", end), col("world-model", "grpo", end), 100))
+    wm_start = ci(col("world-model", "grpo", "move_ce_start"))
+    sham_gap = ci(
+        diff(col("sham", "grpo", "move_ce_start"), col("world-model", "grpo", "move_ce_start"))
+    )
+    echo_end = ci(col("world-model", "echo", "move_ce_end"))
+    grpo_end = ci(col("world-model", "grpo", "move_ce_end"))
+    echo_gap = ci(
+        diff(col("world-model", "echo", "move_ce_end"), col("world-model", "grpo", "move_ce_end"))
+    )
+    log2 = math.log(2)
+    manipulation = wm_start[2] < log2 and sham_gap[1] > 0
+    support = manipulation and p1[1] > 0 and echo_end[0] < log2 and echo_gap[2] < 0 and p2[1] > 0
+    refuted = manipulation and (p1[2] < 3 or (echo_end[0] < log2 <= grpo_end[0] and p2[2] < 3))
+    verdict = "support" if support else "refutation" if refuted else "undecided"
+    ours = report.verdict(list(rows.values()))
+    assert verdict == ours["verdict"] == "undecided"
+    assert set(ours["failed"]) == {"manipulation", "P1 > 0", "echo's end CE below log 2", "P2 > 0"}
+    c = report.contrasts(list(rows.values()))
+    for (m, lo, hi), key in ((p1, "P1"), (p2, "P2")):  # report's t table has 3 decimals
+        assert [100 * c[key][k] for k in ("mean", "lo", "hi")] == pytest.approx(
+            [m, lo, hi], abs=0.01
+        )
+    assert (round(wm_start[2], 3), round(p1[0], 1), round(p2[0], 1)) == (1.032, -0.2, -5.1)

@@ -1,0 +1,118 @@
+"""The learning curve's pre-registered rule (``scripts/pretrained_learning_report.py``) on rows
+with known answers, and the page's block as the committed rows give it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "pretrained_learning_report", ROOT / "scripts" / "pretrained_learning_report.py"
+)
+assert _spec is not None and _spec.loader is not None
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+
+def rows_of(arm: str, deltas: dict[int, tuple[float, float]], **end: float) -> list[dict[str, Any]]:
+    """One arm's rows: per seed, a start and an end (RL step 30) ``deltas[seed]`` higher in
+    success and well-formed-call rate; ``end`` overrides values at the end."""
+    out = []
+    for seed, (d_success, d_valid) in deltas.items():
+        start = {"eval_success": 0.5, "valid_call_rate": 0.8, "result_ce": 2.7, "error_ce": 2.5}
+        last = {"eval_success": 0.5 + d_success, "valid_call_rate": 0.8 + d_valid,
+                "result_ce": 2.7, "error_ce": 2.5, **end}  # fmt: skip
+        for step, values in ((0, start), (5, start), (30, last)):
+            out.append({"arm": arm, "seed": seed, "rl_step": step, **values})
+    return out
+
+
+def test_the_interval_is_the_t_interval_by_hand() -> None:
+    d = report.interval([0.1, 0.2, 0.4])
+    half = 4.303 * statistics.stdev([0.1, 0.2, 0.4]) / math.sqrt(3)
+    assert (d["mean"], d["lo"], d["hi"], d["n"]) == pytest.approx(
+        (0.7 / 3, 0.7 / 3 - half, 0.7 / 3 + half, 3)
+    )
+    with pytest.raises(ValueError, match="at least 2 values"):
+        report.interval([0.1])
+
+
+@pytest.mark.parametrize(
+    ("deltas", "reading"),
+    [
+        ({0: (0.10, 0.05), 1: (0.12, 0.06), 2: (0.08, 0.04)}, "learns"),
+        ({0: (0.10, 0.05), 1: (0.12, -0.06), 2: (0.08, 0.04)}, "not shown"),  # validity spans 0
+        ({0: (-0.10, 0.05), 1: (-0.12, 0.06), 2: (-0.08, 0.04)}, "gets worse"),  # either below
+        ({0: (0.10, 0.05), 1: (0.11, 0.06)}, None),  # 2 seeds: no reading
+    ],
+)
+def test_learning_reads_both_intervals(
+    deltas: dict[int, tuple[float, float]], reading: Any
+) -> None:
+    assert report.learning(rows_of("grpo", deltas), "grpo")["reading"] == reading
+
+
+def test_a_run_short_of_the_last_evaluation_is_not_read() -> None:
+    rows = rows_of("grpo", {0: (0.1, 0.05), 1: (0.12, 0.06), 2: (0.08, 0.04)})
+    cut = [r for r in rows if not (r["seed"] == 2 and r["rl_step"] == 30)]
+    out = report.learning(cut, "grpo")
+    assert out["seeds"] == [0, 1] and out["reading"] is None
+    assert "no reading yet: 2 of the 3 seeds" in report.markdown(cut)
+
+
+def test_two_rows_for_one_evaluation_are_refused() -> None:
+    rows = rows_of("grpo", {0: (0.1, 0.05)})
+    with pytest.raises(ValueError, match="two rows for arm grpo, seed 0, RL step 30"):
+        report.learning([*rows, rows[-1]], "grpo")
+
+
+def test_the_echo_pilot_pairs_by_seed_and_reads_each_quantity() -> None:
+    deltas = {0: (0.1, 0.05), 1: (0.12, 0.06), 2: (0.08, 0.04)}
+    grpo = rows_of("grpo", deltas)
+    echo = [
+        {**r, "error_ce": r["error_ce"] - (0.5 + r["seed"] / 10) * (r["rl_step"] == 30)}
+        for r in rows_of("echo", deltas)
+    ]
+    out = report.echo_pilot(grpo + echo)
+    assert out["seeds"] == [0, 1, 2]
+    assert out["error_ce"]["reading"] == "lowers"
+    assert out["error_ce"]["mean"] == pytest.approx(-0.6)
+    assert out["result_ce"]["reading"] == "no effect shown"  # identical: a zero-width interval
+    assert out["eval_success"]["reading"] == "no effect shown"
+    raised = [{**r, "result_ce": r["result_ce"] + 0.2 + r["seed"] / 100} for r in echo]
+    assert report.echo_pilot(grpo + raised)["result_ce"]["reading"] == "raises"
+    text = report.markdown(grpo + echo)
+    assert "held-out error CE (nats/token) −0.600 [" in text and ": lowers." in text
+    assert report.echo_pilot(grpo + echo[:-1])["error_ce"]["reading"] is None  # seed 2 cut
+
+
+def test_the_block_is_spliced_between_its_markers_only() -> None:
+    begin, end = report.MARKERS
+    page = f"a\n{begin}\nold\n{end}\nb\n"
+    assert report.update_page(page, []) == f"a\n{begin}\n{report.markdown([])}\n{end}\nb\n"
+    with pytest.raises(ValueError, match="exactly one"):
+        report.update_page("no markers", [])
+
+
+def test_the_page_prints_the_readings_of_the_committed_rows() -> None:
+    path = report.LEARNING / "results.json"
+    rows = json.loads(path.read_text()) if path.is_file() else []
+    page = report.PAGE.read_text()
+    assert report.update_page(page, rows) == page, (
+        "docs/pretrained.md's learning verdict is stale: run "
+        "python scripts/pretrained_learning_report.py"
+    )
+
+
+def test_the_scripts_examples_run() -> None:
+    import doctest
+
+    failed, tried = doctest.testmod(report, optionflags=doctest.ELLIPSIS)
+    assert tried >= 4 and failed == 0
