@@ -101,11 +101,13 @@ def test_the_block_is_spliced_between_its_markers_only() -> None:
         report.update_page("no markers", [])
 
 
-def test_the_page_prints_the_readings_of_the_committed_rows() -> None:
-    path = report.LEARNING / "results.json"
-    rows = json.loads(path.read_text()) if path.is_file() else []
+def test_the_page_prints_the_readings_and_the_rows_of_the_committed_rows() -> None:
+    def read(name: str) -> list[dict[str, Any]]:
+        path = report.LEARNING / name
+        return json.loads(path.read_text()) if path.is_file() else []
+
     page = report.PAGE.read_text()
-    assert report.update_page(page, rows) == page, (
+    assert report.update_page(page, read("results.json"), read("pilot.json")) == page, (
         "docs/pretrained.md's learning verdict is stale: run "
         "python scripts/pretrained_learning_report.py"
     )
