@@ -683,3 +683,54 @@ def test_the_verdict_recomputed_from_the_rows_without_the_report_module() -> Non
             [m, lo, hi], abs=0.01
         )
     assert (round(wm_start[2], 3), round(p1[0], 1), round(p2[0], 1)) == (1.032, -0.2, -5.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# A further round of a stage
+
+
+def test_a_further_round_draws_new_walks_counts_on_and_keeps_the_teacher_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``step_offset`` gives a round the walks of the steps after the first round's (not the
+    same walks again) and rows that count on; ``teacher_dir`` is the model the KL keeps."""
+    from echo_experiment import world_model as wm_mod
+
+    import echoloss.train.model as model_mod
+    from echoloss.train.model import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer(compass=True)
+    warm = tmp_path / "warm"
+    build_tiny_model(arch="llama", vocab_size=len(tok), hidden_size=16, num_layers=1,
+                     num_heads=2, num_kv_heads=1, intermediate_size=32,
+                     max_position_embeddings=512, seed=0).save_pretrained(warm)  # fmt: skip
+    tok.save_pretrained(warm)
+    loaded: list[Path] = []
+    drawn: list[int] = []
+    real_load, real_walks = model_mod.load_model, wm_mod.stage_walks
+
+    def load(path: Any, **kw: Any) -> Any:
+        loaded.append(Path(path))
+        return real_load(path, **kw)
+
+    def walks(env: Any, **kw: Any) -> Any:
+        drawn.append(kw["step"])
+        return real_walks(env, **kw)
+
+    monkeypatch.setattr(model_mod, "load_model", load)
+    monkeypatch.setattr(wm_mod, "stage_walks", walks)
+    cfg = StageConfig(steps=2, peak_lr=1e-3, warmup_steps=0, batch=2, eval_every=1, heldout=2,
+                      keep_policy=True)  # fmt: skip
+    first = wm_mod.run_stage(warm, tmp_path / "r1", world=2, walks="world", cfg=cfg, seed=3)
+    assert [r["step"] for r in first] == [0, 1, 2] and drawn == [0, 1]
+    assert loaded == [warm, warm]  # the model and its teacher
+    loaded.clear()
+    drawn.clear()
+    second = wm_mod.run_stage(tmp_path / "r1" / "final-model", tmp_path / "r2", world=2,
+                              walks="world", cfg=cfg, seed=3, step_offset=2, teacher_dir=warm)  # fmt: skip
+    assert [r["step"] for r in second] == [2, 3, 4] and drawn == [2, 3]
+    assert loaded == [tmp_path / "r1" / "final-model", warm]
+    assert second[0]["ce_walks_move"] == pytest.approx(first[-1]["ce_walks_move"], abs=1e-6)
+    with pytest.raises(ValueError, match="step_offset must be >= 0"):
+        wm_mod.run_stage(warm, tmp_path / "bad", world=2, walks="world", cfg=cfg, seed=3,
+                         step_offset=-1)  # fmt: skip

@@ -30,6 +30,8 @@ seeds, each an ``echoloss-train`` run). The subcommands:
 ``world-model-page`` its rows -> its figures and the generated blocks of docs/world-model-2x2.md
                     (`echo_experiment.world_model_page`)
 ``world-model-stage`` one world-model (or sham) stage (`echo_experiment.world_model`)
+``world-model-gate-pilot`` further stage rounds where the 2×2's stage missed the bar
+                    (`echo_experiment.world_model_gate`)
 =================== =========================================================================
 
 Needs the trainer: ``pip install -e '.[train]'`` (or ``[dev]``).
@@ -53,6 +55,7 @@ SUBCOMMANDS = {
     "world-model-pilot": "echo_experiment.world_model_pilot",
     "world-model-page": "echo_experiment.world_model_page",
     "world-model-stage": "echo_experiment.world_model",
+    "world-model-gate-pilot": "echo_experiment.world_model_gate",
 }
 
 

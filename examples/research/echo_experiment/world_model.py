@@ -313,11 +313,19 @@ def run_stage(
     seed: int,
     words: str = "compass",
     log: Any = None,
+    step_offset: int = 0,
+    teacher_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Continue the model of ``model_dir`` with the stage (see the module docstring) in world
     ``world`` with walks of the kind ``walks`` (`stage_walks`), write ``out/final-model`` and
     ``out/stage.jsonl``; returns the evaluation rows. Deterministic given its arguments (one
-    CPU thread)."""
+    CPU thread).
+
+    A further round of a stage (a warm restart of the schedule from an earlier stage's model)
+    passes ``step_offset``, the steps already run: its walks are those of stage steps
+    ``step_offset``, ``step_offset + 1``, … (new walks, not the first round's again), and its
+    rows' ``step`` counts from there; ``teacher_dir`` is the model whose replies the KL keeps
+    (``keep_policy``; default ``model_dir``: for a further round, pass the warm-start's)."""
     import torch
 
     from echoloss.train.checkpoint import export_atomically
@@ -325,11 +333,14 @@ def run_stage(
     from echoloss.train.model import load_model
     from echoloss.train.probes_world import world_model_ce, world_model_sets
 
-    torch.manual_seed(seed)
+    if step_offset < 0:
+        raise ValueError(f"run_stage: step_offset must be >= 0 (got {step_offset})")
+    torch.manual_seed(seed + step_offset)
     model, tok = load_model(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     teacher = None
-    if cfg.keep_policy:  # a frozen copy of the starting model
-        teacher = load_model(model_dir, dtype=torch.float32, attn_implementation="sdpa")[0].eval()
+    if cfg.keep_policy:  # a frozen copy of the starting model (or of the one named)
+        held_dir = model_dir if teacher_dir is None else teacher_dir
+        teacher = load_model(held_dir, dtype=torch.float32, attn_implementation="sdpa")[0].eval()
         teacher.requires_grad_(False)
     env = MirrorGrid(level="per-world", world=world, words=words)  # type: ignore[arg-type]
     heldout = world_model_sets(env, tok, count=cfg.heldout)
@@ -348,7 +359,7 @@ def run_stage(
         row = {
             "start": "world-model" if walks == "world" else "sham",
             "walks": walks,
-            "step": step,
+            "step": step_offset + step,
             "lr": lr,
             "train_ce": train_ce,
             "action_ce": action_ce,
@@ -366,14 +377,17 @@ def run_stage(
         lr = lr_at(step, steps=cfg.steps, peak=cfg.peak_lr, warmup=cfg.warmup_steps)
         for group in opt.param_groups:
             group["lr"] = lr
-        walks_now = stage_walks(env, seed=seed, step=step, batch=cfg.batch, walks=walks)
+        walks_now = stage_walks(
+            env, seed=seed, step=step_offset + step, batch=cfg.batch, walks=walks
+        )
         x, mask = observation_batch(walks_now, tok)
         tokens += int(mask.sum())
         logits = model(input_ids=x).logits[:, :-1].float()
         loss = _masked_ce(logits, x, mask)
         action = None
         if cfg.demos:  # the replies of the warm-start's demonstrations, continued
-            xa, ma = action_batch(stage_demos(env, seed=seed, step=step, count=cfg.demos), tok)
+            demos = stage_demos(env, seed=seed, step=step_offset + step, count=cfg.demos)
+            xa, ma = action_batch(demos, tok)
             action = _observation_ce(model, xa, ma)
         if teacher is not None:  # the starting model's replies, kept where the walks ask for one
             replies = action_batch(walks_now, tok)[1]
@@ -417,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="add KL(starting model ‖ model) on the walks' replies")  # fmt: skip
     p.add_argument("--demos", type=int, default=0,
                    help="demonstrations per step whose replies are trained too (0: none)")  # fmt: skip
+    p.add_argument("--step-offset", type=int, default=0,
+                   help="a further round: the stage steps already run (its walks are new ones)")  # fmt: skip
+    p.add_argument("--teacher", type=Path, default=None,
+                   help="with --keep-policy: the model whose replies are kept (default: "
+                   "model_dir; for a further round, the warm-start's)")  # fmt: skip
     args = p.parse_args(argv)
     import torch
 
@@ -438,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg=cfg,
         seed=args.seed,
         log=lambda line: print(line, flush=True),
+        step_offset=args.step_offset,
+        teacher_dir=args.teacher,
     )
     return 0
 
