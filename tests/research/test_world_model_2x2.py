@@ -734,3 +734,40 @@ def test_a_further_round_draws_new_walks_counts_on_and_keeps_the_teacher_named(
     with pytest.raises(ValueError, match="step_offset must be >= 0"):
         wm_mod.run_stage(warm, tmp_path / "bad", world=2, walks="world", cfg=cfg, seed=3,
                          step_offset=-1)  # fmt: skip
+
+
+def test_the_gate_pilot_runs_rounds_until_the_gate_and_records_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seeds whose first round met the gate get no further round; the others get rounds, each
+    with new walks (``step_offset``) and the warm-start as teacher, until the gate or the cap."""
+    from echo_experiment import world_model_gate as gate
+
+    run = tmp_path / "run"
+    for seed, ces in ((0, (0.5, 0.4, 0.3)), (5, (1.7, 1.6, 1.5))):
+        d = run / f"stage-world-model-seed{seed}"
+        d.mkdir(parents=True)
+        lines = [{"step": 140 + 5 * i, "ce_walks_move": c} for i, c in enumerate(ces)]
+        (d / "stage.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    calls: list[dict[str, Any]] = []
+    ends = iter([1.2, 0.6])  # seed 5: round 2 misses the bar, round 3 meets it
+
+    def fake_stage(model: Path, out: Path, **kw: Any) -> list[dict[str, Any]]:
+        calls.append({"model": model, "out": out, **kw})
+        end = next(ends)
+        (out / "final-model").mkdir(parents=True)
+        return [{"step": kw["step_offset"] + i, "ce_walks_move": end} for i in (130, 140, 150)]
+
+    monkeypatch.setattr(gate, "run_stage", fake_stage)
+    rows_path = tmp_path / "gate.json"
+    assert gate.main([str(run), str(tmp_path / "out"), "--seeds", "0", "5",
+                      "--rows", str(rows_path)]) == 0  # fmt: skip
+    rows = json.loads(rows_path.read_text())
+    assert [(r["seed"], r["round"], r["steps"], r["gate_met"]) for r in rows] == [
+        (0, 1, 150, True), (5, 1, 150, False), (5, 2, 300, False), (5, 3, 450, True),
+    ]  # fmt: skip
+    assert [c["step_offset"] for c in calls] == [150, 300]
+    assert calls[0]["model"] == run / "stage-world-model-seed5" / "final-model"
+    assert calls[1]["model"] == tmp_path / "out" / "seed5-round2" / "final-model"
+    assert {c["teacher_dir"] for c in calls} == {run / "warm-seed5" / "final-model"}
+    assert {c["world"] for c in calls} == {report.WORLDS[5]} and all("commit" in r for r in rows)
