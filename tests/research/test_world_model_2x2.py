@@ -771,3 +771,102 @@ def test_the_gate_pilot_runs_rounds_until_the_gate_and_records_each(
     assert calls[1]["model"] == tmp_path / "out" / "seed5-round2" / "final-model"
     assert {c["teacher_dir"] for c in calls} == {run / "warm-seed5" / "final-model"}
     assert {c["world"] for c in calls} == {report.WORLDS[5]} and all("commit" in r for r in rows)
+
+
+def _fake_rounds(monkeypatch: pytest.MonkeyPatch, ends: list[float]) -> list[dict[str, Any]]:
+    """``world_model_gate.run_stage`` faked: each round's curve ends at the next of ``ends``."""
+    from echo_experiment import world_model_gate as gate
+
+    calls: list[dict[str, Any]] = []
+    left = iter(ends)
+
+    def fake_stage(model: Path, out: Path, **kw: Any) -> list[dict[str, Any]]:
+        calls.append({"model": model, "out": out, **kw})
+        end = next(left)
+        (out / "final-model").mkdir(parents=True)
+        (out / "final-model" / "config.json").write_text(json.dumps({"end": end}))
+        off = kw.get("step_offset", 0)
+        return [{"step": off + s, "ce_walks_move": end, "tokens": 100 * (i + 1),
+                 "walks": kw["walks"]} for i, s in enumerate((130, 140, 150))]  # fmt: skip
+
+    monkeypatch.setattr(gate, "run_stage", fake_stage)
+    return calls
+
+
+def test_a_gated_stage_runs_rounds_until_the_gate_and_its_sham_as_many(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from echo_experiment import world_model_gate as gate
+
+    calls = _fake_rounds(monkeypatch, [1.5, 1.2, 0.5, 1.7, 1.7, 1.7])
+    cfg = StageConfig(steps=150, peak_lr=1e-2)
+    warm = tmp_path / "warm"
+    wm = gate.run_gated_stage(warm, tmp_path / "wm", world=15, walks="world", cfg=cfg, seed=5)
+    assert wm == {"rounds": 3, "gate_met": True, "first_round": None}
+    assert [c["step_offset"] for c in calls[1:3]] == [150, 300]
+    assert {c.get("teacher_dir") for c in calls[1:3]} == {warm}
+    rows = [json.loads(x) for x in (tmp_path / "wm" / "stage.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1] * 3 + [2] * 3 + [3] * 3
+    assert [r["tokens"] for r in rows][-1] == 900  # counted on over the rounds
+    assert json.loads((tmp_path / "wm" / "final-model" / "config.json").read_text()) == {"end": 0.5}
+    sham = gate.run_gated_stage(warm, tmp_path / "sham", world=15, walks="shuffled", cfg=cfg,
+                                seed=5, rounds=wm["rounds"])  # fmt: skip
+    assert sham["rounds"] == 3 and len(calls) == 6  # as many rounds, gate or not
+    assert [c["walks"] for c in calls[3:]] == ["shuffled"] * 3
+
+
+def test_a_gated_stage_reuses_its_first_round_and_stops_at_the_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from echo_experiment import world_model_gate as gate
+
+    first = tmp_path / "v1" / "stage-world-model-seed6"
+    (first / "final-model").mkdir(parents=True)
+    lines = [{"step": s, "ce_walks_move": 1.7, "tokens": 50, "walks": "world"}
+             for s in (130, 140, 150)]  # fmt: skip
+    (first / "stage.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    calls = _fake_rounds(monkeypatch, [1.6, 1.65, 1.7])
+    cfg = StageConfig(steps=150, peak_lr=1e-2)
+    got = gate.run_gated_stage(tmp_path / "warm", tmp_path / "wm", world=18, walks="world",
+                               cfg=cfg, seed=6, first_round=first, max_rounds=4)  # fmt: skip
+    assert got["rounds"] == 4 and got["gate_met"] is False  # the cap, reported as missed
+    assert calls[0]["model"] == first / "final-model" and calls[0]["step_offset"] == 150
+    with pytest.raises(ValueError, match="has walks \\['world'\\], not 'shuffled'"):
+        gate.run_gated_stage(tmp_path / "warm", tmp_path / "x", world=18, walks="shuffled",
+                             cfg=cfg, seed=6, first_round=first)  # fmt: skip
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        gate.run_gated_stage(tmp_path / "warm", tmp_path / "x", world=18, walks="world",
+                             cfg=cfg, seed=6, rounds=0)  # fmt: skip
+
+
+def test_the_gated_plan_reuses_the_first_run_and_runs_the_sham_after_its_twin() -> None:
+    from echo_experiment.world_model_2x2 import gated_plan
+
+    jobs = {j.name: j for j in gated_plan(Path("o"), [5, 10], Path("v1"))}
+    assert len(jobs) == 2 * 8 and not any(n.startswith("warm-") for n in jobs)
+    wm, sham = jobs["stage-world-model-seed5"], jobs["stage-sham-seed5"]
+    assert wm.kind == sham.kind == "gated-stage" and wm.needs is None
+    assert sham.needs == "stage-world-model-seed5"
+    assert wm.args[:2] == [
+        str(Path("v1/warm-seed5/final-model")),
+        str(Path("o/stage-world-model-seed5")),
+    ]
+    assert sham.args[sham.args.index("--first-round") + 1] == str(Path("v1/stage-sham-seed5"))
+    assert sham.args[sham.args.index("--rounds-like") + 1] == str(Path("o/stage-world-model-seed5"))
+    assert sham.args[sham.args.index("--walks") + 1] == "shuffled"
+    arm = jobs["world-model-echo-seed10"]
+    assert f"model.path={Path('o/stage-world-model-seed10/final-model')}" in arm.args
+    assert arm.needs == "start-world-model-seed10"
+
+
+def test_gated_from_must_name_a_run_and_a_resume_keeps_it(tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "v2"
+    assert main(["--output-dir", str(out), "--gated-from", str(tmp_path / "none")]) == 2
+    assert "holds no run (no run.json)" in capsys.readouterr().err
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"commit": "x", "dirty": False, "gated_from": None}))
+    first = tmp_path / "v1"
+    first.mkdir()
+    (first / "run.json").write_text("{}")
+    assert main(["--output-dir", str(out), "--resume", "--gated-from", str(first)]) == 2
+    assert "resume it as it was started" in capsys.readouterr().err

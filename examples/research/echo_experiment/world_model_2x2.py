@@ -46,6 +46,7 @@ __all__ = [
     "STAGE",
     "arm_row",
     "code_commit",
+    "gated_plan",
     "job_commit",
     "main",
     "plan",
@@ -84,6 +85,36 @@ def _train(out: Path, name: str, seed: int, world: int, sets: list[str]) -> list
     for item in [*ENV_SET, f"env.world={world}", *RUN_SET, *sets]:
         args += ["--set", item]
     return args
+
+
+def gated_plan(out: Path, seeds: list[int], first: Path) -> list[Job]:
+    """The gated design's jobs for ``seeds``, from the first run ``first`` (its warm-starts and
+    first stage rounds, reused): ``stage-world-model-seed<s>`` (`world_model_gate`: rounds until
+    the gate), ``stage-sham-seed<s>`` (as many rounds, after it), the two start evaluations and
+    the four arms, as in `plan`.
+
+    Examples:
+        >>> [j.name for j in gated_plan(Path("o"), [5], Path("v1"))][:4]
+        ['stage-world-model-seed5', 'start-world-model-seed5', 'stage-sham-seed5', 'start-sham-seed5']
+    """
+    jobs = []
+    for job in plan(out, seeds):
+        seed = job.meta["seed"]
+        if job.meta["kind"] == "warm":
+            continue
+        if job.meta["kind"] == "stage":
+            start = "world-model" if job.name.startswith("stage-world-model") else "sham"
+            walks = "world" if start == "world-model" else SHAM_WALKS
+            args = [str(first / f"warm-seed{seed}" / "final-model"), str(out / job.name),
+                    "--world", str(WORLDS[seed]), "--walks", walks, "--seed", str(seed),
+                    "--first-round", str(first / job.name)]  # fmt: skip
+            needs = None
+            if start == "sham":  # as many rounds as the world-model stage ran
+                needs = f"stage-world-model-seed{seed}"
+                args += ["--rounds-like", str(out / needs)]
+            job = Job(job.name, "gated-stage", args, needs=needs, meta=job.meta)
+        jobs.append(job)
+    return jobs
 
 
 def plan(out: Path, seeds: list[int], stage: StageConfig = STAGE) -> list[Job]:
@@ -216,6 +247,7 @@ def arm_row(out: Path, job: Job, commit: dict[str, Any]) -> dict[str, Any]:
         "stage_steps": stage[-1]["step"] if stage else None,
         "stage_tokens": stage[-1]["tokens"] if stage else None,
         "stage_move_ce_end": stage[-1].get("ce_walks_move") if stage else None,
+        "stage_rounds": stage[-1].get("round", 1) if stage else None,
         "curve": [{k: e.get(k) for k in _CURVE} for e in curve],
         "commit": commit["commit"],
         "dirty": commit["dirty"],
@@ -234,6 +266,10 @@ def _run_one(kind: str, args: list[str], log: str) -> int:
                 from echo_experiment.world_model import main as stage_main
 
                 return stage_main(args)
+            if kind == "gated-stage":
+                from echo_experiment.world_model_gate import stage_main as gated_main
+
+                return gated_main(args)
             from echoloss.train.command import run
 
             return run(args)
@@ -348,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="continue a cut-off run in --output-dir")
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
                    help="default: the pre-registered 0-11 (others give no verdict)")  # fmt: skip
+    p.add_argument("--gated-from", type=Path, default=None,
+                   help="the gated design: each stage in rounds until the gate "
+                   "(echo_experiment.world_model_gate), from this first run's warm-starts and "
+                   "first rounds")  # fmt: skip
     args = p.parse_args(argv)
     out: Path = args.output_dir
     if args.jobs < 1:
@@ -358,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"world-model-2x2: --seeds must be distinct seeds of 0-{len(WORLDS) - 1} (the "
               f"seeds with a world), got {args.seeds}", file=sys.stderr)  # fmt: skip
         return 2
+    if args.gated_from is not None and not (args.gated_from / "run.json").is_file():
+        print(f"world-model-2x2: --gated-from {str(args.gated_from)!r} holds no run (no "
+              "run.json); pass the first run's --output-dir", file=sys.stderr)  # fmt: skip
+        return 2
     commit = code_commit()
     meta = out / "run.json"
     if meta.is_file():
@@ -365,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             print(f"world-model-2x2: {str(out)!r} holds a run already; continue it with "
                   "--resume, or pick another --output-dir", file=sys.stderr)  # fmt: skip
+            return 2
+        gated = None if args.gated_from is None else str(args.gated_from)
+        if before.get("gated_from") != gated:
+            print(f"world-model-2x2: {str(out)!r} was run with --gated-from "
+                  f"{before.get('gated_from')}, not {gated}; resume it as it was started",
+                  file=sys.stderr)  # fmt: skip
             return 2
         if before["commit"] != commit["commit"] or before["dirty"] != commit["dirty"]:
             print(f"world-model-2x2: {str(out)!r} was run at commit {before['commit']} (dirty "
@@ -374,8 +424,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         out.mkdir(parents=True, exist_ok=True)
-        meta.write_text(json.dumps({**commit, "seeds": args.seeds}, indent=1))
-    jobs = plan(out, args.seeds)
+        gated = None if args.gated_from is None else str(args.gated_from)
+        meta.write_text(json.dumps({**commit, "seeds": args.seeds, "gated_from": gated}, indent=1))
+    jobs = plan(out, args.seeds) if args.gated_from is None else gated_plan(
+        out, args.seeds, args.gated_from)  # fmt: skip
     print(f"world-model 2x2: seeds {args.seeds}, {len(jobs)} jobs, {args.jobs} at a time, "
           f"commit {commit['commit']} (dirty {commit['dirty']}); logs in {out}/*.log",
           flush=True)  # fmt: skip

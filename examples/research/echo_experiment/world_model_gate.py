@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from echo_experiment.world_model import run_stage
-from echo_experiment.world_model_2x2 import STAGE, code_commit
+from echo_experiment.world_model import StageConfig, run_stage
+from echo_experiment.world_model_2x2 import SHAM_WALKS, STAGE, code_commit
 from echo_experiment.world_model_report import WORLDS
 
-__all__ = ["BAR", "GATE_EVALS", "MAX_ROUNDS", "gate_met", "main"]
+__all__ = ["BAR", "GATE_EVALS", "MAX_ROUNDS", "gate_met", "main", "run_gated_stage", "stage_main"]
 
 BAR = math.log(2)
 GATE_EVALS = 3
@@ -52,6 +52,97 @@ def gate_met(curve: list[dict[str, Any]], *, bar: float = BAR, last: int = GATE_
     if len(curve) < last:
         return False
     return all(e["ce_walks_move"] < bar for e in curve[-last:])
+
+
+def run_gated_stage(
+    warm_dir: Path,
+    out: Path,
+    *,
+    world: int,
+    walks: str,
+    cfg: StageConfig,
+    seed: int,
+    first_round: Path | None = None,
+    rounds: int | None = None,
+    max_rounds: int = MAX_ROUNDS,
+) -> dict[str, Any]:
+    """The stage in rounds from the warm-start ``warm_dir`` into ``out``: with ``rounds`` None
+    (the world-model stage), rounds until `gate_met` on a round's curve or ``max_rounds``; with
+    ``rounds`` (its sham twin), exactly that many, so that the twin has the same steps and
+    tokens. Round 1 is ``first_round`` (a stage directory of the same world, walks and seed,
+    made before: read back, not run again) when given. Round ``k`` > 1 continues round
+    ``k − 1``'s model with the walks of stage steps ``(k − 1) · cfg.steps`` on, the KL kept to
+    the warm-start's replies. Writes ``out/round<k>/`` per round run here, ``out/stage.jsonl``
+    (every round's evaluations, ``round`` and cumulative ``tokens`` added), ``out/rounds.json``
+    (``rounds``, ``gate_met`` of the last round, ``first_round``) and, last, ``out/final-model``
+    (the last round's model). Returns ``rounds.json``'s content."""
+    import shutil
+
+    from echoloss.train.checkpoint import export_atomically
+
+    if rounds is not None and rounds < 1:
+        raise ValueError(f"run_gated_stage: rounds must be >= 1 or None (got {rounds})")
+    if max_rounds < 1:
+        raise ValueError(f"run_gated_stage: max_rounds must be >= 1 (got {max_rounds})")
+    out.mkdir(parents=True, exist_ok=True)
+    if first_round is not None:
+        rows = _read_stage(first_round / "stage.jsonl")
+        got = {r.get("walks") for r in rows}
+        if got != {walks}:
+            raise ValueError(f"run_gated_stage: first_round {str(first_round)!r} has walks "
+                             f"{sorted(map(str, got))}, not {walks!r}; pass that stage's own "
+                             "directory")  # fmt: skip
+        model = first_round / "final-model"
+    else:
+        rows = run_stage(warm_dir, out / "round1", world=world, walks=walks, cfg=cfg, seed=seed)
+        model = out / "round1" / "final-model"
+    merged = [{**r, "round": 1} for r in rows]
+    done, tokens = 1, rows[-1]["tokens"]
+    want = max_rounds if rounds is None else rounds
+    while done < want and (rounds is not None or not gate_met(rows)):
+        done += 1
+        rows = run_stage(model, out / f"round{done}", world=world, walks=walks, cfg=cfg,
+                         seed=seed, step_offset=(done - 1) * cfg.steps,
+                         teacher_dir=warm_dir)  # fmt: skip
+        merged += [{**r, "round": done, "tokens": tokens + r["tokens"]} for r in rows]
+        tokens += rows[-1]["tokens"]
+        model = out / f"round{done}" / "final-model"
+    summary = {"rounds": done, "gate_met": gate_met(rows), "first_round": (
+        None if first_round is None else str(first_round))}  # fmt: skip
+    (out / "stage.jsonl").write_text("".join(json.dumps(r) + "\n" for r in merged))
+    (out / "rounds.json").write_text(json.dumps(summary, indent=1))
+
+    def copy(d: Path) -> None:
+        shutil.copytree(model, d, dirs_exist_ok=True)
+
+    export_atomically(out / "final-model", copy)  # last: its presence means the stage is done
+    return summary
+
+
+def stage_main(argv: list[str] | None = None) -> int:
+    """``run_gated_stage`` from the command line (the 2×2 driver's gated stage jobs)."""
+    p = argparse.ArgumentParser(prog="world_model_gate stage")
+    p.add_argument("warm_dir", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--walks", choices=("world", SHAM_WALKS), required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--first-round", type=Path, default=None)
+    p.add_argument("--max-rounds", type=int, default=MAX_ROUNDS)
+    p.add_argument("--rounds-like", type=Path, default=None,
+                   help="a gated stage's directory: run as many rounds as it did (the sham)")  # fmt: skip
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    rounds = None
+    if args.rounds_like is not None:
+        rounds = int(json.loads((args.rounds_like / "rounds.json").read_text())["rounds"])
+    summary = run_gated_stage(args.warm_dir, args.out, world=args.world, walks=args.walks,
+                              cfg=STAGE, seed=args.seed, first_round=args.first_round,
+                              rounds=rounds, max_rounds=args.max_rounds)  # fmt: skip
+    print(json.dumps(summary), flush=True)
+    return 0
 
 
 def _curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
