@@ -870,3 +870,23 @@ def test_gated_from_must_name_a_run_and_a_resume_keeps_it(tmp_path: Path, capsys
     (first / "run.json").write_text("{}")
     assert main(["--output-dir", str(out), "--resume", "--gated-from", str(first)]) == 2
     assert "resume it as it was started" in capsys.readouterr().err
+
+
+def test_the_first_stages_are_the_first_runs_and_name_the_seeds_to_gate() -> None:
+    """``first-stages.json`` (the first run's stage curves) ends where each row's stage ended,
+    and its gate leaves out the seeds whose start missed the bar (and no other)."""
+    from echo_experiment.world_model_gate import gated_seeds
+
+    stages = json.loads((ROWS / "first-stages.json").read_text())
+    rows = _committed()
+    assert len(stages) == 24
+    for st in stages:
+        row = rows[(st["seed"], st["start"], "grpo")]
+        assert st["world"] == row["world"] == report.WORLDS[st["seed"]]
+        assert st["curve"][-1]["ce_walks_move"] == row["stage_move_ce_end"] == row["move_ce_start"]
+        assert st["curve"][-1]["step"] == row["stage_steps"] == 150
+    gated = gated_seeds(stages)
+    missed = [
+        s for s in range(12) if rows[(s, "world-model", "grpo")]["move_ce_start"] >= math.log(2)
+    ]
+    assert gated == missed == [5, 6, 7, 8, 11]

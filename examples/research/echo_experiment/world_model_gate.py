@@ -32,7 +32,18 @@ from echo_experiment.world_model import StageConfig, run_stage
 from echo_experiment.world_model_2x2 import SHAM_WALKS, STAGE, code_commit
 from echo_experiment.world_model_report import WORLDS
 
-__all__ = ["BAR", "GATE_EVALS", "MAX_ROUNDS", "gate_met", "main", "run_gated_stage", "stage_main"]
+__all__ = [
+    "BAR",
+    "GATE_EVALS",
+    "MAX_ROUNDS",
+    "first_stages",
+    "gate_met",
+    "gated_seeds",
+    "main",
+    "merged_rows",
+    "run_gated_stage",
+    "stage_main",
+]
 
 BAR = math.log(2)
 GATE_EVALS = 3
@@ -143,6 +154,49 @@ def stage_main(argv: list[str] | None = None) -> int:
                               rounds=rounds, max_rounds=args.max_rounds)  # fmt: skip
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def first_stages(run_dir: Path) -> list[dict[str, Any]]:
+    """The first run's stage curves (``run_dir``: its --output-dir), one row per seed and start:
+    ``seed``, ``start``, ``world``, ``curve`` (``step``, ``ce_walks_move``, ``tokens``)."""
+    out = []
+    for seed in range(len(WORLDS)):
+        for start in ("world-model", "sham"):
+            rows = _read_stage(run_dir / f"stage-{start}-seed{seed}" / "stage.jsonl")
+            curve = [{k: r[k] for k in ("step", "ce_walks_move", "tokens")} for r in rows]
+            out.append({"seed": seed, "start": start, "world": WORLDS[seed], "curve": curve})
+    return out
+
+
+def gated_seeds(stages: list[dict[str, Any]]) -> list[int]:
+    """The seeds whose first world-model stage did not meet the gate: the gated design reruns
+    them (in rounds); the others keep the first run's rows, which that design would repeat.
+
+    Examples:
+        >>> gated_seeds([{"seed": 0, "start": "world-model", "curve": [{"ce_walks_move": 0.3}] * 3},
+        ...              {"seed": 1, "start": "world-model", "curve": [{"ce_walks_move": 0.9}] * 3},
+        ...              {"seed": 1, "start": "sham", "curve": [{"ce_walks_move": 1.7}] * 3}])
+        [1]
+    """
+    return sorted(r["seed"] for r in stages
+                  if r["start"] == "world-model" and not gate_met(r["curve"]))  # fmt: skip
+
+
+def merged_rows(
+    first: list[dict[str, Any]], gated: list[dict[str, Any]], seeds: list[int]
+) -> list[dict[str, Any]]:
+    """The gated design's rows: the first run's for the seeds not in ``seeds`` (their first
+    round met the gate), the gated run's for ``seeds``; `world_model_report.verdict` reads them
+    with ``commits="seed"`` (each seed's four runs at one commit).
+
+    Examples:
+        >>> rows = merged_rows([{"seed": 0, "run": 1}, {"seed": 5, "run": 1}],
+        ...                    [{"seed": 5, "run": 2}, {"seed": 0, "run": 2}], [5])
+        >>> [(r["seed"], r["run"]) for r in rows]
+        [(0, 1), (5, 2)]
+    """
+    keep = [r for r in first if r["seed"] not in seeds]
+    return sorted([*keep, *(r for r in gated if r["seed"] in seeds)], key=lambda r: r["seed"])
 
 
 def _curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -91,10 +91,11 @@ def steps_to_80_or_censored(row: dict[str, Any]) -> int:
     return CENSORED_AT if reached is None else int(reached)
 
 
-def problems(rows: list[dict[str, Any]]) -> list[str]:
+def problems(rows: list[dict[str, Any]], *, commits: str = "run") -> list[str]:
     """Why ``rows`` are not the complete pre-registered run (empty when they are): a missing or
     repeated cell, a seed outside `SEEDS`, a world other than `WORLDS[seed]`, another λ, RL
-    length, more than one code commit, or a dirty tree.
+    length, more than one code commit (``commits="seed"``, the gated design: more than one
+    within a seed's four runs), or a dirty tree.
 
     Examples:
         >>> problems([])[0]
@@ -122,9 +123,15 @@ def problems(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"seed {s} {cell(r)}: {r.get('rl_steps')} RL steps, not {RL_STEPS}")
         if r.get("dirty") is not False:
             out.append(f"seed {s} {cell(r)}: not from a clean tree (dirty {r.get('dirty')})")
-    commits = sorted({str(r.get("commit")) for r in rows})
-    if len(commits) > 1:
-        out.append(f"rows from {len(commits)} code commits ({', '.join(commits)})")
+    if commits not in ("run", "seed"):
+        raise ValueError(f"problems: commits must be 'run' or 'seed' (got {commits!r})")
+    groups = [rows] if commits == "run" else [
+        [r for r in rows if r["seed"] == s] for s in sorted({r["seed"] for r in rows})]  # fmt: skip
+    for group in groups:
+        shas = sorted({str(r.get("commit")) for r in group})
+        if len(shas) > 1:
+            where = "" if commits == "run" else f"seed {group[0]['seed']}: "
+            out.append(f"{where}rows from {len(shas)} code commits ({', '.join(shas)})")
     return list(dict.fromkeys(out))
 
 
@@ -181,9 +188,10 @@ def _all(*parts: bool | None) -> bool | None:
     return None if any(p is None for p in parts) else True
 
 
-def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def verdict(rows: list[dict[str, Any]], *, commits: str = "run") -> dict[str, Any]:
     """The pre-registered verdict of ``rows`` (see the module docstring): ``verdict``
-    (``"support"``, ``"refutation"``, ``"undecided"``, or None when `problems` lists any), each
+    (``"support"``, ``"refutation"``, ``"undecided"``, or None when `problems` lists any;
+    ``commits`` as there), each
     criterion's part (``parts``: name -> bool, None without two paired seeds), the refutation's
     branch (``because``) and the support parts that do not hold (``failed``).
 
@@ -222,7 +230,7 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
         because = (
             "echo keeps the world model while GRPO loses it, and that does not pay (P2 < +3 points)"
         )
-    if problems(rows):
+    if problems(rows, commits=commits):
         decided = None
     elif not failed:
         decided = "support"
