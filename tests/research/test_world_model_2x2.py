@@ -890,3 +890,36 @@ def test_the_first_stages_are_the_first_runs_and_name_the_seeds_to_gate() -> Non
         s for s in range(12) if rows[(s, "world-model", "grpo")]["move_ce_start"] >= math.log(2)
     ]
     assert gated == missed == [5, 6, 7, 8, 11]
+
+
+def test_the_gated_designs_numbers_are_the_first_runs() -> None:
+    """The gated design's section: its seeds from the first stages, its expectations from the
+    first run's rows."""
+    from echo_experiment.stats import _t975
+    from echo_experiment.world_model_gate import gated_seeds
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "world-model-2x2.md").read_text()
+    text = " ".join(_section(page, "The gated design (pre-registered before its run)").split())
+    rows = _committed()
+    gated = gated_seeds(json.loads((ROWS / "first-stages.json").read_text()))
+    kept = [s for s in range(12) if s not in gated]
+    missed = sum(
+        rows[(s, "world-model", "grpo")]["move_ce_start"] >= math.log(2) for s in range(12)
+    )
+    assert f"left {missed} of the 12 starts above the bar" in text
+
+    def listed(seeds: list[int]) -> str:
+        return ", ".join(map(str, seeds[:-1])) + f" and {seeds[-1]}"
+
+    assert f"these are seeds {listed(kept)}." in text and f"Seeds **{listed(gated)}** run" in text
+    p1 = [100 * (rows[(s, "world-model", "grpo")]["eval_success_end"]
+                 - rows[(s, "sham", "grpo")]["eval_success_end"]) for s in range(12)]  # fmt: skip
+    sd = statistics.stdev(p1)
+    half = _t975(11) * sd / math.sqrt(12)
+    assert f"P1 ({sd:.1f} points over 12 seeds)" in text
+    assert f"about ±{half:.0f} points" in text
+    assert f"an observed P1 near −{half - 3:.0f} points or lower" in text
+    assert f"support one near +{half:.0f} or higher" in text
+    gap = statistics.fmean(rows[(s, "sham", "grpo")]["move_ce_start"]
+                           - rows[(s, "world-model", "grpo")]["move_ce_start"] for s in range(12))  # fmt: skip
+    assert round(gap) == 1 and "(about 1 nat)" in text
