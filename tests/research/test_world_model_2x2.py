@@ -895,6 +895,7 @@ def test_the_first_stages_are_the_first_runs_and_name_the_seeds_to_gate() -> Non
 def test_the_gated_designs_numbers_are_the_first_runs() -> None:
     """The gated design's section: its seeds from the first stages, its expectations from the
     first run's rows."""
+    from echo_experiment import world_model_gate as gate_mod
     from echo_experiment.stats import _t975
     from echo_experiment.world_model_gate import gated_seeds
 
@@ -923,3 +924,43 @@ def test_the_gated_designs_numbers_are_the_first_runs() -> None:
     gap = statistics.fmean(rows[(s, "sham", "grpo")]["move_ce_start"]
                            - rows[(s, "world-model", "grpo")]["move_ce_start"] for s in range(12))  # fmt: skip
     assert round(gap) == 1 and "(about 1 nat)" in text
+    # the pilot's extra seed: met the gate, by less than 0.05 nats at its worst evaluation
+    ten = next(st for st in json.loads((ROWS / "first-stages.json").read_text())
+               if st["seed"] == 10 and st["start"] == "world-model")  # fmt: skip
+    worst = max(e["ce_walks_move"] for e in ten["curve"][-3:])
+    assert 10 not in gated and math.log(2) - 0.05 < worst < math.log(2)
+    assert "(and seed 10, which met the gate narrowly)" in text
+    assert "the gate can be met within 4 rounds" in text and gate_mod.MAX_ROUNDS == 4
+
+
+def test_the_page_prints_the_gated_blocks_of_the_committed_rows() -> None:
+    """The gate pilot's and the gated design's blocks, as `gated_page_main` writes them from
+    the committed rows (the first run's for the seeds that met the gate, the gated run's)."""
+    from echo_experiment import world_model_gate as gate
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "world-model-2x2.md").read_text()
+    stages = json.loads((ROWS / "first-stages.json").read_text())
+    first = json.loads((ROWS / "results.json").read_text())
+    gated_path, pilot_path = ROWS / "gated" / "results.json", ROWS / "gate-pilot.json"
+    gated = json.loads(gated_path.read_text()) if gated_path.is_file() else []
+    pilot = json.loads(pilot_path.read_text()) if pilot_path.is_file() else []
+    rows = gate.merged_rows(first, gated, gate.gated_seeds(stages))
+    want = report._splice(page, gate.GATE_PILOT_MARKERS, gate.gate_pilot_markdown(pilot))
+    block = report.markdown(rows, commits="seed").replace("### Result:", "### Gated result:", 1)
+    assert report._splice(want, gate.GATED_RESULT_MARKERS, block) == page
+    assert {r["seed"] for r in gated} <= set(gate.gated_seeds(stages))
+    if len(rows) < 48:
+        assert "no verdict until complete" in block
+
+
+def test_a_seed_may_mix_no_commits_in_the_gated_design() -> None:
+    rows = [{"seed": s, "start": st, "arm": a, "commit": f"c{s}", "world": report.WORLDS[s],
+             "alpha": report.ALPHA if a == "echo" else 0.0, "rl_steps": report.RL_STEPS,
+             "dirty": False} for s in report.SEEDS for st in ("world-model", "sham")
+            for a in ("grpo", "echo")]  # fmt: skip
+    assert report.problems(rows, commits="seed") == []
+    assert "rows from 12 code commits" in report.problems(rows)[0]
+    rows[0]["commit"] = "other"
+    assert report.problems(rows, commits="seed") == ["seed 0: rows from 2 code commits (c0, other)"]
+    with pytest.raises(ValueError, match="commits must be 'run' or 'seed'"):
+        report.problems(rows, commits="all")

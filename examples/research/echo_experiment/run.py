@@ -32,6 +32,7 @@ seeds, each an ``echoloss-train`` run). The subcommands:
 ``world-model-stage`` one world-model (or sham) stage (`echo_experiment.world_model`)
 ``world-model-gate-pilot`` further stage rounds where the 2×2's stage missed the bar
                     (`echo_experiment.world_model_gate`)
+``world-model-gated-page`` the gate pilot's and the gated design's page blocks
 =================== =========================================================================
 
 Needs the trainer: ``pip install -e '.[train]'`` (or ``[dev]``).
@@ -56,6 +57,7 @@ SUBCOMMANDS = {
     "world-model-page": "echo_experiment.world_model_page",
     "world-model-stage": "echo_experiment.world_model",
     "world-model-gate-pilot": "echo_experiment.world_model_gate",
+    "world-model-gated-page": "echo_experiment.world_model_gate:gated_page_main",
 }
 
 
@@ -65,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:
-        module = importlib.import_module(SUBCOMMANDS[argv[0]])
+        name, _, entry = SUBCOMMANDS[argv[0]].partition(":")  # "module[:function]"
+        command = getattr(importlib.import_module(name), entry or "main")
         try:
-            return int(module.main(argv[1:]) or 0)
+            return int(command(argv[1:]) or 0)
         except FileNotFoundError as err:  # a model or rows path that is not there: one line
             print(f"{argv[0]}: {err}", file=sys.stderr)
             return 2

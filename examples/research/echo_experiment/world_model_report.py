@@ -349,20 +349,20 @@ def _contrast_lines(c: dict[str, dict[str, float]]) -> list[str]:
     ]
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], *, commits: str = "run") -> str:
     """The result block: how much of the run the rows cover, the per-cell table, the contrasts
     over the complete paired seeds, each part of the rule and the verdict, which reads **none**
-    until `problems` is empty. A pure function of the rows.
+    until `problems` is empty (``commits`` as there). A pure function of the rows.
 
     Examples:
         >>> markdown([]).splitlines()[0]
         '### Result: in progress, 0 of 48 runs'
     """
-    v = verdict(rows)
+    v = verdict(rows, commits=commits)
     seeds = _complete_seeds(rows)
     paired = [r for r in rows if r["seed"] in seeds]
     c = contrasts(paired)
-    issues = problems(rows)
+    issues = problems(rows, commits=commits)
     total = len(SEEDS) * len(CELLS)
     done = len({(r["seed"], cell(r)) for r in rows})
     if v["verdict"] is None:
@@ -386,7 +386,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     yes = {True: "yes", False: "no", None: "– (fewer than two paired seeds)"}
     # In progress, each part on the same complete seeds as the contrasts above it (the rule's own
     # parts pair whatever cells two seeds share); complete, the rule's parts as they decided.
-    shown = verdict(paired)["parts"] if v["verdict"] is None else v["parts"]
+    shown = verdict(paired, commits=commits)["parts"] if v["verdict"] is None else v["parts"]
     parts = [f"| {name} | {yes[ok]} |" for name, ok in shown.items()]
     walls = sorted(r["wall_s"] for r in rows if r.get("wall_s") is not None)
     timing = (
