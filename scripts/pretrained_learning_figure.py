@@ -45,7 +45,9 @@ def main() -> int:
     axes[0].set_ylabel("share of the 64 held-out questions")
     axes[1].legend(fontsize=7, loc="lower right")
     fig.suptitle(
-        "SmolLM2-135M-Instruct, configs/pretrained-learn.toml (pilot: no claim)", fontsize=9
+        "SmolLM2-135M-Instruct, configs/pretrained-learn.toml (in progress: no claim; the "
+        "page reads the rows by its pre-registered rule)",
+        fontsize=9,
     )
     fig.tight_layout()
     out = LEARNING / "curve.png"

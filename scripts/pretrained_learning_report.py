@@ -171,8 +171,10 @@ def markdown(rows: list[dict[str, Any]], *, last: int = LAST) -> str:
         d = learning(rows, arm, last=last)
         seeds = ", ".join(map(str, d["seeds"])) or "none"
         if d["reading"] is None:
-            lines.append(f"* **{arm}**: no reading yet: {len(d['seeds'])} of the {MIN_SEEDS} "
-                         f"seeds it needs have reached RL step {last} (seeds: {seeds}).")  # fmt: skip
+            n = len(d["seeds"])
+            lines.append(f"* **{arm}**: no reading yet: {n} of the {MIN_SEEDS} seeds it needs "
+                         f"{'has' if n == 1 else 'have'} reached RL step {last} (seeds: "
+                         f"{seeds}).")  # fmt: skip
             continue
         lines.append(
             f"* **{arm}** ({len(d['seeds'])} seeds: {seeds}): Δ from RL step 0 to {last}, "
@@ -181,8 +183,10 @@ def markdown(rows: list[dict[str, Any]], *, last: int = LAST) -> str:
         )
     e = echo_pilot(rows, last=last)
     if e[ECHO_KEYS[0]]["reading"] is None:
-        lines.append(f"* **echo − grpo** (the pilot): no reading yet: {len(e['seeds'])} of the "
-                     f"{MIN_SEEDS} paired seeds it needs have both arms at RL step {last}.")  # fmt: skip
+        n = len(e["seeds"])
+        lines.append(f"* **echo − grpo** (the pilot): no reading yet: {n} of the {MIN_SEEDS} "
+                     f"paired seeds it needs {'has' if n == 1 else 'have'} both arms at RL step "
+                     f"{last}.")  # fmt: skip
     else:
         seeds = ", ".join(map(str, e["seeds"]))
         lines.append(f"* **echo − grpo** at RL step {last} (the pilot; {len(e['seeds'])} paired "
