@@ -11,7 +11,8 @@ held-out questions, well-formed-call rate, held-out result CE and error CE) beco
 ``--results``, one per (seed, arm, RL step), rewritten atomically, each with the code commit.
 Run it again to go on: a finished run is skipped, an interrupted one resumes from its last
 checkpoint (every evaluation), and rows already there are kept. ``--jobs N`` trains N runs at
-once, each in its own process on the config's one thread (N = the machine's cores); the rows
+once, each in its own process on the config's one thread (N = the machine's cores, and
+about 12 GB of memory per run at its peak, measured on CPU); the rows
 file is updated under a lock (``<results>.lock``), so no run's rows overwrite another's. The protocol, and what counts
 as learning, is ``docs/pretrained.md``'s; run it from a frozen worktree
 (``git worktree add --detach DIR COMMIT``) so that the code under a running experiment does not
