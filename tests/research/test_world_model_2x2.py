@@ -945,7 +945,7 @@ def test_the_page_prints_the_gated_blocks_of_the_committed_rows() -> None:
     gated = json.loads(gated_path.read_text()) if gated_path.is_file() else []
     pilot = json.loads(pilot_path.read_text()) if pilot_path.is_file() else []
     rows = gate.merged_rows(first, gated, gate.gated_seeds(stages))
-    want = report._splice(page, gate.GATE_PILOT_MARKERS, gate.gate_pilot_markdown(pilot))
+    want = report._splice(page, gate.GATE_PILOT_MARKERS, gate.gate_pilot_markdown(pilot, first))
     block = report.markdown(rows, commits="seed").replace("### Result:", "### Gated result:", 1)
     assert report._splice(want, gate.GATED_RESULT_MARKERS, block) == page
     assert {r["seed"] for r in gated} <= set(gate.gated_seeds(stages))

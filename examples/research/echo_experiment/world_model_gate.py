@@ -279,16 +279,21 @@ GATED_RESULT_MARKERS = (
 )
 
 
-def gate_pilot_markdown(rows: list[dict[str, Any]]) -> str:
+def gate_pilot_markdown(
+    rows: list[dict[str, Any]], first: list[dict[str, Any]] | None = None
+) -> str:
     """Per seed of the gate pilot: each round's held-out move CE at its end, and whether and
-    at which round the gate was met. A pure function of the pilot's rows.
+    at which round the gate was met; with the first run's rows ``first``, the manipulation
+    check as the gated starts would give it if the gated run's stages repeat the pilot's rounds
+    (the pilot's last round for its seeds, the first run's start for the others). A pure
+    function of the rows.
 
     Examples:
         >>> gate_pilot_markdown([
         ...     {"seed": 5, "world": 15, "round": 1, "curve": [{"ce_walks_move": 1.061}],
         ...      "gate_met": False, "seconds": None},
         ...     {"seed": 5, "world": 15, "round": 2, "curve": [{"ce_walks_move": 0.287}],
-        ...      "gate_met": True, "seconds": 240.0}]).splitlines()[-1]
+        ...      "gate_met": True, "seconds": 240.0}]).splitlines()[4]
         '| 5 | 15 | 1.061 → 0.287 | met at round 2 |'
     """
     if not rows:
@@ -308,6 +313,22 @@ def gate_pilot_markdown(rows: list[dict[str, Any]]) -> str:
         when = next((r["round"] for r in mine if r["gate_met"]), None)
         gate = f"met at round {when}" if when else f"not met in {mine[-1]['round']} rounds"
         lines.append(f"| {s} | {mine[0]['world']} | {ces} | {gate} |")
+    lines += ["", "Round 1 is the first run's stage, read back; the later rounds ran at the commit "
+              "each row records."]  # fmt: skip
+    if first:
+        from echo_experiment.stats import paired_ci
+
+        last = {s: max((r for r in rows if r["seed"] == s), key=lambda r: r["round"])
+                for s in seeds}  # fmt: skip
+        starts = {r["seed"]: r["move_ce_start"] for r in first if r["start"] == "world-model"}
+        projected = [last[s]["curve"][-1]["ce_walks_move"] if s in last else ce
+                     for s, ce in sorted(starts.items())]  # fmt: skip
+        d = paired_ci(projected)
+        lines += ["", f"If the gated run's stages repeat these rounds (the same code path, "
+                  f"arguments and seeds, one CPU thread), its world-model starts' move CE over "
+                  f"the {len(projected)} seeds is {d['mean']:.3f} [{d['lo']:.3f}, {d['hi']:.3f}] "
+                  f"(the bar: the upper bound below log 2 = {BAR:.3f}): a projection, not a "
+                  "result."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -336,7 +357,7 @@ def gated_page_main(argv: list[str] | None = None) -> int:
     pilot = json.loads(pilot_path.read_text()) if pilot_path.is_file() else []
     rows = merged_rows(first, gated, gated_seeds(stages))
     page = args.docs / "world-model-2x2.md"
-    text = report._splice(page.read_text(), GATE_PILOT_MARKERS, gate_pilot_markdown(pilot))
+    text = report._splice(page.read_text(), GATE_PILOT_MARKERS, gate_pilot_markdown(pilot, first))
     block = report.markdown(rows, commits="seed").replace("### Result:", "### Gated result:", 1)
     page.write_text(report._splice(text, GATED_RESULT_MARKERS, block))
     v = report.verdict(rows, commits="seed")
