@@ -215,6 +215,9 @@ def _write(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The gate pilot (see the module docstring): for each of ``--seeds``, the first run's
+    first round read back, then further rounds until the gate or ``--max-rounds``; one row per
+    round in ``--rows``, rewritten after every round. Returns 0 (2 on bad arguments)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="the 2×2's --output-dir (its stages and warm-starts)")
     p.add_argument("out", type=Path, help="where the further rounds go")
