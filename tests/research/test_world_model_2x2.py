@@ -931,6 +931,10 @@ def test_the_gated_designs_numbers_are_the_first_runs() -> None:
     assert 10 not in gated and math.log(2) - 0.05 < worst < math.log(2)
     assert "(and seed 10, which met the gate narrowly)" in text
     assert "the gate can be met within 4 rounds" in text and gate_mod.MAX_ROUNDS == 4
+    assert (
+        f"Until its {4 * len(gated)} RL runs are done, the block below reads the {4 * len(kept)} rows"
+        in text
+    )
 
 
 def test_the_page_prints_the_gated_blocks_of_the_committed_rows() -> None:
