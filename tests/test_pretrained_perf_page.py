@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from pathlib import Path
 
 import pytest
@@ -192,19 +191,6 @@ def _finished_seeds(rows: list[dict], last: int = 30) -> dict[str, list[int]]:
         if r["rl_step"] == last:
             out.setdefault(r["arm"], []).append(r["seed"])
     return out
-
-
-def t_interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and 95 % t-interval (df = n − 1) of ``values``."""
-    t = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571}[len(values)]
-    mean = statistics.fmean(values)
-    half = t * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
-
-
-def test_t_interval_by_hand():
-    mean, _lo, hi = t_interval([0.1, 0.2, 0.3])
-    assert mean == pytest.approx(0.2) and hi - mean == pytest.approx(4.303 * 0.1 / math.sqrt(3))
 
 
 def test_the_evaluation_costs_are_the_committed_benchmark():
