@@ -885,6 +885,7 @@ def test_the_first_stages_are_the_first_runs_and_name_the_seeds_to_gate() -> Non
         assert st["world"] == row["world"] == report.WORLDS[st["seed"]]
         assert st["curve"][-1]["ce_walks_move"] == row["stage_move_ce_end"] == row["move_ce_start"]
         assert st["curve"][-1]["step"] == row["stage_steps"] == 150
+        assert (st["commit"], st["dirty"]) == (row["commit"], False)  # the stage's own job
     gated = gated_seeds(stages)
     missed = [
         s for s in range(12) if rows[(s, "world-model", "grpo")]["move_ce_start"] >= math.log(2)

@@ -158,13 +158,18 @@ def stage_main(argv: list[str] | None = None) -> int:
 
 def first_stages(run_dir: Path) -> list[dict[str, Any]]:
     """The first run's stage curves (``run_dir``: its --output-dir), one row per seed and start:
-    ``seed``, ``start``, ``world``, ``curve`` (``step``, ``ce_walks_move``, ``tokens``)."""
+    ``seed``, ``start``, ``world``, ``curve`` (``step``, ``ce_walks_move``, ``tokens``), and the
+    ``commit`` and ``dirty`` the stage job ran at."""
+    from echo_experiment.world_model_2x2 import job_commit
+
     out = []
     for seed in range(len(WORLDS)):
         for start in ("world-model", "sham"):
-            rows = _read_stage(run_dir / f"stage-{start}-seed{seed}" / "stage.jsonl")
+            name = f"stage-{start}-seed{seed}"
+            rows = _read_stage(run_dir / name / "stage.jsonl")
             curve = [{k: r[k] for k in ("step", "ce_walks_move", "tokens")} for r in rows]
-            out.append({"seed": seed, "start": start, "world": WORLDS[seed], "curve": curve})
+            out.append({"seed": seed, "start": start, "world": WORLDS[seed], "curve": curve,
+                        **job_commit(run_dir, name)})  # fmt: skip
     return out
 
 
