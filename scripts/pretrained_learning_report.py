@@ -17,6 +17,11 @@ when both intervals lie above 0, *gets worse* when either lies below 0; otherwis
 of ``result_ce``, ``error_ce``, ``valid_call_rate`` and ``eval_success``, each mean with its 95 %
 t interval. Echo *lowers* a CE when its interval lies below 0 (*raises* it when above), and
 *changes* validity or success when the interval excludes 0; otherwise no effect is shown.
+
+**The default of** ``echo.error_weight`` (``error_weight_default``), from the pilot's CE
+readings: 0 when echo lowers ``error_ce`` but not ``result_ce`` (what echo measurably teaches is
+the parser's wording alone, so it is left out by default); 1 otherwise (echo lowers the results'
+CE too, or lowers neither: nothing measured favours leaving the errors out).
 """
 
 from __future__ import annotations
@@ -151,6 +156,26 @@ def echo_pilot(rows: list[dict[str, Any]], *, last: int = LAST) -> dict[str, Any
     return out
 
 
+def error_weight_default(pilot: dict[str, Any]) -> float | None:
+    """The default of ``echo.error_weight`` that the pilot's readings (``echo_pilot``) give:
+    ``0.0`` when echo lowers ``error_ce`` but not ``result_ce``, ``1.0`` otherwise, ``None``
+    before the pilot has a reading.
+
+    Examples:
+        >>> error_weight_default({"result_ce": {"reading": "no effect shown"},
+        ...                       "error_ce": {"reading": "lowers"}})
+        0.0
+        >>> error_weight_default({"result_ce": {"reading": "lowers"}, "error_ce": {"reading": "lowers"}})
+        1.0
+        >>> error_weight_default({"result_ce": {"reading": None}, "error_ce": {"reading": None}}) is None
+        True
+    """
+    result, error = pilot["result_ce"]["reading"], pilot["error_ce"]["reading"]
+    if result is None or error is None:
+        return None
+    return 0.0 if error == "lowers" and result != "lowers" else 1.0
+
+
 def _ci(d: dict[str, float], digits: int = 3) -> str:
     return (f"{d['mean']:+.{digits}f} [{d['lo']:+.{digits}f}, {d['hi']:+.{digits}f}]"
             .replace("-", "−"))  # fmt: skip
@@ -193,6 +218,11 @@ def markdown(rows: list[dict[str, Any]], *, last: int = LAST) -> str:
                      f"seeds: {seeds}):")  # fmt: skip
         for key in ECHO_KEYS:
             lines.append(f"  {_NAMES[key]} {_ci(e[key])}: {e[key]['reading']}.")
+        weight = error_weight_default(e)
+        why = ("echo lowers the error CE but not the result CE" if weight == 0.0 else
+               "echo lowers the result CE too" if e["result_ce"]["reading"] == "lowers" else
+               "echo does not lower the error CE alone")  # fmt: skip
+        lines.append(f"* **`echo.error_weight`'s default** by the rule: **{weight:g}** ({why}).")
     return "\n".join(lines)
 
 

@@ -93,6 +93,38 @@ def test_the_echo_pilot_pairs_by_seed_and_reads_each_quantity() -> None:
     assert report.echo_pilot(grpo + echo[:-1])["error_ce"]["reading"] is None  # seed 2 cut
 
 
+def test_the_error_weight_default_follows_the_two_ce_readings() -> None:
+    deltas = {0: (0.1, 0.05), 1: (0.12, 0.06), 2: (0.08, 0.04)}
+    grpo = rows_of("grpo", deltas)
+    errors_only = [
+        {**r, "error_ce": r["error_ce"] - (0.5 + r["seed"] / 10) * (r["rl_step"] == 30)}
+        for r in rows_of("echo", deltas)
+    ]
+    assert report.error_weight_default(report.echo_pilot(grpo + errors_only)) == 0.0
+    assert "default** by the rule: **0** (echo lowers the error CE but not" in report.markdown(
+        grpo + errors_only
+    )
+    both = [{**r, "result_ce": r["result_ce"] - (0.2 + r["seed"] / 100) * (r["rl_step"] == 30)}
+            for r in errors_only]  # fmt: skip
+    assert report.error_weight_default(report.echo_pilot(grpo + both)) == 1.0
+    neither = rows_of("echo", deltas)
+    assert report.error_weight_default(report.echo_pilot(grpo + neither)) == 1.0
+    assert report.error_weight_default(report.echo_pilot(grpo + both[:-1])) is None
+
+
+def test_the_configs_error_weight_default_is_the_committed_pilots() -> None:
+    from echoloss.train.config import EchoSection
+
+    rows = json.loads((report.LEARNING / "results.json").read_text())
+    chosen = report.error_weight_default(report.echo_pilot(rows))
+    if chosen is None:
+        pytest.skip("the echo pilot has no reading yet (fewer than 3 paired seeds at RL step 30)")
+    assert EchoSection().error_weight == chosen, (
+        f"echo.error_weight defaults to {EchoSection().error_weight}, the committed pilot's rule "
+        f"gives {chosen}: set it in echoloss/train/config.py"
+    )
+
+
 def test_the_block_is_spliced_between_its_markers_only() -> None:
     begin, end = report.MARKERS
     page = f"a\n{begin}\nold\n{end}\nb\n"
