@@ -150,3 +150,41 @@ def test_the_scripts_examples_run() -> None:
 
     failed, tried = doctest.testmod(report, optionflags=doctest.ELLIPSIS)
     assert tried >= 4 and failed == 0
+
+
+def test_the_pages_result_prose_is_the_committed_rows() -> None:
+    """The numbers the result paragraph of docs/pretrained.md states, recomputed from the rows."""
+    rows = json.loads((report.LEARNING / "results.json").read_text())
+    page = report.PAGE.read_text()
+    if "**Result: complete, 6 of 6 runs" not in page:
+        pytest.skip("the page states no result yet")
+    at = {(r["arm"], r["seed"], r["rl_step"]): r for r in rows}
+    runs = sorted({(r["arm"], r["seed"]) for r in rows})
+    assert len(runs) == 6 and all((a, s, 30) in at for a, s in runs)
+    assert len({r["commit"] for r in rows}) == 1  # "all at one commit"
+    n = {r["eval_n"] for r in rows}
+    assert n == {64}
+    starts = {(at[(a, s, 0)]["eval_success"], at[(a, s, 0)]["valid_call_rate"]) for a, s in runs}
+    assert starts == {(31 / 64, 0.8125)}  # "from 31 of 64 (0.484)", "from 0.812"
+    solved = [round(at[(a, s, 30)]["eval_success"] * 64) for a, s in runs]
+    assert min(solved) == 52 and max(solved) == 64 and solved.count(52) == 4
+    assert all(at[(a, s, 30)]["valid_call_rate"] == 1.0 for a, s in runs)
+    dips = {(a, s): at[(a, s, 5)]["eval_success"] for a, s in runs
+            if at[(a, s, 5)]["eval_success"] < 31 / 64}  # fmt: skip
+    assert {k: round(v, 3) for k, v in dips.items()} == {
+        ("echo", 1): 0.328, ("echo", 2): 0.219, ("grpo", 2): 0.312
+    }
+    assert "(0.328 and 0.219), and so had GRPO's in seed 2 (0.312)" in page
+    assert all(at[(a, s, 15)]["eval_success"] > 31 / 64 for a, s in runs)  # recovered by 15
+    pilot = report.echo_pilot(rows)
+    assert pilot["result_ce"]["reading"] == pilot["error_ce"]["reading"] == "lowers"
+    assert pilot["error_ce"]["mean"] < pilot["result_ce"]["mean"]  # "far more than the results"
+    assert pilot["valid_call_rate"]["reading"] == pilot["eval_success"]["reading"] == (
+        "no effect shown"
+    )
+    half = (pilot["eval_success"]["hi"] - pilot["eval_success"]["lo"]) / 2
+    assert 0.25 < half < 0.35  # "spans about ±0.3"
+    for arm in ("grpo", "echo"):
+        d = report.learning(rows, arm)
+        assert d["reading"] == "learns"
+        assert d["valid_call_rate"]["lo"] == d["valid_call_rate"]["hi"] == pytest.approx(0.1875)
