@@ -172,15 +172,19 @@ def test_the_pages_result_prose_is_the_committed_rows() -> None:
     dips = {(a, s): at[(a, s, 5)]["eval_success"] for a, s in runs
             if at[(a, s, 5)]["eval_success"] < 31 / 64}  # fmt: skip
     assert {k: round(v, 3) for k, v in dips.items()} == {
-        ("echo", 1): 0.328, ("echo", 2): 0.219, ("grpo", 2): 0.312
+        ("echo", 1): 0.328,
+        ("echo", 2): 0.219,
+        ("grpo", 2): 0.312,
     }
     assert "(0.328 and 0.219), and so had GRPO's in seed 2 (0.312)" in page
     assert all(at[(a, s, 15)]["eval_success"] > 31 / 64 for a, s in runs)  # recovered by 15
     pilot = report.echo_pilot(rows)
     assert pilot["result_ce"]["reading"] == pilot["error_ce"]["reading"] == "lowers"
     assert pilot["error_ce"]["mean"] < pilot["result_ce"]["mean"]  # "far more than the results"
-    assert pilot["valid_call_rate"]["reading"] == pilot["eval_success"]["reading"] == (
-        "no effect shown"
+    assert (
+        pilot["valid_call_rate"]["reading"]
+        == pilot["eval_success"]["reading"]
+        == ("no effect shown")
     )
     half = (pilot["eval_success"]["hi"] - pilot["eval_success"]["lo"]) / 2
     assert 0.25 < half < 0.35  # "spans about ±0.3"
@@ -188,3 +192,23 @@ def test_the_pages_result_prose_is_the_committed_rows() -> None:
         d = report.learning(rows, arm)
         assert d["reading"] == "learns"
         assert d["valid_call_rate"]["lo"] == d["valid_call_rate"]["hi"] == pytest.approx(0.1875)
+
+
+def test_the_readme_and_changelog_quote_the_committed_rows() -> None:
+    rows = json.loads((report.LEARNING / "results.json").read_text())
+    if len(report.finished_seeds(rows, "echo")) < report.MIN_SEEDS:
+        pytest.skip("the curve is not complete")
+    solved = sorted(round(r["eval_success"] * 64) for r in rows if r["rl_step"] == 30)
+    readme = (report.ROOT / "README.md").read_text()
+    assert f"from 31 of 64 questions to {solved[0]}–{solved[-1]} in all six runs" in " ".join(
+        readme.split()
+    )
+    changelog = " ".join((report.ROOT / "CHANGELOG.md").read_text().split())
+    pilot = report.echo_pilot(rows)
+    for quoted in (
+        f"{report._ci(report.learning(rows, 'grpo')['eval_success'])} (GRPO)",
+        f"{report._ci(report.learning(rows, 'echo')['eval_success'])} (echo)",
+        f"({report._ci(pilot['result_ce'])} nats/token)",
+        f"error CE ({report._ci(pilot['error_ce'])})",
+    ):
+        assert quoted in changelog, quoted
