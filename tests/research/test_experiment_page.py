@@ -1222,6 +1222,23 @@ def test_the_world_model_2x2_summary_is_its_rows():
         f"Complete ({len(rows)} of {len(rows)} runs); by its rule **undecided**",
         f"below `log 2` at {met} of the {len(starts)} seeds, not over all of them",
     )
+    # the gated run: the first run's rows for the seeds that met the gate, its own for the rest
+    from echo_experiment import world_model_gate as gate
+    from echo_experiment import world_model_report as wm_report
+
+    folder = PAGE.parent / "experiment" / "world-model-2x2"
+    gated = json.loads((folder / "gated" / "results.json").read_text())
+    stages = json.loads((folder / "first-stages.json").read_text())
+    merged = gate.merged_rows(rows, gated, gate.gated_seeds(stages))
+    c = wm_report.contrasts(merged)
+    start = c["world-model grpo move_ce_start"]
+    p1, p2 = (wm_report._interval(c[k], 100, 1) for k in ("P1", "P2"))
+    assert wm_report.verdict(merged, commits="seed")["verdict"] == "undecided"
+    _says(
+        f"held ({start['mean']:.3f} [{start['lo']:.3f}, {start['hi']:.3f}] nats)",
+        "verdict is again undecided",
+        f"(P1 = {p1} points) nor keeping it (P2 = {p2})",
+    )
 
 
 def test_every_number_of_the_prose_is_recomputed_or_a_setting():
