@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LEARNING = ROOT / "docs" / "pretrained" / "learning"
@@ -18,7 +19,7 @@ COLOURS = {"grpo": "tab:blue", "echo": "tab:orange"}
 MARKERS = "osD^v"
 
 
-def _report():  # the rule's module, beside this script (scripts/ is not a package)
+def _report() -> Any:  # the rule's module, beside this script (scripts/ is not a package)
     spec = importlib.util.spec_from_file_location(
         "pretrained_learning_report", Path(__file__).with_name("pretrained_learning_report.py")
     )

@@ -342,7 +342,8 @@ def gate_pilot_markdown(
 
 def gated_page_main(argv: list[str] | None = None) -> int:
     """Write the gate pilot's block and the gated design's result block of
-    ``docs/world-model-2x2.md``: the gated run's rows (``RUN_DIR``'s) go to
+    ``docs/world-model-2x2.md`` (and, once all 48 rows are in, ``gated/contrasts.png`` and
+    ``gated/world_model.png`` of them): the gated run's rows (``RUN_DIR``'s) go to
     ``docs/experiment/world-model-2x2/gated/results.json`` and are merged with the first run's
     committed rows for the seeds the gate names (`gated_seeds` of ``first-stages.json``)."""
     from echo_experiment import world_model_report as report
@@ -368,6 +369,9 @@ def gated_page_main(argv: list[str] | None = None) -> int:
     text = report._splice(page.read_text(), GATE_PILOT_MARKERS, gate_pilot_markdown(pilot, first))
     block = report.markdown(rows, commits="seed").replace("### Result:", "### Gated result:", 1)
     page.write_text(report._splice(text, GATED_RESULT_MARKERS, block))
+    if len(rows) == len(report.SEEDS) * len(report.CELLS):  # complete: the figures of the rows
+        report.contrasts_figure(rows, gated_path.parent / "contrasts.png")
+        report.world_model_figure(rows, gated_path.parent / "world_model.png")
     v = report.verdict(rows, commits="seed")
     print(f"wrote the gated blocks of {page}: {len(gated)} gated rows; verdict {v['verdict']}")
     return 0

@@ -554,7 +554,7 @@ def _axes(title: str) -> tuple[Any, Any]:
 def _save(fig: Any, path: Any) -> Any:
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # long titles and labels stay whole
     plt.close(fig)
     return path
 
