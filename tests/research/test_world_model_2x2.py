@@ -685,6 +685,56 @@ def test_the_verdict_recomputed_from_the_rows_without_the_report_module() -> Non
     assert (round(wm_start[2], 3), round(p1[0], 1), round(p2[0], 1)) == (1.032, -0.2, -5.1)
 
 
+def test_the_gated_verdict_recomputed_without_the_report_or_gate_modules() -> None:
+    """The gated design's rule on its rows, by code of its own: the gated run's rows replace the
+    first run's for the seeds it ran (no `merged_rows`), one commit per seed, the same verdict
+    and the numbers the page prints."""
+    first = json.loads((ROWS / "results.json").read_text())
+    gated = json.loads((ROWS / "gated" / "results.json").read_text())
+    rerun = {r["seed"] for r in gated}
+    assert rerun == {5, 6, 7, 8, 11}
+    rows = {(r["seed"], r["start"], r["arm"]): r for r in first if r["seed"] not in rerun}
+    rows.update({(r["seed"], r["start"], r["arm"]): r for r in gated})
+    assert len(rows) == 48 and not any(r["dirty"] for r in rows.values())
+    for s in range(12):
+        assert len({rows[(s, st, a)]["commit"] for st in ("world-model", "sham")
+                    for a in ("grpo", "echo")}) == 1  # fmt: skip
+
+    def ci(x: list[float]) -> tuple[float, float, float]:
+        m = sum(x) / len(x)
+        h = T975[len(x) - 1] * statistics.stdev(x) / math.sqrt(len(x))
+        return m, m - h, m + h
+
+    def col(start: str, arm: str, key: str) -> list[float]:
+        return [rows[(s, start, arm)][key] for s in range(12)]
+
+    def diff(a: list[float], b: list[float], scale: float = 1.0) -> list[float]:
+        return [scale * (x - y) for x, y in zip(a, b, strict=True)]
+
+    end = "eval_success_end"
+    p1 = ci(diff(col("world-model", "grpo", end), col("sham", "grpo", end), 100))
+    p2 = ci(diff(col("world-model", "echo", end), col("world-model", "grpo", end), 100))
+    wm_start = ci(col("world-model", "grpo", "move_ce_start"))
+    sham_gap = ci(
+        diff(col("sham", "grpo", "move_ce_start"), col("world-model", "grpo", "move_ce_start"))
+    )
+    echo_end = ci(col("world-model", "echo", "move_ce_end"))
+    grpo_end = ci(col("world-model", "grpo", "move_ce_end"))
+    echo_gap = ci(
+        diff(col("world-model", "echo", "move_ce_end"), col("world-model", "grpo", "move_ce_end"))
+    )
+    log2 = math.log(2)
+    manipulation = wm_start[2] < log2 and sham_gap[1] > 0
+    support = manipulation and p1[1] > 0 and echo_end[0] < log2 and echo_gap[2] < 0 and p2[1] > 0
+    refuted = manipulation and (p1[2] < 3 or (echo_end[0] < log2 <= grpo_end[0] and p2[2] < 3))
+    assert manipulation and not support and not refuted  # undecided, the manipulation met
+    assert echo_end[2] < log2 and echo_gap[2] < 0  # what held: echo kept the world model
+    assert p1[1] < 0 and p2[1] < 0 and p1[2] > 3 and p2[2] > 3  # what failed, and why not refuted
+    assert [round(x, 3) for x in wm_start] == [0.357, 0.277, 0.437]
+    assert [round(x, 1) for x in p1] == [-2.5, -13.3, 8.3]
+    assert [round(x, 1) for x in p2] == [-0.7, -10.9, 9.4]
+
+
 # ------------------------------------------------------------------------------------------------
 # A further round of a stage
 
