@@ -636,15 +636,12 @@ def report_t975(df: int) -> float:
 T975 = {6: 2.446912, 11: 2.200985}
 
 
-def test_the_verdict_recomputed_from_the_rows_without_the_report_module() -> None:
-    """The written rule applied to the committed rows by code of its own (no `report`, no
-    `paired_ci`): the same intervals and the same verdict as the page."""
-    rows = _committed()
+def _rule_by_hand(
+    rows: dict[tuple[int, str, str], dict[str, Any]],
+) -> dict[str, Any]:
+    """The written rule on 48 rows keyed by (seed, start, arm), by code of its own (no `report`,
+    no `paired_ci`): the quantities it reads, each (mean, lo, hi), and the verdict."""
     seeds = list(range(12))
-    assert len(rows) == 48 and {r["commit"] for r in rows.values()} == {
-        rows[(0, "sham", "grpo")]["commit"]
-    }
-    assert not any(r["dirty"] for r in rows.values())
 
     def ci(x: list[float]) -> tuple[float, float, float]:
         m = sum(x) / len(x)
@@ -674,6 +671,22 @@ def test_the_verdict_recomputed_from_the_rows_without_the_report_module() -> Non
     support = manipulation and p1[1] > 0 and echo_end[0] < log2 and echo_gap[2] < 0 and p2[1] > 0
     refuted = manipulation and (p1[2] < 3 or (echo_end[0] < log2 <= grpo_end[0] and p2[2] < 3))
     verdict = "support" if support else "refutation" if refuted else "undecided"
+    return {"p1": p1, "p2": p2, "wm_start": wm_start, "echo_end": echo_end,
+            "echo_gap": echo_gap, "manipulation": manipulation, "support": support,
+            "refuted": refuted, "verdict": verdict}  # fmt: skip
+
+
+def test_the_verdict_recomputed_from_the_rows_without_the_report_module() -> None:
+    """The written rule applied to the committed rows by code of its own (no `report`, no
+    `paired_ci`): the same intervals and the same verdict as the page."""
+    rows = _committed()
+    assert len(rows) == 48 and {r["commit"] for r in rows.values()} == {
+        rows[(0, "sham", "grpo")]["commit"]
+    }
+    assert not any(r["dirty"] for r in rows.values())
+
+    q = _rule_by_hand(rows)
+    p1, p2, wm_start, verdict = q["p1"], q["p2"], q["wm_start"], q["verdict"]
     ours = report.verdict(list(rows.values()))
     assert verdict == ours["verdict"] == "undecided"
     assert set(ours["failed"]) == {"manipulation", "P1 > 0", "echo's end CE below log 2", "P2 > 0"}
@@ -700,35 +713,10 @@ def test_the_gated_verdict_recomputed_without_the_report_or_gate_modules() -> No
         assert len({rows[(s, st, a)]["commit"] for st in ("world-model", "sham")
                     for a in ("grpo", "echo")}) == 1  # fmt: skip
 
-    def ci(x: list[float]) -> tuple[float, float, float]:
-        m = sum(x) / len(x)
-        h = T975[len(x) - 1] * statistics.stdev(x) / math.sqrt(len(x))
-        return m, m - h, m + h
-
-    def col(start: str, arm: str, key: str) -> list[float]:
-        return [rows[(s, start, arm)][key] for s in range(12)]
-
-    def diff(a: list[float], b: list[float], scale: float = 1.0) -> list[float]:
-        return [scale * (x - y) for x, y in zip(a, b, strict=True)]
-
-    end = "eval_success_end"
-    p1 = ci(diff(col("world-model", "grpo", end), col("sham", "grpo", end), 100))
-    p2 = ci(diff(col("world-model", "echo", end), col("world-model", "grpo", end), 100))
-    wm_start = ci(col("world-model", "grpo", "move_ce_start"))
-    sham_gap = ci(
-        diff(col("sham", "grpo", "move_ce_start"), col("world-model", "grpo", "move_ce_start"))
-    )
-    echo_end = ci(col("world-model", "echo", "move_ce_end"))
-    grpo_end = ci(col("world-model", "grpo", "move_ce_end"))
-    echo_gap = ci(
-        diff(col("world-model", "echo", "move_ce_end"), col("world-model", "grpo", "move_ce_end"))
-    )
-    log2 = math.log(2)
-    manipulation = wm_start[2] < log2 and sham_gap[1] > 0
-    support = manipulation and p1[1] > 0 and echo_end[0] < log2 and echo_gap[2] < 0 and p2[1] > 0
-    refuted = manipulation and (p1[2] < 3 or (echo_end[0] < log2 <= grpo_end[0] and p2[2] < 3))
-    assert manipulation and not support and not refuted  # undecided, the manipulation met
-    assert echo_end[2] < log2 and echo_gap[2] < 0  # what held: echo kept the world model
+    q = _rule_by_hand(rows)
+    p1, p2, wm_start, log2 = q["p1"], q["p2"], q["wm_start"], math.log(2)
+    assert q["manipulation"] and not q["support"] and not q["refuted"]  # undecided, met
+    assert q["echo_end"][2] < log2 and q["echo_gap"][2] < 0  # echo kept the world model
     assert p1[1] < 0 and p2[1] < 0 and p1[2] > 3 and p2[2] > 3  # what failed, and why not refuted
     assert [round(x, 3) for x in wm_start] == [0.357, 0.277, 0.437]
     assert [round(x, 1) for x in p1] == [-2.5, -13.3, 8.3]
